@@ -1,0 +1,160 @@
+"""Admission stage: per-tenant token buckets decide admit or refuse, now.
+
+Ownership: :meth:`Admission.serve_admission` owns the receive end of the
+ingress channel and the send end of the admitted channel. A refused request is
+answered immediately (its slot resolved through the ledger); an admitted one
+is stamped with its arrival time and sequence number and passed on.
+
+Checks, in order (the first that fails answers):
+
+1. shutting down            -> 503 ``shutting_down`` with ``Retry-After``
+2. unknown tenant           -> 404 ``unknown_tenant``
+3. can never be admitted    -> 413 (cost above the tenant's burst, or above
+                               what one batch can hold — the batching policy says)
+4. queue full               -> 503 ``queue_full`` with ``Retry-After``
+5. bucket short of tokens   -> 429 ``rate_limited`` with ``Retry-After`` and
+                               the IETF ``RateLimit``/``RateLimit-Policy`` fields
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import attrs
+import trio
+
+from .clock import ModelClock
+from .config import TenantConfig
+from .models import InferenceRequest, Refusal
+
+if TYPE_CHECKING:
+    from .ledger import Ledger
+    from .policy import BatchingPolicy
+
+__all__ = ["Admission", "TokenBucket"]
+
+
+@attrs.define(eq=False)
+class TokenBucket:
+    """Seed 003's bucket: ``min(burst, tokens + elapsed * rate)``, taken whole or not at all."""
+
+    rate: float
+    burst: float
+    tokens: float
+    updated: float
+
+    @classmethod
+    def full(cls, tenant: TenantConfig, now: float) -> TokenBucket:
+        return cls(rate=tenant.rate, burst=float(tenant.burst), tokens=float(tenant.burst), updated=now)
+
+    def level(self, now: float) -> float:
+        """Tokens available at ``now`` (refills lazily; time never runs backwards)."""
+        if now > self.updated:
+            self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
+            self.updated = now
+        return self.tokens
+
+    def try_take(self, amount: float, now: float) -> bool:
+        if self.level(now) >= amount:
+            self.tokens -= amount
+            return True
+        return False
+
+    def give_back(self, amount: float, now: float) -> None:
+        """Refund tokens of a request that will never run (capped at ``burst``)."""
+        self.tokens = min(self.burst, self.level(now) + amount)
+
+    def seconds_until(self, amount: float, now: float) -> float:
+        """How long until ``amount`` tokens are available (0 if they are now)."""
+        return max(0.0, (amount - self.level(now)) / self.rate)
+
+
+def _retry_after(seconds: float) -> str:
+    return str(max(1, math.ceil(seconds)))
+
+
+@attrs.define(eq=False)
+class Admission:
+    """The admission stage and the tenants' buckets it owns."""
+
+    tenants: dict[str, TenantConfig]
+    batching: BatchingPolicy
+    ledger: Ledger
+    clock: ModelClock
+    max_queued: int
+    buckets: dict[str, TokenBucket] = attrs.field(init=False)
+    accepting: bool = True
+    _next_seq: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        now = self.clock.now()
+        self.buckets = {name: TokenBucket.full(t, now) for name, t in self.tenants.items()}
+
+    def rate_limit_headers(self, tenant_id: str) -> dict[str, str]:
+        """IETF RateLimit fields for the tenant's bucket as of now."""
+        bucket = self.buckets[tenant_id]
+        now = self.clock.now()
+        remaining = bucket.level(now)
+        window = bucket.burst / bucket.rate
+        return {
+            "RateLimit-Policy": f'"tokens";q={int(bucket.burst)};w={math.ceil(window)}',
+            "RateLimit": f'"tokens";r={int(remaining)};t={math.ceil(bucket.seconds_until(bucket.burst, now))}',
+        }
+
+    def decide(self, request: InferenceRequest) -> Refusal | None:
+        """Admit (stamp arrival and seq, take tokens; return None) or refuse."""
+        if not self.accepting:
+            return Refusal(503, "shutting_down", "apsd is shutting down and accepts no new requests",
+                           headers={"Retry-After": "5"})
+        tenant = self.tenants.get(request.tenant_id)
+        if tenant is None:
+            return Refusal(404, "unknown_tenant", f"no tenant named {request.tenant_id!r}", field="tenant_id")
+        cost = request.cost_tokens
+        if cost > tenant.burst:
+            return Refusal(413, "exceeds_tenant_burst",
+                           f"request costs {cost} tokens (prompt {request.prompt_tokens} + requested "
+                           f"{request.tokens_requested}) but tenant {request.tenant_id!r} can bank at most "
+                           f"{tenant.burst} (its burst); it could never be admitted")
+        never = self.batching.refuse_reason(request)
+        if never is not None:
+            return Refusal(413, "exceeds_batch_capacity", never)
+        if self.ledger.queued_total >= self.max_queued:
+            return Refusal(503, "queue_full",
+                           f"the queue holds its maximum of {self.max_queued} requests; retry later",
+                           headers={"Retry-After": "1"})
+        now = self.clock.now()
+        bucket = self.buckets[request.tenant_id]
+        if not bucket.try_take(cost, now):
+            wait = bucket.seconds_until(cost, now)
+            headers = {"Retry-After": _retry_after(wait), **self.rate_limit_headers(request.tenant_id)}
+            return Refusal(429, "rate_limited",
+                           f"tenant {request.tenant_id!r} has {int(bucket.tokens)} of the {cost} tokens this "
+                           f"request costs; enough accrue in {wait:.2f} s",
+                           headers=headers)
+        request.arrival = now
+        request.seq = self._next_seq
+        self._next_seq += 1
+        return None
+
+    def refund(self, request: InferenceRequest) -> None:
+        """Return an admitted request's tokens to its bucket (it will never run)."""
+        bucket = self.buckets.get(request.tenant_id)
+        if bucket is not None:
+            bucket.give_back(request.cost_tokens, self.clock.now())
+
+    async def serve_admission(
+        self,
+        ingress: trio.MemoryReceiveChannel[InferenceRequest],
+        admitted: trio.MemorySendChannel[InferenceRequest],
+    ) -> None:
+        """Decide every request from ``ingress``; forward admitted ones. Runs until cancelled
+        or ``ingress`` closes; closes ``admitted`` on the way out."""
+        async with ingress, admitted:
+            async for request in ingress:
+                refusal = self.decide(request)
+                if refusal is None:
+                    self.ledger.admit(request)
+                    await admitted.send(request)
+                else:
+                    self.ledger.refuse_unadmitted(request, refusal)

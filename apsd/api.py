@@ -1,0 +1,135 @@
+"""HTTP API (Quart-Trio): turns requests into pipeline submissions and outcomes into answers.
+
+Ownership: the app owns no tasks and no state of its own; it reads and submits
+through the :class:`~apsd.pipeline.Pipeline` it is given. Hypercorn, run by the
+daemon's nursery, serves it.
+
+Every error answer is JSON ``{"error": code, "message": text[, "field": name]}``;
+nothing a client sends produces a 500 or a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import attrs
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from .models import Completion, Refusal
+from .pipeline import Pipeline
+
+__all__ = ["create_app", "parse_infer_body"]
+
+log = logging.getLogger("apsd.http")
+
+MAX_TENANT_ID_CHARS = 256
+_INFER_FIELDS = {"tenant_id": str, "prompt": str, "tokens_requested": int, "priority_bid": int}
+
+
+class BodyError(Exception):
+    def __init__(self, status: int, error: str, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.refusal = Refusal(status, error, message, field=field)
+
+
+def parse_infer_body(raw: bytes) -> dict[str, Any]:
+    """Validate a ``POST /infer`` body; BodyError names the field and the rule."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise BodyError(400, "invalid_json", "the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise BodyError(400, "invalid_json", "the request body must be a JSON object")
+    unknown = sorted(set(data) - set(_INFER_FIELDS))
+    if unknown:
+        raise BodyError(422, "unknown_field", f"unknown field {unknown[0]!r} (fields: "
+                        f"{', '.join(_INFER_FIELDS)})", field=unknown[0])
+    for name, kind in _INFER_FIELDS.items():
+        if name not in data:
+            raise BodyError(422, "missing_field", f"{name} is required", field=name)
+        value = data[name]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            expected = "an integer" if kind is int else "a string"
+            raise BodyError(422, "invalid_field", f"{name} must be {expected}, got {json.dumps(value)[:40]}",
+                            field=name)
+    if not data["tenant_id"].strip() or len(data["tenant_id"]) > MAX_TENANT_ID_CHARS:
+        raise BodyError(422, "invalid_field", f"tenant_id must be 1-{MAX_TENANT_ID_CHARS} characters",
+                        field="tenant_id")
+    if data["tokens_requested"] < 1:
+        raise BodyError(422, "invalid_field",
+                        f"tokens_requested must be >= 1, got {data['tokens_requested']}", field="tokens_requested")
+    if not 1 <= data["priority_bid"] <= 10:
+        raise BodyError(422, "invalid_field",
+                        f"priority_bid must be 1-10, got {data['priority_bid']}", field="priority_bid")
+    return data
+
+
+def error_response(refusal: Refusal) -> Response:
+    body: dict[str, Any] = {"error": refusal.error, "message": refusal.message}
+    if refusal.field is not None:
+        body["field"] = refusal.field
+    return Response(json.dumps(body), status=refusal.status, headers=refusal.headers,
+                    content_type="application/json")
+
+
+def create_app(pipeline: Pipeline) -> QuartTrio:
+    """The API over ``pipeline``; the app is cheap, make one per pipeline."""
+    app = QuartTrio("apsd")
+    app.config["MAX_CONTENT_LENGTH"] = pipeline.config.server.max_body_bytes
+    app.config["JSON_SORT_KEYS"] = False
+
+    @app.post("/infer")
+    async def infer() -> Response:
+        if not pipeline.accepting:
+            return error_response(Refusal(503, "shutting_down", "apsd is shutting down",
+                                          headers={"Retry-After": "5"}))
+        try:
+            body = parse_infer_body(await request.get_data(cache=False))
+        except BodyError as exc:
+            return error_response(exc.refusal)
+        inference = pipeline.new_request(tenant_id=body["tenant_id"], prompt=body["prompt"],
+                                         tokens_requested=body["tokens_requested"],
+                                         priority_bid=body["priority_bid"])
+        refusal = pipeline.submit_nowait(inference)
+        outcome = refusal or await inference.reply.wait()
+        if isinstance(outcome, Completion):
+            headers = pipeline.admission.rate_limit_headers(outcome.tenant_id)
+            return Response(json.dumps(attrs.asdict(outcome)), status=200, headers=headers,
+                            content_type="application/json")
+        return error_response(outcome)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return pipeline.health()
+
+    @app.get("/metrics")
+    async def metrics() -> dict:
+        return pipeline.metrics()
+
+    @app.get("/tenants/<tenant_id>/status")
+    async def tenant_status(tenant_id: str) -> Any:
+        status = pipeline.tenant_status(tenant_id)
+        if status is None:
+            return error_response(Refusal(404, "unknown_tenant", f"no tenant named {tenant_id!r}"))
+        return status
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        code = exc.code or 500
+        names = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+        message = exc.description or exc.name
+        if code == 413:
+            message = f"request body exceeds {pipeline.config.server.max_body_bytes} bytes (server.max_body_bytes)"
+        return error_response(Refusal(code, names.get(code, exc.name.lower().replace(" ", "_")), message))
+
+    @app.errorhandler(Exception)
+    async def internal_error(exc: Exception) -> Response:
+        log.exception("internal error answering %s %s", request.method, request.path)
+        return error_response(Refusal(500, "internal_error", "internal error; see the daemon's log"))
+
+    return app
+

@@ -1,0 +1,74 @@
+"""The ``apsd`` command: ``apsd [--policy P] [--host H] [--port N] [CONFIG]``.
+
+Exit status: 0 after a clean shutdown, 2 for a bad config or command line
+(one message naming the file and the key, no traceback), 1 for a plugin that
+cannot load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from . import __version__
+from .config import ConfigError, load_config
+from .daemon import Daemon
+from .plugins import PluginError
+
+__all__ = ["main"]
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0-65535, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="apsd",
+        description="Multi-tenant inference scheduler daemon (Adaptive Priority Scheduling).",
+        epilog="Without CONFIG, apsd runs on its embedded defaults (the same as config/apsd.toml).",
+    )
+    parser.add_argument("config", nargs="?", metavar="CONFIG", help="TOML config file")
+    parser.add_argument("--policy", metavar="PRESET",
+                        help="policy preset: fifo, static, aps (default: [policy] preset, else aps)")
+    parser.add_argument("--host", help="listen address (overrides [server] host)")
+    parser.add_argument("--port", type=_port, help="listen port, 0 for any free port (overrides [server] port)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="log level (default INFO)")
+    parser.add_argument("--version", action="version", version=f"apsd {__version__}")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args.config).with_overrides(host=args.host, port=args.port)
+        daemon = Daemon.from_config(config, preset=args.policy)
+    except ConfigError as exc:
+        parser.exit(2, f"apsd: error: {exc}\n")
+    except PluginError as exc:
+        parser.exit(1, f"apsd: plugin error: {exc}\n")
+    try:
+        trio.run(daemon.run)
+    except KeyboardInterrupt:  # Ctrl-C before the signal watcher was listening
+        return 130
+    except OSError as exc:  # e.g. the address is already in use
+        parser.exit(1, f"apsd: error: cannot serve on {config.server.host}:{config.server.port}: {exc}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Configuration: the TOML file parsed once into frozen attrs values.
+
+Ownership: :func:`load_config` reads the file and is the only place raw TOML
+is trusted; everything downstream receives validated :class:`Config` objects.
+Errors are :class:`ConfigError` with one message naming the file and the key
+(``config/apsd.toml: tenants.tenant_a.rate: must be > 0, got -5``).
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "GpuConfig",
+    "PolicyConfig",
+    "QueueConfig",
+    "ServerConfig",
+    "TenantConfig",
+    "load_config",
+    "parse_section",
+]
+
+
+class ConfigError(Exception):
+    """A configuration problem; ``str()`` names the source and the key."""
+
+
+def positive(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+    if not value > 0 or (isinstance(value, float) and math.isinf(value)):
+        raise ValueError(f"must be a finite number > 0, got {value!r}")
+
+
+def non_negative(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+    if not value >= 0 or (isinstance(value, float) and math.isinf(value)):
+        raise ValueError(f"must be a finite number >= 0, got {value!r}")
+
+
+def port_number(_inst: object, attribute: attrs.Attribute, value: int) -> None:
+    if not 0 <= value <= 65535:
+        raise ValueError(f"must be a port number 0-65535, got {value!r}")
+
+
+def non_empty(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+    if not value.strip():
+        raise ValueError("must not be empty")
+
+
+@attrs.frozen
+class ServerConfig:
+    """Where the HTTP API listens and how it shuts down."""
+
+    host: str = attrs.field(default="127.0.0.1", validator=non_empty)
+    port: int = attrs.field(default=8002, validator=port_number)
+    #: Seconds queued and running requests get to finish after SIGTERM/SIGINT.
+    shutdown_grace_s: float = attrs.field(default=30.0, validator=non_negative)
+    #: Largest accepted request body; larger bodies get 413.
+    max_body_bytes: int = attrs.field(default=1_048_576, validator=positive)
+
+
+@attrs.frozen
+class TenantConfig:
+    """One tenant's token bucket: ``rate`` tokens/second, at most ``burst`` banked."""
+
+    rate: float = attrs.field(validator=positive)
+    burst: int = attrs.field(validator=positive)
+
+
+@attrs.frozen
+class QueueConfig:
+    """Backpressure: admitted-but-not-dispatched requests beyond this get 503."""
+
+    max_requests: int = attrs.field(default=10_000, validator=positive)
+    #: Requests waiting in the ingress channel for the admission task.
+    ingress_buffer: int = attrs.field(default=1_024, validator=positive)
+
+
+@attrs.frozen
+class AdmissionConfig:
+    """How a prompt's token count is estimated (there is no tokenizer)."""
+
+    chars_per_token: float = attrs.field(default=4.0, validator=positive)
+
+
+@attrs.frozen
+class GpuConfig:
+    """The simulated A100 (seed model); every constant is here."""
+
+    count: int = attrs.field(default=1, validator=positive)
+    prefill_tokens_per_s: float = attrs.field(default=1024.0, validator=positive)
+    #: Single-sequence decode speed; a batch of b decodes at
+    #: ``decode_tokens_per_s * (decode_batch_base + decode_batch_sqrt * sqrt(b))``.
+    decode_tokens_per_s: float = attrs.field(default=128.0, validator=positive)
+    decode_batch_base: float = attrs.field(default=0.4, validator=non_negative)
+    decode_batch_sqrt: float = attrs.field(default=0.6, validator=non_negative)
+    price_per_hour_usd: float = attrs.field(default=3.0, validator=non_negative)
+    #: Wall seconds per model second: 1.0 is real time, 0.01 runs 100x faster.
+    #: Every duration apsd reports is in model seconds, whatever this is.
+    time_scale: float = attrs.field(default=1.0, validator=positive)
+
+
+@attrs.frozen
+class PolicyConfig:
+    """Which policy of each kind runs, and each policy's own parameters.
+
+    ``preset`` (overridden by ``--policy``) fills in any kind left unset;
+    ``params`` maps a policy name to its table, e.g. ``[policy.aps]``.
+    """
+
+    preset: str = "aps"
+    aging: str | None = None
+    governor: str | None = None
+    batching: str | None = None
+    params: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+
+
+def _default_tenants() -> dict[str, TenantConfig]:
+    # The seeds' three tenants (seed 002, "Default tenants").
+    return {
+        "tenant_a": TenantConfig(rate=500.0, burst=5000),
+        "tenant_b": TenantConfig(rate=300.0, burst=3000),
+        "tenant_c": TenantConfig(rate=1000.0, burst=10000),
+    }
+
+
+@attrs.frozen
+class Config:
+    """The whole configuration; ``Config()`` is the embedded default."""
+
+    server: ServerConfig = ServerConfig()
+    policy: PolicyConfig = PolicyConfig()
+    queue: QueueConfig = QueueConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    gpu: GpuConfig = GpuConfig()
+    tenants: dict[str, TenantConfig] = attrs.field(factory=_default_tenants)
+    #: Where this config came from, for error messages ("<defaults>" if embedded).
+    source: str = attrs.field(default="<defaults>", metadata={"toml": False})
+
+    def with_overrides(self, **server: Any) -> Config:
+        """A copy with ``[server]`` keys replaced (``None`` values are ignored)."""
+        changes = {k: v for k, v in server.items() if v is not None}
+        return attrs.evolve(self, server=attrs.evolve(self.server, **changes))
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _check_value(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against annotation ``tp`` strictly; return the converted value."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _check_value(value, options[0], key)
+    if origin is dict:
+        _, value_type = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: must be a table, got {type(value).__name__}")
+        return {name: _check_value(v, value_type, f"{key}.{name}") for name, v in value.items()}
+    if tp is typing.Any:
+        return value
+    if attrs.has(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: must be a table, got {type(value).__name__}")
+        return parse_section(tp, value, key)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float) and isinstance(value, bool) or not isinstance(value, tp):
+        raise ConfigError(f"{key}: must be {_TYPE_NAMES.get(tp, tp)}, got {value!r}")
+    return value
+
+
+def parse_section(cls: type, table: dict[str, Any], prefix: str = "") -> Any:
+    """Build attrs class ``cls`` from a TOML table, naming ``prefix.key`` on error.
+
+    Unknown keys, wrong types (no silent coercion: ``"80"`` is not a port) and
+    values its validators refuse are all errors. Policies reuse this for their
+    own ``[policy.<name>]`` tables.
+    """
+    fields = {f.name: f for f in attrs.fields(attrs.resolve_types(cls)) if f.metadata.get("toml", True)}
+    dotted = f"{prefix}." if prefix else ""
+    unknown = sorted(set(table) - set(fields))
+    if unknown:
+        known = ", ".join(sorted(fields)) or "none"
+        raise ConfigError(f"{dotted}{unknown[0]}: unknown key (known keys: {known})")
+    kwargs = {}
+    for name, field in fields.items():
+        key = f"{dotted}{name}"
+        if name not in table:
+            if field.default is attrs.NOTHING:
+                raise ConfigError(f"{key}: required key is missing")
+            continue
+        value = _check_value(table[name], field.type, key)
+        if field.validator is not None:
+            try:
+                field.validator(None, field, value)
+            except ValueError as exc:
+                raise ConfigError(f"{key}: {exc}") from None
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _parse_policy(table: dict[str, Any]) -> PolicyConfig:
+    """``[policy]``: names are strings; sub-tables are per-policy parameters."""
+    names = {k: v for k, v in table.items() if not isinstance(v, dict)}
+    params = {k: v for k, v in table.items() if isinstance(v, dict)}
+    return attrs.evolve(parse_section(PolicyConfig, names, "policy"), params=params)
+
+
+def parse_config(data: dict[str, Any], source: str = "<string>") -> Config:
+    """Validate a TOML document's data into a :class:`Config`."""
+    try:
+        data = dict(data)
+        policy_table = data.pop("policy", {})
+        if not isinstance(policy_table, dict):
+            raise ConfigError("policy: must be a table")
+        policy = _parse_policy(policy_table)
+        tenants = data.pop("tenants", None)
+        config = parse_section(Config, data)
+        if tenants is not None:
+            parsed = _check_value(tenants, dict[str, TenantConfig], "tenants")
+            if not parsed:
+                raise ConfigError("tenants: at least one tenant is required")
+            config = attrs.evolve(config, tenants=parsed)
+        return attrs.evolve(config, policy=policy, source=source)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def load_config(path: str | Path | None) -> Config:
+    """Read and validate ``path``; ``None`` gives the embedded defaults."""
+    if path is None:
+        return Config()
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: TOML syntax error: {exc}") from None
+    return parse_config(data, str(path))

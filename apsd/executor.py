@@ -1,0 +1,101 @@
+"""Executor stage: a simulated GPU that runs batches (the seed's A100 model).
+
+Ownership: each :class:`SimulatedExecutor` owns a clone of the demand channel's
+send end and of the batch channel's receive end. It answers every request of a
+batch it received through the ledger (exactly once), records busy time and cost.
+
+The model (all constants in ``[gpu]``): prefill at ``prefill_tokens_per_s``
+over the batch's prompt tokens, then decode of the batch's requested tokens at
+``decode_tokens_per_s * (decode_batch_base + decode_batch_sqrt * sqrt(b))``
+tokens/s for a batch of ``b`` requests. Every request of a batch finishes when
+the batch does. The batch's cost, ``busy seconds * price_per_hour / 3600``, is
+split between its requests in proportion to their tokens (prompt + generated).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import trio
+
+from .clock import ModelClock
+from .config import GpuConfig
+from .ledger import Ledger
+from .models import Batch, Completion
+
+__all__ = ["GpuModel", "SimulatedExecutor"]
+
+
+@attrs.frozen
+class GpuModel:
+    """Pure timing and cost arithmetic of the simulated GPU."""
+
+    gpu: GpuConfig
+
+    def decode_tokens_per_s(self, batch_size: int) -> float:
+        g = self.gpu
+        return g.decode_tokens_per_s * (g.decode_batch_base + g.decode_batch_sqrt * math.sqrt(batch_size))
+
+    def prefill_s(self, batch: Batch) -> float:
+        return sum(r.prompt_tokens for r in batch.requests) / self.gpu.prefill_tokens_per_s
+
+    def decode_s(self, batch: Batch) -> float:
+        return sum(r.tokens_requested for r in batch.requests) / self.decode_tokens_per_s(len(batch.requests))
+
+    def cost_usd(self, busy_s: float) -> float:
+        return busy_s * self.gpu.price_per_hour_usd / 3600.0
+
+
+@attrs.define(eq=False)
+class SimulatedExecutor:
+    executor_id: int
+    model: GpuModel
+    ledger: Ledger
+    clock: ModelClock
+    busy: bool = False
+
+    async def serve_executor(
+        self,
+        demand: trio.MemorySendChannel[int],
+        batches: trio.MemoryReceiveChannel[Batch],
+    ) -> None:
+        """Ask for a batch, run it, repeat; ends when either channel closes."""
+        async with demand, batches:
+            while True:
+                try:
+                    await demand.send(self.executor_id)
+                    batch = await batches.receive()
+                except (trio.EndOfChannel, trio.BrokenResourceError):
+                    return
+                await self.run_batch(batch)
+
+    async def run_batch(self, batch: Batch) -> None:
+        prefill_s = self.model.prefill_s(batch)
+        decode_s = self.model.decode_s(batch)
+        busy_s = prefill_s + decode_s
+        self.busy = True
+        try:
+            await self.clock.sleep(busy_s)
+        finally:
+            self.busy = False
+        end = self.clock.now()
+        cost = self.model.cost_usd(busy_s)
+        self.ledger.batch_ran(busy_s, cost)
+        batch_tokens = sum(r.cost_tokens for r in batch.requests)
+        for request in batch.requests:
+            assert request.dispatched_at is not None and request.effective_priority is not None
+            self.ledger.finish(request, Completion(
+                request_id=request.request_id,
+                tenant_id=request.tenant_id,
+                prompt_tokens=request.prompt_tokens,
+                tokens_generated=request.tokens_requested,
+                queue_ms=(request.dispatched_at - request.arrival) * 1000.0,
+                prefill_ms=prefill_s * 1000.0,
+                decode_ms=decode_s * 1000.0,
+                latency_ms=(end - request.arrival) * 1000.0,
+                batch_id=batch.batch_id,
+                batch_size=len(batch.requests),
+                effective_priority=request.effective_priority,
+                cost_usd=cost * request.cost_tokens / batch_tokens if batch_tokens else 0.0,
+            ))

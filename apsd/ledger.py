@@ -1,0 +1,188 @@
+"""The books: every request's outcome, counted once, and the figures derived from them.
+
+Ownership: the ledger is the only code that resolves a request's reply slot
+(:meth:`Ledger.finish`, :meth:`Ledger.refuse_unadmitted`), so counting and
+answering cannot drift apart. It keeps, per tenant and overall::
+
+    admitted == completed + failed + cancelled + queued + running
+
+at every moment (``conservation_ok`` in :meth:`Ledger.snapshot`).
+
+Fairness: Jain's index ``(sum x)^2 / (n * sum x^2)`` where ``x_i`` is the
+output tokens served to tenant ``i`` divided by its configured rate (its
+entitled share), over the tenants that had at least one request admitted.
+1.0 means every active tenant got service in proportion to its rate; 1/n
+means one tenant got everything.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Mapping
+
+import attrs
+import numpy as np
+import trio
+
+from .models import Batch, Completion, InferenceRequest, Outcome, Refusal
+
+__all__ = ["Ledger", "TenantStats", "jain_index"]
+
+
+def jain_index(values: Iterable[float]) -> float | None:
+    """Jain's fairness index of ``values`` (None when there is nothing to compare)."""
+    x = np.asarray(list(values), dtype=float)
+    if x.size == 0 or not np.any(x):
+        return None
+    return float(x.sum() ** 2 / (x.size * np.square(x).sum()))
+
+
+@attrs.define
+class TenantStats:
+    """Counters for one tenant (all monotonic except ``queued`` and ``running``)."""
+
+    admitted: int = 0
+    rejected: int = 0
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    queued: int = 0
+    running: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cost_usd: float = 0.0
+    rejected_by_error: collections.Counter[str] = attrs.field(factory=collections.Counter)
+
+    @property
+    def in_flight(self) -> int:
+        return self.queued + self.running
+
+
+_WAIT_SAMPLES = 10_000  # recent queue waits kept for percentiles
+
+
+@attrs.define(eq=False)
+class Ledger:
+    """Counts, outstanding requests, GPU busy time and cost."""
+
+    tenants: dict[str, TenantStats] = attrs.field(factory=lambda: collections.defaultdict(TenantStats))
+    outstanding: dict[str, InferenceRequest] = attrs.field(factory=dict)
+    batches: int = 0
+    gpu_busy_s: float = 0.0
+    cost_usd: float = 0.0
+    queue_waits_s: collections.deque[float] = attrs.field(factory=lambda: collections.deque(maxlen=_WAIT_SAMPLES))
+    _idle: trio.Event = attrs.field(factory=trio.Event)
+
+    def __attrs_post_init__(self) -> None:
+        self._idle.set()
+
+    # -- events -----------------------------------------------------------------------
+    def refuse_unadmitted(self, request: InferenceRequest, refusal: Refusal) -> None:
+        """Answer a request that admission turned away (it was never in flight)."""
+        if request.reply.resolve(refusal):
+            stats = self.tenants[request.tenant_id]
+            stats.rejected += 1
+            stats.rejected_by_error[refusal.error] += 1
+
+    def admit(self, request: InferenceRequest) -> None:
+        stats = self.tenants[request.tenant_id]
+        stats.admitted += 1
+        stats.queued += 1
+        if not self.outstanding:
+            self._idle = trio.Event()
+        self.outstanding[request.request_id] = request
+
+    def dispatched(self, batch: Batch) -> None:
+        for request in batch.requests:
+            stats = self.tenants[request.tenant_id]
+            stats.queued -= 1
+            stats.running += 1
+            assert request.dispatched_at is not None
+            self.queue_waits_s.append(request.dispatched_at - request.arrival)
+
+    def batch_ran(self, busy_s: float, cost_usd: float) -> None:
+        self.batches += 1
+        self.gpu_busy_s += busy_s
+        self.cost_usd += cost_usd
+
+    def finish(self, request: InferenceRequest, outcome: Outcome) -> bool:
+        """Deliver an admitted request's terminal outcome; False if it already had one."""
+        if not request.reply.resolve(outcome):
+            return False
+        stats = self.tenants[request.tenant_id]
+        if request.dispatched_at is None:
+            stats.queued -= 1
+        else:
+            stats.running -= 1
+        if isinstance(outcome, Completion):
+            stats.completed += 1
+            stats.prompt_tokens += outcome.prompt_tokens
+            stats.generated_tokens += outcome.tokens_generated
+            stats.cost_usd += outcome.cost_usd
+        elif outcome.kind == "failed":
+            stats.failed += 1
+        else:
+            stats.cancelled += 1
+        del self.outstanding[request.request_id]
+        if not self.outstanding:
+            self._idle.set()
+        return True
+
+    async def wait_idle(self) -> None:
+        """Return once no admitted request is queued or running."""
+        while self.outstanding:
+            await self._idle.wait()
+
+    # -- figures ----------------------------------------------------------------------
+    @property
+    def queued_total(self) -> int:
+        return sum(s.queued for s in self.tenants.values())
+
+    def fairness(self, rates: Mapping[str, float]) -> float | None:
+        """Jain's index over rate-normalised output tokens of tenants with admitted work."""
+        return jain_index(
+            s.generated_tokens / rates[name]
+            for name, s in self.tenants.items()
+            if s.admitted and name in rates
+        )
+
+    def snapshot(self, elapsed_s: float, gpus: int, rates: Mapping[str, float]) -> dict:
+        """The JSON-ready figures behind ``GET /metrics`` (model time)."""
+        totals = TenantStats()
+        for s in self.tenants.values():
+            for name in ("admitted", "rejected", "completed", "failed", "cancelled", "queued",
+                         "running", "prompt_tokens", "generated_tokens"):
+                setattr(totals, name, getattr(totals, name) + getattr(s, name))
+        generated = totals.generated_tokens
+        waits = np.asarray(self.queue_waits_s, dtype=float)
+        percentiles = (
+            dict(zip(("p50", "p95", "p99"), (float(v) * 1000 for v in np.percentile(waits, [50, 95, 99]))))
+            if waits.size else {"p50": None, "p95": None, "p99": None}
+        )
+        return {
+            "requests": {
+                "admitted": totals.admitted,
+                "rejected": totals.rejected,
+                "completed": totals.completed,
+                "failed": totals.failed,
+                "cancelled": totals.cancelled,
+                "queued": totals.queued,
+                "running": totals.running,
+                "in_flight": totals.in_flight,
+                "conservation_ok": totals.admitted
+                == totals.completed + totals.failed + totals.cancelled + totals.in_flight,
+            },
+            "tokens": {"prompt": totals.prompt_tokens, "generated": generated},
+            "batches": self.batches,
+            "elapsed_s": elapsed_s,
+            "throughput_tokens_per_s": generated / elapsed_s if elapsed_s > 0 else 0.0,
+            "gpu_utilization": self.gpu_busy_s / (gpus * elapsed_s) if elapsed_s > 0 else 0.0,
+            "cost_usd": self.cost_usd,
+            "cost_per_1m_tokens_usd": self.cost_usd / generated * 1e6 if generated else None,
+            "queue_wait_ms": percentiles,
+            "fairness": {
+                "jain_index": self.fairness(rates),
+                "definition": "Jain's index (sum x)^2/(n*sum x^2); x_i = output tokens served to tenant i "
+                "divided by its configured rate, over tenants with at least one admitted request",
+            },
+        }

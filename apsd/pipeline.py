@@ -1,0 +1,196 @@
+"""The pipeline: admission -> scheduler -> executors, wired with trio memory channels.
+
+Ownership: a :class:`Pipeline` owns its stages and every channel between them,
+but not a nursery: :meth:`Pipeline.start_stages` starts the long-lived tasks in
+the caller's nursery (the daemon's, or the simulator's), so one nursery owns
+every task. The HTTP layer and the simulator talk to it only through
+:meth:`submit_nowait` and the read-only views (:meth:`metrics`,
+:meth:`tenant_status`, :meth:`health`).
+
+Channels (buffer sizes are deliberate)::
+
+    ingress   queue.ingress_buffer   submitters never block: a full ingress is a 503
+    admitted  0                      admission hands over straight to the scheduler's intake
+    demand    gpu.count              each executor has at most one outstanding ask
+    batches   0                      executors pull: a batch is cut only when one is idle
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+
+import attrs
+import trio
+
+from .admission import Admission
+from .clock import ModelClock
+from .config import Config
+from .executor import GpuModel, SimulatedExecutor
+from .ledger import Ledger
+from .models import Batch, InferenceRequest, Refusal
+from .policy import PolicySet
+from .scheduler import Scheduler
+
+__all__ = ["Pipeline"]
+
+
+@attrs.define(eq=False)
+class Pipeline:
+    config: Config
+    policies: PolicySet
+    clock: ModelClock
+    ledger: Ledger
+    admission: Admission
+    scheduler: Scheduler
+    executors: list[SimulatedExecutor]
+    request_id_prefix: str
+    _ingress_send: trio.MemorySendChannel[InferenceRequest]
+    _ingress_receive: trio.MemoryReceiveChannel[InferenceRequest]
+    _next_request: int = 0
+
+    @classmethod
+    def build(cls, config: Config, policies: PolicySet, *, request_id_prefix: str | None = None) -> Pipeline:
+        """Assemble a pipeline (call inside ``trio.run``: the clock starts now)."""
+        clock = ModelClock(time_scale=config.gpu.time_scale)
+        ledger = Ledger()
+        admission = Admission(tenants=dict(config.tenants), batching=policies.batching, ledger=ledger,
+                              clock=clock, max_queued=config.queue.max_requests)
+        scheduler = Scheduler(policies=policies, ledger=ledger, clock=clock)
+        model = GpuModel(config.gpu)
+        executors = [SimulatedExecutor(i, model, ledger, clock) for i in range(config.gpu.count)]
+        send, receive = trio.open_memory_channel[InferenceRequest](config.queue.ingress_buffer)
+        return cls(config=config, policies=policies, clock=clock, ledger=ledger, admission=admission,
+                   scheduler=scheduler, executors=executors,
+                   request_id_prefix=request_id_prefix if request_id_prefix is not None else secrets.token_hex(4),
+                   ingress_send=send, ingress_receive=receive)
+
+    def start_stages(self, nursery: trio.Nursery) -> None:
+        """Start admission, the scheduler's two loops and every executor in ``nursery``."""
+        admitted_send, admitted_receive = trio.open_memory_channel[InferenceRequest](0)
+        demand_send, demand_receive = trio.open_memory_channel[int](len(self.executors))
+        batch_send, batch_receive = trio.open_memory_channel[Batch](0)
+        nursery.start_soon(self.admission.serve_admission, self._ingress_receive.clone(), admitted_send)
+        nursery.start_soon(self.scheduler.serve_intake, admitted_receive)
+        nursery.start_soon(self.scheduler.serve_dispatch, demand_receive, batch_send)
+        with demand_send, batch_receive:
+            for executor in self.executors:
+                nursery.start_soon(executor.serve_executor, demand_send.clone(), batch_receive.clone())
+
+    # -- the way in ------------------------------------------------------------------------
+    def estimate_prompt_tokens(self, prompt: str) -> int:
+        """Prompt tokens, estimated as ``ceil(characters / admission.chars_per_token)``."""
+        return math.ceil(len(prompt) / self.config.admission.chars_per_token)
+
+    def new_request(self, *, tenant_id: str, prompt: str, tokens_requested: int, priority_bid: int,
+                    prompt_tokens: int | None = None) -> InferenceRequest:
+        self._next_request += 1
+        return InferenceRequest(
+            request_id=f"{self.request_id_prefix}-{self._next_request}",
+            tenant_id=tenant_id,
+            prompt_tokens=self.estimate_prompt_tokens(prompt) if prompt_tokens is None else prompt_tokens,
+            tokens_requested=tokens_requested,
+            priority_bid=priority_bid,
+            prompt=prompt,
+        )
+
+    @property
+    def accepting(self) -> bool:
+        return self.admission.accepting
+
+    def submit_nowait(self, request: InferenceRequest) -> Refusal | None:
+        """Hand ``request`` to admission; a Refusal if it cannot even be taken in.
+
+        Otherwise the request's reply slot will be resolved exactly once.
+        """
+        if not self.accepting:
+            return Refusal(503, "shutting_down", "apsd is shutting down and accepts no new requests",
+                           headers={"Retry-After": "5"})
+        try:
+            self._ingress_send.send_nowait(request)
+        except trio.WouldBlock:
+            return Refusal(503, "ingress_full", "admission is behind; retry shortly",
+                           headers={"Retry-After": "1"})
+        return None
+
+    # -- the way out -----------------------------------------------------------------------
+    def close_doors(self) -> None:
+        """Stop admitting: from now on every new request is answered 503."""
+        self.admission.accepting = False
+
+    async def drain(self, grace_s: float) -> bool:
+        """Let queued and running requests finish for up to ``grace_s`` wall seconds.
+
+        Returns True if everything finished in time.
+        """
+        with trio.move_on_after(grace_s):
+            await self.ledger.wait_idle()
+            return True
+        return False
+
+    def abort_outstanding(self) -> int:
+        """Answer every unfinished request with 503 (refunding its tokens); returns how many."""
+        while True:  # requests still in the ingress buffer were never admitted
+            try:
+                request = self._ingress_receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            self.ledger.refuse_unadmitted(request, Refusal(
+                503, "shutting_down", "apsd is shutting down", headers={"Retry-After": "5"}))
+        aborted = 0
+        for request in list(self.ledger.outstanding.values()):
+            self.admission.refund(request)
+            aborted += self.ledger.finish(request, Refusal(
+                503, "shutting_down", "apsd shut down before this request could finish",
+                kind="cancelled", headers={"Retry-After": "5"}))
+        return aborted
+
+    # -- read-only views -----------------------------------------------------------------
+    def governor_view(self) -> dict:
+        reading = self.scheduler.governor_reading()
+        return {"state": reading.state, "entropy_bits": reading.entropy_bits,
+                "window_ms": reading.window_s * 1000.0}
+
+    def health(self) -> dict:
+        return {
+            "status": "ok" if self.accepting else "draining",
+            "policy": self.policies.names,
+            "queue_depth": self.scheduler.queue_depth,
+            "governor": self.governor_view(),
+        }
+
+    def metrics(self) -> dict:
+        rates = {name: t.rate for name, t in self.config.tenants.items()}
+        snapshot = self.ledger.snapshot(self.clock.now(), len(self.executors), rates)
+        snapshot.update(
+            policy=self.policies.names,
+            queue_depth=self.scheduler.queue_depth,
+            gpus=len(self.executors),
+            time_scale=self.clock.time_scale,
+            governor=self.governor_view(),
+        )
+        return snapshot
+
+    def tenant_status(self, tenant_id: str) -> dict | None:
+        tenant = self.config.tenants.get(tenant_id)
+        if tenant is None:
+            return None
+        stats = self.ledger.tenants[tenant_id]
+        return {
+            "tenant_id": tenant_id,
+            "rate": tenant.rate,
+            "burst": tenant.burst,
+            "tokens_available": self.admission.buckets[tenant_id].level(self.clock.now()),
+            "queued": stats.queued,
+            "running": stats.running,
+            "in_flight": stats.in_flight,
+            "admitted": stats.admitted,
+            "completed": stats.completed,
+            "rejected": stats.rejected,
+            "rejected_by_error": dict(stats.rejected_by_error),
+            "failed": stats.failed,
+            "cancelled": stats.cancelled,
+            "prompt_tokens": stats.prompt_tokens,
+            "generated_tokens": stats.generated_tokens,
+            "cost_usd": stats.cost_usd,
+        }

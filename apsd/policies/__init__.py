@@ -1,0 +1,1 @@
+"""Built-in policies, each module a plugin registered like any third-party one."""

@@ -1,0 +1,111 @@
+"""Built-in governors (batch window): ``fixed`` and ``entropy``.
+
+``entropy`` is the seeds' formula: the Shannon entropy ``H = -sum p log2 p`` of
+the last ``history`` inter-arrival gaps binned at ``bin_ms``, and the window
+``w = base_window * exp(-H / temperature)``. State: ``STABLE`` below
+``stable_below_bits``, ``CRITICAL_BURST`` above ``burst_above_bits``,
+``TRANSITIONAL`` between. ``H`` is bounded by ``log2(history)``; a burst of
+simultaneous arrivals has ``H = 0``. Whether it helps is for the simulator to say.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ..config import Config, non_negative, parse_section, positive
+from ..hookspecs import hookimpl
+from ..policy import GovernorReading
+
+__all__ = ["EntropyGovernor", "FixedGovernor", "shannon_entropy_bits"]
+
+
+def shannon_entropy_bits(gaps_s: Any, bin_s: float) -> float:
+    """Entropy in bits of ``gaps_s`` binned at ``bin_s`` (0.0 for fewer than two gaps)."""
+    gaps = np.asarray(gaps_s, dtype=float)
+    if gaps.size < 2:
+        return 0.0
+    _, counts = np.unique(np.floor(gaps / bin_s).astype(np.int64), return_counts=True)
+    p = counts / gaps.size
+    return float(-(p * np.log2(p)).sum()) + 0.0  # + 0.0 turns -0.0 into 0.0
+
+
+@attrs.frozen
+class FixedParams:
+    window_ms: float = attrs.field(default=10.0, validator=non_negative)
+
+
+class FixedGovernor:
+    """The same window always."""
+
+    def __init__(self, window_s: float) -> None:
+        self._reading = GovernorReading(window_s=window_s, state="FIXED")
+
+    def observe_arrival(self, now: float) -> None:
+        pass
+
+    def reading(self, now: float) -> GovernorReading:
+        return self._reading
+
+
+@attrs.frozen
+class EntropyParams:
+    base_window_ms: float = attrs.field(default=10.0, validator=non_negative)
+    history: int = attrs.field(default=50, validator=positive)
+    bin_ms: float = attrs.field(default=1.0, validator=positive)
+    temperature: float = attrs.field(default=5.0, validator=positive)
+    stable_below_bits: float = attrs.field(default=1.5, validator=non_negative)
+    burst_above_bits: float = attrs.field(default=2.5, validator=non_negative)
+
+
+class EntropyGovernor:
+    """The seed's entropy feedback; entropy is recomputed only when read after new arrivals."""
+
+    def __init__(self, params: EntropyParams) -> None:
+        self.params = params
+        self._gaps: collections.deque[float] = collections.deque(maxlen=params.history)
+        self._last_arrival: float | None = None
+        self._cached: GovernorReading | None = None
+
+    def observe_arrival(self, now: float) -> None:
+        if self._last_arrival is not None:
+            self._gaps.append(now - self._last_arrival)
+        self._last_arrival = now
+        self._cached = None
+
+    def reading(self, now: float) -> GovernorReading:
+        if self._cached is None:
+            p = self.params
+            h = shannon_entropy_bits(self._gaps, p.bin_ms / 1000.0)
+            if h < p.stable_below_bits:
+                state = "STABLE"
+            elif h > p.burst_above_bits:
+                state = "CRITICAL_BURST"
+            else:
+                state = "TRANSITIONAL"
+            window = p.base_window_ms / 1000.0 * math.exp(-h / p.temperature)
+            self._cached = GovernorReading(window_s=window, state=state, entropy_bits=h)
+        return self._cached
+
+
+def _fixed(params: dict[str, Any], config: Config) -> FixedGovernor:
+    return FixedGovernor(parse_section(FixedParams, params, "policy.fixed").window_ms / 1000.0)
+
+
+def _entropy(params: dict[str, Any], config: Config) -> EntropyGovernor:
+    parsed = parse_section(EntropyParams, params, "policy.entropy")
+    if parsed.burst_above_bits < parsed.stable_below_bits:
+        from ..config import ConfigError
+
+        raise ConfigError("policy.entropy.burst_above_bits: must be >= stable_below_bits")
+    return EntropyGovernor(parsed)
+
+
+@hookimpl
+def register_policies(registry: Any) -> None:
+    registry.governor("fixed", _fixed, "constant batch window [window_ms]")
+    registry.governor("entropy", _entropy, "seed formula w = base*exp(-H/T) on inter-arrival entropy")

@@ -1,0 +1,196 @@
+"""What a policy is: the three kinds the scheduler calls, and the registry that names them.
+
+Ownership: the scheduler owns one object of each kind for the daemon's life and
+calls it directly on the hot path (no pluggy call per heap operation). Policies
+are synchronous and pure apart from their own state; they never do I/O and never
+read a clock: the scheduler passes ``now`` (model seconds) in.
+
+* **aging** — an :class:`OrderingPolicy` *is* the waiting queue: it decides
+  which admitted request is served next.
+* **governor** — a :class:`Governor` watches arrivals and sets the batch window.
+* **batching** — a :class:`BatchingPolicy` decides when a batch is full and cuts
+  it from the queue.
+
+Factories receive the policy's own ``[policy.<name>]`` table (already a dict)
+and the whole :class:`~apsd.config.Config`; they raise
+:class:`~apsd.config.ConfigError` (use :func:`apsd.config.parse_section`) for a
+bad parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+import attrs
+
+from .config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from .models import InferenceRequest
+
+__all__ = [
+    "BatchingPolicy",
+    "GovernorReading",
+    "Governor",
+    "OrderingPolicy",
+    "PolicyKind",
+    "PolicyRegistry",
+    "PolicySet",
+    "POLICY_KINDS",
+]
+
+PolicyKind = Literal["aging", "governor", "batching"]
+POLICY_KINDS: tuple[PolicyKind, ...] = ("aging", "governor", "batching")
+
+
+@runtime_checkable
+class OrderingPolicy(Protocol):
+    """The waiting queue, in the order the policy wants requests served."""
+
+    def push(self, request: InferenceRequest, now: float) -> None:
+        """Add an admitted request (its ``arrival`` and ``seq`` are set)."""
+
+    def peek(self, now: float) -> InferenceRequest:
+        """The request :meth:`pop` would return at ``now``; IndexError if empty."""
+
+    def pop(self, now: float) -> InferenceRequest:
+        """Remove and return the request to serve next; IndexError if empty."""
+
+    def effective_priority(self, request: InferenceRequest, now: float) -> float:
+        """The priority reported for ``request`` at ``now`` (higher is served sooner)."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[InferenceRequest]:
+        """Every queued request, in no particular order."""
+
+
+@attrs.frozen
+class GovernorReading:
+    """What a governor reports: entropy in bits (if it measures it), window, state."""
+
+    window_s: float
+    state: str
+    entropy_bits: float | None = None
+
+
+@runtime_checkable
+class Governor(Protocol):
+    def observe_arrival(self, now: float) -> None:
+        """Called once per admitted request, in arrival order."""
+
+    def reading(self, now: float) -> GovernorReading:
+        """The current window and state; called once per batch and by ``/health``."""
+
+
+@runtime_checkable
+class BatchingPolicy(Protocol):
+    def refuse_reason(self, request: InferenceRequest) -> str | None:
+        """Why ``request`` could never be in any batch (admission answers 413), else None."""
+
+    def is_full(self, queue: OrderingPolicy, now: float) -> bool:
+        """True when waiting longer cannot make the next batch bigger."""
+
+    def cut(self, queue: OrderingPolicy, now: float) -> list[InferenceRequest]:
+        """Pop the next batch from ``queue`` (non-empty when the queue is)."""
+
+
+PolicyFactory = Callable[[dict[str, Any], Config], Any]
+
+
+@attrs.frozen
+class PolicyEntry:
+    kind: PolicyKind
+    name: str
+    factory: PolicyFactory
+    summary: str
+    plugin: str
+
+
+@attrs.frozen
+class Preset:
+    name: str
+    aging: str
+    governor: str
+    batching: str
+    plugin: str
+
+
+@attrs.frozen
+class PolicySet:
+    """The three policy objects a pipeline runs with, and their names."""
+
+    aging: OrderingPolicy
+    governor: Governor
+    batching: BatchingPolicy
+    names: dict[str, str]
+
+
+@attrs.define(eq=False)
+class PolicyRegistry:
+    """Named policy factories and presets, filled by the ``register_policies`` hook."""
+
+    entries: dict[tuple[str, str], PolicyEntry] = attrs.field(factory=dict)
+    presets: dict[str, Preset] = attrs.field(factory=dict)
+    current_plugin: str = "?"
+
+    def _add(self, kind: PolicyKind, name: str, factory: PolicyFactory, summary: str) -> None:
+        key = (kind, name)
+        if key in self.entries:
+            other = self.entries[key].plugin
+            raise ValueError(f"{kind} policy {name!r} is registered twice ({other} and {self.current_plugin})")
+        self.entries[key] = PolicyEntry(kind, name, factory, summary, self.current_plugin)
+
+    def aging(self, name: str, factory: PolicyFactory, summary: str = "") -> None:
+        """Register an :class:`OrderingPolicy` factory under ``name``."""
+        self._add("aging", name, factory, summary)
+
+    def governor(self, name: str, factory: PolicyFactory, summary: str = "") -> None:
+        """Register a :class:`Governor` factory under ``name``."""
+        self._add("governor", name, factory, summary)
+
+    def batching(self, name: str, factory: PolicyFactory, summary: str = "") -> None:
+        """Register a :class:`BatchingPolicy` factory under ``name``."""
+        self._add("batching", name, factory, summary)
+
+    def preset(self, name: str, *, aging: str, governor: str, batching: str) -> None:
+        """Register a preset: a name for ``--policy`` that picks one policy of each kind."""
+        if name in self.presets:
+            raise ValueError(f"preset {name!r} is registered twice")
+        self.presets[name] = Preset(name, aging, governor, batching, self.current_plugin)
+
+    def names(self, kind: PolicyKind) -> list[str]:
+        return sorted(name for (k, name) in self.entries if k == kind)
+
+    def build(self, config: Config, preset: str | None = None) -> PolicySet:
+        """Instantiate the policies ``config`` asks for; ``preset`` overrides ``[policy] preset``.
+
+        Raises ConfigError naming the unknown preset, policy or parameter table.
+        """
+        source = config.source
+        chosen_preset = preset or config.policy.preset
+        if chosen_preset not in self.presets:
+            raise ConfigError(f"{source}: policy preset {chosen_preset!r} is unknown "
+                              f"(available: {', '.join(sorted(self.presets))})")
+        base = self.presets[chosen_preset]
+        names: dict[str, str] = {}
+        for kind in POLICY_KINDS:
+            names[kind] = getattr(config.policy, kind) or getattr(base, kind)
+            if (kind, names[kind]) not in self.entries:
+                raise ConfigError(f"{source}: policy.{kind}: unknown {kind} policy {names[kind]!r} "
+                                  f"(available: {', '.join(self.names(kind))})")
+        known = {name for (_, name) in self.entries}
+        for table in config.policy.params:
+            if table not in known:
+                raise ConfigError(f"{source}: policy.{table}: no policy of that name has parameters "
+                                  f"(policies: {', '.join(sorted(known))})")
+        built = {}
+        for kind in POLICY_KINDS:
+            entry = self.entries[(kind, names[kind])]
+            try:
+                built[kind] = entry.factory(dict(config.policy.params.get(entry.name, {})), config)
+            except ConfigError as exc:
+                raise ConfigError(f"{source}: {exc}") from None
+        return PolicySet(aging=built["aging"], governor=built["governor"], batching=built["batching"],
+                         names={"preset": chosen_preset, **names})
