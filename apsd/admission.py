@@ -14,6 +14,9 @@ Checks, in order (the first that fails answers):
 4. queue full               -> 503 ``queue_full`` with ``Retry-After``
 5. bucket short of tokens   -> 429 ``rate_limited`` with ``Retry-After`` and
                                the IETF ``RateLimit``/``RateLimit-Policy`` fields
+
+Buckets fill in model time (so ``gpu.time_scale`` speeds tenants up with the
+GPU); the seconds in headers are wall seconds, what a real client must wait.
 """
 
 from __future__ import annotations
@@ -92,14 +95,15 @@ class Admission:
         self.buckets = {name: TokenBucket.full(t, now) for name, t in self.tenants.items()}
 
     def rate_limit_headers(self, tenant_id: str) -> dict[str, str]:
-        """IETF RateLimit fields for the tenant's bucket as of now."""
+        """IETF RateLimit fields for the tenant's bucket as of now (seconds are wall seconds)."""
         bucket = self.buckets[tenant_id]
         now = self.clock.now()
         remaining = bucket.level(now)
-        window = bucket.burst / bucket.rate
+        window = self.clock.wall_seconds(bucket.burst / bucket.rate)
+        until_full = self.clock.wall_seconds(bucket.seconds_until(bucket.burst, now))
         return {
             "RateLimit-Policy": f'"tokens";q={int(bucket.burst)};w={math.ceil(window)}',
-            "RateLimit": f'"tokens";r={int(remaining)};t={math.ceil(bucket.seconds_until(bucket.burst, now))}',
+            "RateLimit": f'"tokens";r={int(remaining)};t={math.ceil(until_full)}',
         }
 
     def decide(self, request: InferenceRequest) -> Refusal | None:
@@ -127,7 +131,8 @@ class Admission:
         bucket = self.buckets[request.tenant_id]
         if not bucket.try_take(cost, now):
             wait = bucket.seconds_until(cost, now)
-            headers = {"Retry-After": _retry_after(wait), **self.rate_limit_headers(request.tenant_id)}
+            headers = {"Retry-After": _retry_after(self.clock.wall_seconds(wait)),
+                       **self.rate_limit_headers(request.tenant_id)}
             return Refusal(429, "rate_limited",
                            f"tenant {request.tenant_id!r} has {int(bucket.tokens)} of the {cost} tokens this "
                            f"request costs; enough accrue in {wait:.2f} s",

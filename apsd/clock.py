@@ -23,12 +23,24 @@ class ModelClock:
     def now(self) -> float:
         return (trio.current_time() - self.origin) / self.time_scale
 
+    def wall_seconds(self, model_seconds: float) -> float:
+        """How long ``model_seconds`` last on the wall (for Retry-After and friends)."""
+        return model_seconds * self.time_scale
+
     async def sleep(self, seconds: float) -> None:
         await trio.sleep(max(0.0, seconds) * self.time_scale)
 
     def deadline(self, model_time: float) -> float:
         """The trio deadline (for cancel scopes) at which ``model_time`` is reached."""
         return self.origin + model_time * self.time_scale
+
+    def reached(self, model_time: float) -> bool:
+        """Whether ``model_time`` has come, judged on the trio clock like :meth:`sleep_until`.
+
+        Comparing :meth:`now` with ``model_time`` instead can disagree by a rounding
+        error with the deadline a sleep woke at, and a loop would spin.
+        """
+        return trio.current_time() >= self.deadline(model_time)
 
     async def sleep_until(self, model_time: float) -> None:
         await trio.sleep_until(self.deadline(model_time))

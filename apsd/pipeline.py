@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import attrs
 import trio
@@ -32,7 +34,7 @@ from .models import Batch, InferenceRequest, Refusal
 from .policy import PolicySet
 from .scheduler import Scheduler
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "open_pipeline"]
 
 
 @attrs.define(eq=False)
@@ -194,3 +196,22 @@ class Pipeline:
             "generated_tokens": stats.generated_tokens,
             "cost_usd": stats.cost_usd,
         }
+
+
+@asynccontextmanager
+async def open_pipeline(config: Config, policies: PolicySet, *,
+                        request_id_prefix: str = "sim") -> AsyncIterator[Pipeline]:
+    """A running pipeline without HTTP, for the simulator and tests; stopped on exit.
+
+    Under ``trio.testing.MockClock(autojump_threshold=0)`` it runs in virtual time.
+    Requests still unfinished on exit are answered 503 before the stages stop.
+    """
+    async with trio.open_nursery() as nursery:
+        pipeline = Pipeline.build(config, policies, request_id_prefix=request_id_prefix)
+        pipeline.start_stages(nursery)
+        try:
+            yield pipeline
+        finally:
+            pipeline.close_doors()
+            pipeline.abort_outstanding()
+            nursery.cancel_scope.cancel()

@@ -85,7 +85,7 @@ class Scheduler:
             reading = self.policies.governor.reading(now)
             assert self._backlog_since is not None
             cut_at = self._backlog_since + reading.window_s
-            if now >= cut_at or self.policies.batching.is_full(queue, now):
+            if self.clock.reached(cut_at) or self.policies.batching.is_full(queue, now):
                 return self._cut(now, reading)
             with trio.move_on_at(self.clock.deadline(cut_at)):
                 await self._changed.wait()

@@ -29,7 +29,10 @@ def shannon_entropy_bits(gaps_s: Any, bin_s: float) -> float:
     gaps = np.asarray(gaps_s, dtype=float)
     if gaps.size < 2:
         return 0.0
-    _, counts = np.unique(np.floor(gaps / bin_s).astype(np.int64), return_counts=True)
+    # The tolerance keeps a gap that is a whole number of bins (5 ms, computed as a
+    # difference of float timestamps) in its own bin rather than the one below.
+    bins = np.floor(gaps / bin_s + 1e-9).astype(np.int64)
+    _, counts = np.unique(bins, return_counts=True)
     p = counts / gaps.size
     return float(-(p * np.log2(p)).sum()) + 0.0  # + 0.0 turns -0.0 into 0.0
 

@@ -1,0 +1,101 @@
+"""Token buckets and admission decisions, in virtual time."""
+
+import trio
+
+from apsd.admission import Admission, TokenBucket
+from apsd.clock import ModelClock
+from apsd.config import TenantConfig
+from apsd.ledger import Ledger
+from apsd.models import InferenceRequest
+from apsd.policies.batching import MicroBatching, MicroParams
+
+
+def test_bucket_arithmetic():
+    bucket = TokenBucket.full(TenantConfig(rate=500.0, burst=5000), now=0.0)
+    assert bucket.try_take(4000, 0.0)
+    assert bucket.level(0.0) == 1000
+    assert not bucket.try_take(1001, 0.0)          # all or nothing
+    assert bucket.level(0.0) == 1000
+    assert bucket.seconds_until(2000, 0.0) == 2.0  # (2000 - 1000) / 500
+    assert bucket.level(1.0) == 1500               # refills at rate...
+    assert bucket.level(100.0) == 5000             # ...up to the burst cap
+    assert bucket.level(50.0) == 5000              # time never runs backwards
+    bucket.give_back(10_000, 100.0)
+    assert bucket.level(100.0) == 5000             # refunds are capped too
+
+
+def request(tenant="t", prompt=10, tokens=90, bid=5, n=[0]):
+    n[0] += 1
+    return InferenceRequest(f"r{n[0]}", tenant, prompt, tokens, bid)
+
+
+def make_admission(clock, max_queued=100):
+    return Admission(tenants={"t": TenantConfig(rate=100.0, burst=1000)},
+                     batching=MicroBatching(MicroParams(max_batch_size=16, kv_cap_tokens=800)),
+                     ledger=Ledger(), clock=clock, max_queued=max_queued)
+
+
+async def test_bucket_refills_in_virtual_time(autojump_clock):
+    clock = ModelClock(time_scale=1.0)
+    admission = make_admission(clock)
+    for _ in range(10):  # 10 x 100 tokens drains the 1000-token burst
+        assert admission.decide(request()) is None
+    refusal = admission.decide(request())
+    assert refusal.status == 429
+    assert refusal.headers["Retry-After"] == "1"  # 100 tokens at 100/s
+    assert refusal.headers["RateLimit"] == '"tokens";r=0;t=10'
+    assert refusal.headers["RateLimit-Policy"] == '"tokens";q=1000;w=10'
+    await trio.sleep(0.999)
+    assert admission.decide(request()).status == 429
+    await trio.sleep(0.001)
+    assert admission.decide(request()) is None
+
+
+async def test_admitted_requests_are_stamped_in_order(autojump_clock):
+    clock = ModelClock(time_scale=1.0)
+    admission = make_admission(clock)
+    first, second = request(), request()
+    await trio.sleep(2.5)
+    assert admission.decide(first) is None
+    await trio.sleep(1.0)
+    assert admission.decide(second) is None
+    assert (first.arrival, second.arrival) == (2.5, 3.5)
+    assert second.seq == first.seq + 1
+
+
+async def test_retry_after_is_in_wall_seconds(autojump_clock):
+    clock = ModelClock(time_scale=0.1)  # a model second lasts 0.1 wall seconds
+    admission = make_admission(clock)
+    assert admission.decide(request(prompt=0, tokens=800)) is None
+    refusal = admission.decide(request(prompt=0, tokens=800))
+    # 600 missing tokens at 100/s = 6 model s = 0.6 wall s -> rounded up to 1
+    assert refusal.headers["Retry-After"] == "1"
+    assert refusal.headers["RateLimit-Policy"] == '"tokens";q=1000;w=1'
+
+
+async def test_refusal_order(autojump_clock):
+    clock = ModelClock()
+    admission = make_admission(clock, max_queued=1)
+    assert admission.decide(request(tenant="nobody")).status == 404
+    too_big = admission.decide(request(prompt=500, tokens=600))
+    assert (too_big.status, too_big.error) == (413, "exceeds_tenant_burst")
+    assert "1100 tokens" in too_big.message and "burst" in too_big.message
+    over_kv = admission.decide(request(prompt=500, tokens=400))
+    assert (over_kv.status, over_kv.error) == (413, "exceeds_batch_capacity")
+    assert "kv_cap_tokens" in over_kv.message
+    admitted = request()
+    assert admission.decide(admitted) is None
+    admission.ledger.admit(admitted)
+    full = admission.decide(request())
+    assert (full.status, full.error, full.headers["Retry-After"]) == (503, "queue_full", "1")
+    admission.accepting = False
+    assert admission.decide(request()).error == "shutting_down"
+
+
+async def test_refund_returns_tokens(autojump_clock):
+    admission = make_admission(ModelClock())
+    r = request(prompt=0, tokens=700)
+    assert admission.decide(r) is None
+    assert admission.buckets["t"].level(0.0) == 300
+    admission.refund(r)
+    assert admission.buckets["t"].level(0.0) == 1000
