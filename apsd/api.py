@@ -80,16 +80,14 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
     """The API over ``pipeline``; the app is cheap, make one per pipeline."""
     app = QuartTrio("apsd")
     app.config["MAX_CONTENT_LENGTH"] = pipeline.config.server.max_body_bytes
-    app.config["JSON_SORT_KEYS"] = False
+    app.json.sort_keys = False  # type: ignore[attr-defined]
 
     @app.post("/infer")
     async def infer() -> Response:
-        if not pipeline.accepting:
-            return error_response(Refusal(503, "shutting_down", "apsd is shutting down",
-                                          headers={"Retry-After": "5"}))
         try:
             body = parse_infer_body(await request.get_data(cache=False))
         except BodyError as exc:
+            pipeline.ledger.count_refusal(None, exc.refusal.error)
             return error_response(exc.refusal)
         inference = pipeline.new_request(tenant_id=body["tenant_id"], prompt=body["prompt"],
                                          tokens_requested=body["tokens_requested"],
@@ -123,6 +121,7 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
         names = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
         message = exc.description or exc.name
         if code == 413:
+            pipeline.ledger.count_refusal(None, "body_too_large")
             message = f"request body exceeds {pipeline.config.server.max_body_bytes} bytes (server.max_body_bytes)"
         return error_response(Refusal(code, names.get(code, exc.name.lower().replace(" ", "_")), message))
 

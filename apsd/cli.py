@@ -65,9 +65,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         trio.run(daemon.run)
     except KeyboardInterrupt:  # Ctrl-C before the signal watcher was listening
         return 130
-    except OSError as exc:  # e.g. the address is already in use
-        parser.exit(1, f"apsd: error: cannot serve on {config.server.host}:{config.server.port}: {exc}\n")
+    except BaseException as exc:
+        os_error = _leaf(exc, OSError)  # e.g. the address is already in use
+        if os_error is None:
+            raise
+        parser.exit(1, f"apsd: error: cannot serve on {config.server.host}:{config.server.port}: "
+                       f"{os_error.strerror or os_error}\n")
     return 0
+
+
+def _leaf(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The first ``kind`` exception in ``exc`` or, for an exception group, in its leaves."""
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _leaf(inner, kind)) is not None:
+                return found
+    return None
 
 
 if __name__ == "__main__":

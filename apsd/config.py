@@ -229,6 +229,9 @@ def parse_config(data: dict[str, Any], source: str = "<string>") -> Config:
             if not parsed:
                 raise ConfigError("tenants: at least one tenant is required")
             config = attrs.evolve(config, tenants=parsed)
+        if config.gpu.decode_batch_base + config.gpu.decode_batch_sqrt <= 0:
+            raise ConfigError("gpu.decode_batch_sqrt: decode_batch_base + decode_batch_sqrt must be > 0 "
+                              "(else nothing ever decodes)")
         return attrs.evolve(config, policy=policy, source=source)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None

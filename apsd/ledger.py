@@ -65,7 +65,11 @@ _WAIT_SAMPLES = 10_000  # recent queue waits kept for percentiles
 class Ledger:
     """Counts, outstanding requests, GPU busy time and cost."""
 
-    tenants: dict[str, TenantStats] = attrs.field(factory=lambda: collections.defaultdict(TenantStats))
+    tenant_names: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    tenants: dict[str, TenantStats] = attrs.field(init=False)
+    #: Refusals that name no configured tenant (unknown tenant, malformed body): counted, but
+    #: never as a new entry per name, so a client cannot grow this dict.
+    unattributed: TenantStats = attrs.field(factory=TenantStats, init=False)
     outstanding: dict[str, InferenceRequest] = attrs.field(factory=dict)
     batches: int = 0
     gpu_busy_s: float = 0.0
@@ -74,18 +78,26 @@ class Ledger:
     _idle: trio.Event = attrs.field(factory=trio.Event)
 
     def __attrs_post_init__(self) -> None:
+        self.tenants = {name: TenantStats() for name in self.tenant_names}
         self._idle.set()
+
+    def _stats(self, tenant_id: str) -> TenantStats:
+        return self.tenants.get(tenant_id, self.unattributed)
 
     # -- events -----------------------------------------------------------------------
     def refuse_unadmitted(self, request: InferenceRequest, refusal: Refusal) -> None:
         """Answer a request that admission turned away (it was never in flight)."""
         if request.reply.resolve(refusal):
-            stats = self.tenants[request.tenant_id]
-            stats.rejected += 1
-            stats.rejected_by_error[refusal.error] += 1
+            self.count_refusal(request.tenant_id, refusal.error)
+
+    def count_refusal(self, tenant_id: str | None, error: str) -> None:
+        """Count a refusal of a request that never entered the pipeline (e.g. a bad body)."""
+        stats = self._stats(tenant_id) if tenant_id is not None else self.unattributed
+        stats.rejected += 1
+        stats.rejected_by_error[error] += 1
 
     def admit(self, request: InferenceRequest) -> None:
-        stats = self.tenants[request.tenant_id]
+        stats = self._stats(request.tenant_id)
         stats.admitted += 1
         stats.queued += 1
         if not self.outstanding:
@@ -94,7 +106,7 @@ class Ledger:
 
     def dispatched(self, batch: Batch) -> None:
         for request in batch.requests:
-            stats = self.tenants[request.tenant_id]
+            stats = self._stats(request.tenant_id)
             stats.queued -= 1
             stats.running += 1
             assert request.dispatched_at is not None
@@ -109,7 +121,7 @@ class Ledger:
         """Deliver an admitted request's terminal outcome; False if it already had one."""
         if not request.reply.resolve(outcome):
             return False
-        stats = self.tenants[request.tenant_id]
+        stats = self._stats(request.tenant_id)
         if request.dispatched_at is None:
             stats.queued -= 1
         else:
@@ -149,7 +161,7 @@ class Ledger:
     def snapshot(self, elapsed_s: float, gpus: int, rates: Mapping[str, float]) -> dict:
         """The JSON-ready figures behind ``GET /metrics`` (model time)."""
         totals = TenantStats()
-        for s in self.tenants.values():
+        for s in (*self.tenants.values(), self.unattributed):
             for name in ("admitted", "rejected", "completed", "failed", "cancelled", "queued",
                          "running", "prompt_tokens", "generated_tokens"):
                 setattr(totals, name, getattr(totals, name) + getattr(s, name))
@@ -163,6 +175,9 @@ class Ledger:
             "requests": {
                 "admitted": totals.admitted,
                 "rejected": totals.rejected,
+                "rejected_by_error": dict(sum((s.rejected_by_error for s in (*self.tenants.values(),
+                                                                             self.unattributed)),
+                                              collections.Counter())),
                 "completed": totals.completed,
                 "failed": totals.failed,
                 "cancelled": totals.cancelled,

@@ -55,7 +55,7 @@ class Pipeline:
     def build(cls, config: Config, policies: PolicySet, *, request_id_prefix: str | None = None) -> Pipeline:
         """Assemble a pipeline (call inside ``trio.run``: the clock starts now)."""
         clock = ModelClock(time_scale=config.gpu.time_scale)
-        ledger = Ledger()
+        ledger = Ledger(tenant_names=config.tenants)
         admission = Admission(tenants=dict(config.tenants), batching=policies.batching, ledger=ledger,
                               clock=clock, max_queued=config.queue.max_requests)
         scheduler = Scheduler(policies=policies, ledger=ledger, clock=clock)
@@ -105,15 +105,19 @@ class Pipeline:
 
         Otherwise the request's reply slot will be resolved exactly once.
         """
+        refusal = None
         if not self.accepting:
-            return Refusal(503, "shutting_down", "apsd is shutting down and accepts no new requests",
-                           headers={"Retry-After": "5"})
-        try:
-            self._ingress_send.send_nowait(request)
-        except trio.WouldBlock:
-            return Refusal(503, "ingress_full", "admission is behind; retry shortly",
-                           headers={"Retry-After": "1"})
-        return None
+            refusal = Refusal(503, "shutting_down", "apsd is shutting down and accepts no new requests",
+                              headers={"Retry-After": "5"})
+        else:
+            try:
+                self._ingress_send.send_nowait(request)
+            except trio.WouldBlock:
+                refusal = Refusal(503, "ingress_full", "admission is behind; retry shortly",
+                                  headers={"Retry-After": "1"})
+        if refusal is not None:
+            self.ledger.refuse_unadmitted(request, refusal)
+        return refusal
 
     # -- the way out -----------------------------------------------------------------------
     def close_doors(self) -> None:
@@ -139,6 +143,7 @@ class Pipeline:
                 break
             self.ledger.refuse_unadmitted(request, Refusal(
                 503, "shutting_down", "apsd is shutting down", headers={"Retry-After": "5"}))
+        self.scheduler.drop_queued()  # so no executor picks up a request already answered
         aborted = 0
         for request in list(self.ledger.outstanding.values()):
             self.admission.refund(request)

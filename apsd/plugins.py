@@ -51,7 +51,7 @@ def make_plugin_manager(*, load_entry_points: bool = True) -> pluggy.PluginManag
 def load_policy_registry(pm: pluggy.PluginManager) -> PolicyRegistry:
     """Call every plugin's ``register_policies`` and return the filled registry."""
     registry = PolicyRegistry()
-    for impl in reversed(pm.hook.register_policies.get_hookimpls()):
+    for impl in pm.hook.register_policies.get_hookimpls():  # registration order: built-ins first
         registry.current_plugin = impl.plugin_name
         try:
             impl.function(registry=registry)

@@ -185,6 +185,12 @@ class PolicyRegistry:
             if table not in known:
                 raise ConfigError(f"{source}: policy.{table}: no policy of that name has parameters "
                                   f"(policies: {', '.join(sorted(known))})")
+        for (kind, name), entry in self.entries.items():  # catch typos in unselected tables too
+            if name in config.policy.params and name != names[kind]:
+                try:
+                    entry.factory(dict(config.policy.params[name]), config)
+                except ConfigError as exc:
+                    raise ConfigError(f"{source}: {exc}") from None
         built = {}
         for kind in POLICY_KINDS:
             entry = self.entries[(kind, names[kind])]

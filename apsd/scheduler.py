@@ -57,6 +57,13 @@ class Scheduler:
             self._backlog_since = request.arrival
         self._wake()
 
+    def drop_queued(self) -> list[InferenceRequest]:
+        """Empty the queue (shutdown): the caller answers the requests it gets back."""
+        now = self.clock.now()
+        dropped = [self.policies.aging.pop(now) for _ in range(len(self.policies.aging))]
+        self._backlog_since = None
+        return dropped
+
     async def serve_intake(self, admitted: trio.MemoryReceiveChannel[InferenceRequest]) -> None:
         """Move admitted requests into the queue until the channel closes."""
         async with admitted:

@@ -66,13 +66,14 @@ async def _start_daemon(nursery: trio.Nursery, config: Config, preset: str | Non
 async def live(nursery: trio.Nursery) -> AsyncIterator[LiveDaemon]:
     """A real daemon on 127.0.0.1:0 with a fast GPU and a small, slow-filling tenant."""
     config = make_config(
-        server=ServerConfig(host="127.0.0.1", port=0, shutdown_grace_s=5.0),
+        server=ServerConfig(host="127.0.0.1", port=0, shutdown_grace_s=5.0, max_body_bytes=65_536),
         gpu=FAST_GPU,
         tenants={
             "tenant_a": TenantConfig(rate=500.0, burst=5000),
             "tenant_b": TenantConfig(rate=300.0, burst=3000),
             # refills 1 token per 1000 model s, i.e. per wall second at time_scale 0.001
             "trickle": TenantConfig(rate=0.001, burst=100),
+            "big": TenantConfig(rate=1e6, burst=100_000),
         },
     )
     running = await _start_daemon(nursery, config)

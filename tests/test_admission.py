@@ -32,7 +32,7 @@ def request(tenant="t", prompt=10, tokens=90, bid=5, n=[0]):
 def make_admission(clock, max_queued=100):
     return Admission(tenants={"t": TenantConfig(rate=100.0, burst=1000)},
                      batching=MicroBatching(MicroParams(max_batch_size=16, kv_cap_tokens=800)),
-                     ledger=Ledger(), clock=clock, max_queued=max_queued)
+                     ledger=Ledger(tenant_names=["t"]), clock=clock, max_queued=max_queued)
 
 
 async def test_bucket_refills_in_virtual_time(autojump_clock):

@@ -42,3 +42,10 @@ def test_refuse_reason_for_requests_larger_than_the_cap():
     assert batching.refuse_reason(InferenceRequest("r", "t", 500, 500, 1)) is None
     reason = batching.refuse_reason(InferenceRequest("r", "t", 500, 501, 1))
     assert "1001 KV tokens" in reason and "1000" in reason
+
+
+def test_full_when_the_queue_reaches_the_kv_cap():
+    batching = MicroBatching(MicroParams(max_batch_size=16, kv_cap_tokens=1000))
+    assert not batching.is_full(queue_of((0, 999, 5)), 0.0)
+    assert batching.is_full(queue_of((0, 999, 5), (0, 1, 5)), 0.0)    # exactly the cap
+    assert batching.is_full(queue_of((0, 600, 5), (0, 600, 5)), 0.0)  # cut now closes early

@@ -88,3 +88,14 @@ def test_preset_and_overrides():
     # the command line's preset wins over the file's, explicit kinds still apply
     assert build_policies(config, "fifo").names["aging"] == "fifo"
     assert build_policies(config, "fifo").names["governor"] == "entropy"
+
+
+def test_zero_decode_rate_is_refused(tmp_path):
+    path = write(tmp_path, "[gpu]\ndecode_batch_base = 0\ndecode_batch_sqrt = 0\n")
+    with pytest.raises(ConfigError, match="decode_batch_base \\+ decode_batch_sqrt must be > 0"):
+        load_config(path)
+
+
+def test_typo_in_an_unselected_policy_table_is_caught():
+    with pytest.raises(ConfigError, match="policy.fixed.windw_ms: unknown key"):
+        build_policies(make_config({"policy": {"fixed": {"windw_ms": 5}}}), "aps")

@@ -144,3 +144,23 @@ async def test_aps_serves_the_low_bidder_within_the_bound_alpha_implies(autojump
     for (t, tenant, *_), o in zip(sorted(arrivals, key=lambda a: a[0]), outcomes):
         if tenant == "vip" and t > overtaken_after + 1e-9:
             assert by_id[o.request_id].batch_id >= low.batch_id
+
+
+async def test_abort_empties_the_queue_so_no_answered_request_runs(autojump_clock):
+    config, preset = config_for("fifo")
+    async with open_pipeline(config, build_policies(config, preset)) as pipeline:
+        requests = []
+        for _ in range(40):
+            r = pipeline.new_request(tenant_id="vip", prompt="", tokens_requested=100, priority_bid=5,
+                                     prompt_tokens=0)
+            pipeline.submit_nowait(r)
+            requests.append(r)
+        await trio.sleep(1.0)                      # first batch running, 24 queued
+        pipeline.close_doors()
+        assert pipeline.abort_outstanding() == 40
+        assert pipeline.scheduler.queue_depth == 0
+        await trio.sleep(100.0)                    # the running batch ends; nothing else starts
+        stats = pipeline.ledger.tenants["vip"]
+        assert (stats.queued, stats.running, stats.cancelled, stats.completed) == (0, 0, 40, 0)
+        assert pipeline.ledger.batches == 1
+        assert {(await r.reply.wait()).status for r in requests} == {503}

@@ -40,7 +40,9 @@ class MicroBatching:
         return None
 
     def is_full(self, queue: OrderingPolicy, now: float) -> bool:
-        return len(queue) >= self.max_batch_size
+        # With fewer than max_batch_size queued, summing them is cheap; once they reach the
+        # KV cap the batch cut now would close early, and waiting cannot add to it.
+        return len(queue) >= self.max_batch_size or sum(r.cost_tokens for r in queue) >= self.kv_cap_tokens
 
     def cut(self, queue: OrderingPolicy, now: float) -> list[InferenceRequest]:
         batch: list[InferenceRequest] = []

@@ -1,0 +1,123 @@
+"""The installed ``apsd`` command, run as a subprocess the way an operator runs it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+ROOT = Path(__file__).resolve().parents[1]
+APSD = str(Path(sys.executable).with_name("apsd"))
+LISTENING = re.compile(rb"apsd listening on (http://\S+)")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([APSD, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_version_and_help():
+    version = run_cli("--version")
+    assert version.returncode == 0 and re.fullmatch(r"apsd \d+\.\d+\.\d+\S*\n", version.stdout)
+    help_ = run_cli("--help")
+    assert help_.returncode == 0 and "--policy" in help_.stdout and "CONFIG" in help_.stdout
+
+
+@pytest.mark.parametrize(
+    ("text", "args", "fragment"),
+    [
+        (None, ["/no/such/apsd.toml"], "/no/such/apsd.toml: no such config file"),
+        ("[server\n", [], "TOML syntax error"),
+        ("[server]\nprot = 8002\n", [], "server.prot: unknown key"),
+        ("[tenants.a]\nrate = -1\nburst = 5\n", [], "tenants.a.rate: must be a finite number > 0, got -1"),
+        ("[tenants.a]\nrate = 0\nburst = 5\n", [], "tenants.a.rate: must be a finite number > 0, got 0"),
+        ("[gpu]\ncount = 'two'\n", [], "gpu.count: must be an integer"),
+        ("", ["--policy", "lottery"], "policy preset 'lottery' is unknown (available: aps, fifo, static)"),
+        ("[policy]\naging = 'lifo'\n", [], "unknown aging policy 'lifo' (available: aps, fifo, static)"),
+    ],
+)
+def test_bad_config_exits_2_with_one_message(tmp_path, text, args, fragment):
+    if text is not None:
+        path = tmp_path / "apsd.toml"
+        path.write_text(text)
+        args = [*args, str(path)]
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert fragment in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_bad_port_option():
+    result = run_cli("--port", "99999")
+    assert result.returncode == 2 and "port must be 0-65535" in result.stderr
+
+
+async def start_apsd(*args: str) -> tuple[trio.Process, str, list[bytes]]:
+    """Start apsd; return the process, its URL and the stderr read so far (kept filling)."""
+    process = await trio.lowlevel.open_process([APSD, *args], stderr=subprocess.PIPE,
+                                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    seen: list[bytes] = []
+    with trio.fail_after(30):
+        while not (match := LISTENING.search(b"".join(seen))):
+            chunk = await process.stderr.receive_some()
+            if not chunk:
+                raise AssertionError(f"apsd exited before listening: {b''.join(seen).decode()}")
+            seen.append(chunk)
+    return process, match.group(1).decode(), seen
+
+
+async def test_shipped_config_serves_and_sigterm_answers_in_flight_requests():
+    process, url, seen = await start_apsd(str(ROOT / "config" / "apsd.toml"), "--port", "0")
+    log = b"".join(seen).decode()
+    assert "policy=preset=aps" in log and "tenant_a,tenant_b,tenant_c" in log
+    answers: list[httpx.Response] = []
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            first = await client.post("/infer", json={"tenant_id": "tenant_c", "prompt": "Hello world",
+                                                      "tokens_requested": 8, "priority_bid": 5})
+            assert first.status_code == 200 and first.json()["tokens_generated"] == 8
+
+            async def one(tenant: str) -> None:  # ~1 s of real (time_scale 1.0) decoding
+                answers.append(await client.post("/infer", json={
+                    "tenant_id": tenant, "prompt": "x" * 100, "tokens_requested": 64, "priority_bid": 3}))
+
+            async with trio.open_nursery() as nursery:
+                for tenant in ("tenant_a", "tenant_b", "tenant_c"):
+                    nursery.start_soon(one, tenant)
+                with trio.fail_after(10):
+                    while (await client.get("/metrics")).json()["requests"]["in_flight"] < 3:
+                        await trio.sleep(0.02)
+                process.send_signal(signal.SIGTERM)
+                await trio.sleep(0.1)
+                late = await client.post("/infer", json={"tenant_id": "tenant_a", "prompt": "",
+                                                          "tokens_requested": 1, "priority_bid": 1})
+                assert late.status_code == 503
+        with trio.fail_after(30):
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    rest = await process.stderr.receive_some() if process.stderr else b""
+    assert b"Traceback" not in b"".join(seen) + rest
+
+
+async def test_port_in_use_is_one_clear_message():
+    process, url, _ = await start_apsd("--port", "0")
+    try:
+        port = url.rsplit(":", 1)[1]
+        result = await trio.to_thread.run_sync(run_cli, "--port", port)
+        assert result.returncode == 1
+        assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in result.stderr
+        assert "Traceback" not in result.stderr
+    finally:
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(30):
+            assert await process.wait() == 0

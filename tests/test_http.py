@@ -1,0 +1,196 @@
+"""End to end over real HTTP against a daemon on 127.0.0.1:0."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import trio
+
+from apsd.config import GpuConfig, ServerConfig, TenantConfig
+
+from .conftest import make_config, start_daemon
+
+
+def body(tenant="tenant_a", prompt="Hello world", tokens=100, bid=5, **extra):
+    return {"tenant_id": tenant, "prompt": prompt, "tokens_requested": tokens, "priority_bid": bid, **extra}
+
+
+async def test_infer_answers_with_every_field(live):
+    response = await live.client.post("/infer", json=body(prompt="x" * 40))
+    assert response.status_code == 200
+    data = response.json()
+    assert set(data) == {"request_id", "tenant_id", "prompt_tokens", "tokens_generated", "queue_ms",
+                         "prefill_ms", "decode_ms", "latency_ms", "batch_id", "batch_size",
+                         "effective_priority", "cost_usd"}
+    assert data["tenant_id"] == "tenant_a"
+    assert data["prompt_tokens"] == 10                      # 40 characters at 4 per token
+    assert data["tokens_generated"] == 100
+    assert data["decode_ms"] == pytest.approx(100 / 128 * 1000)
+    assert data["latency_ms"] >= data["queue_ms"] + data["prefill_ms"] + data["decode_ms"] - 1e-6
+    assert data["effective_priority"] >= 5
+    assert data["cost_usd"] > 0
+    assert response.headers["RateLimit-Policy"] == '"tokens";q=5000;w=1'   # 10 model s = 0.01 wall s
+    assert response.headers["RateLimit"].startswith('"tokens";r=')
+
+
+async def test_rate_limited_gets_429_with_retry_after(live):
+    ok = await live.client.post("/infer", json=body("trickle", prompt="", tokens=60))
+    assert ok.status_code == 200
+    limited = await live.client.post("/infer", json=body("trickle", prompt="", tokens=60))
+    assert limited.status_code == 429
+    assert limited.json()["error"] == "rate_limited"
+    # 20 tokens short at 0.001 tokens per model second = 20000 model s = 20 wall s at time_scale 0.001
+    assert int(limited.headers["Retry-After"]) in (19, 20)
+    assert limited.headers["RateLimit-Policy"] == '"tokens";q=100;w=100'
+    assert limited.headers["RateLimit"].startswith('"tokens";r=40;')
+    status = (await live.client.get("/tenants/trickle/status")).json()
+    assert (status["completed"], status["rejected"], status["rejected_by_error"]) == (1, 1, {"rate_limited": 1})
+
+
+@pytest.mark.parametrize(
+    ("payload", "error", "fragment"),
+    [
+        (body("tenant_b", prompt="", tokens=3001), "exceeds_tenant_burst", "burst"),
+        (body("big", prompt="", tokens=40_000), "exceeds_batch_capacity", "kv_cap_tokens"),
+    ],
+)
+async def test_never_admissible_gets_413_naming_the_limit(live, payload, error, fragment):
+    response = await live.client.post("/infer", json=payload)
+    assert response.status_code == 413
+    assert response.json()["error"] == error and fragment in response.json()["message"]
+    assert "Retry-After" not in response.headers
+
+
+async def test_unknown_tenant_is_404(live):
+    response = await live.client.post("/infer", json=body("nobody"))
+    assert (response.status_code, response.json()["error"], response.json()["field"]) == (
+        404, "unknown_tenant", "tenant_id")
+    assert (await live.client.get("/tenants/nobody/status")).status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("payload", "field"),
+    [
+        ({k: v for k, v in body().items() if k != "prompt"}, "prompt"),
+        ({k: v for k, v in body().items() if k != "tenant_id"}, "tenant_id"),
+        (body(tokens="100"), "tokens_requested"),
+        (body(tokens=1.5), "tokens_requested"),
+        (body(tokens=0), "tokens_requested"),
+        (body(tokens=True), "tokens_requested"),
+        (body(bid=0), "priority_bid"),
+        (body(bid=11), "priority_bid"),
+        (body(bid=None), "priority_bid"),
+        (body(tenant=""), "tenant_id"),
+        (body(tenant=7), "tenant_id"),
+        (body(prompt=["a"]), "prompt"),
+        (body(priority=3), "priority"),
+    ],
+)
+async def test_bad_fields_get_422_naming_the_field(live, payload, field):
+    response = await live.client.post("/infer", json=payload)
+    assert response.status_code == 422
+    assert response.json()["field"] == field and field in response.json()["message"]
+
+
+@pytest.mark.parametrize("raw", [b"{", b"", b"[1, 2]", b"null", b"\xff\xfe", b"[" * 50_000])
+async def test_malformed_body_is_400(live, raw):
+    response = await live.client.post("/infer", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"] == "invalid_json"
+
+
+async def test_http_errors_are_json(live):
+    # (small enough to sit in socket buffers: httpx sends the whole body before reading the answer)
+    too_big = await live.client.post("/infer", content=b"x" * (65_536 + 1))
+    assert too_big.status_code == 413 and too_big.json()["error"] == "body_too_large"
+    assert (await live.client.get("/infer")).json()["error"] == "method_not_allowed"
+    assert (await live.client.get("/nope")).json()["error"] == "not_found"
+
+
+async def test_metrics_health_and_tenant_status(live):
+    for tenant in ("tenant_a", "tenant_a", "tenant_b"):
+        assert (await live.client.post("/infer", json=body(tenant, tokens=50))).status_code == 200
+    await live.client.post("/infer", json=body("nobody"))
+    metrics = (await live.client.get("/metrics")).json()
+    assert metrics["requests"] | {"conservation_ok": None} == {
+        "admitted": 3, "rejected": 1, "completed": 3, "failed": 0, "cancelled": 0, "queued": 0,
+        "running": 0, "in_flight": 0, "conservation_ok": None, "rejected_by_error": {"unknown_tenant": 1}}
+    assert metrics["requests"]["conservation_ok"] is True
+    assert metrics["tokens"]["generated"] == 150
+    assert 0 < metrics["gpu_utilization"] <= 1
+    assert metrics["cost_per_1m_tokens_usd"] == pytest.approx(metrics["cost_usd"] / 150 * 1e6)
+    assert 0 < metrics["fairness"]["jain_index"] <= 1 and "rate" in metrics["fairness"]["definition"]
+    assert set(metrics["governor"]) == {"state", "entropy_bits", "window_ms"}
+    assert metrics["policy"]["aging"] == "aps" and metrics["queue_depth"] == 0
+    health = (await live.client.get("/health")).json()
+    assert health["status"] == "ok" and health["queue_depth"] == 0 and "state" in health["governor"]
+    status = (await live.client.get("/tenants/tenant_a/status")).json()
+    assert (status["rate"], status["burst"], status["completed"], status["generated_tokens"]) == (500.0, 5000, 2, 100)
+    assert 0 <= status["tokens_available"] <= 5000
+    assert status["queued"] == status["running"] == 0
+
+
+# -- shutdown -------------------------------------------------------------------------------------
+
+def slow_config(grace_s: float):
+    # a model second lasts 0.05 wall s: a 100-token request decodes in about 0.04 s of wall time per
+    # request in a batch of 1, long enough to catch several in flight
+    return make_config(server=ServerConfig(port=0, shutdown_grace_s=grace_s), gpu=GpuConfig(time_scale=0.05),
+                       tenants={"t": TenantConfig(rate=1e6, burst=10**6)})
+
+
+async def wait_in_flight(client: httpx.AsyncClient, n: int) -> None:
+    while (await client.get("/metrics")).json()["requests"]["in_flight"] < n:
+        await trio.sleep(0.01)
+
+
+async def test_shutdown_finishes_accepted_work_and_refuses_new(nursery):
+    running = await start_daemon(nursery, slow_config(grace_s=30.0))
+    answers = []
+    async with running.client as client:
+        async def one():
+            answers.append(await client.post("/infer", json=body("t", prompt="", tokens=400)))
+        async with trio.open_nursery() as requests:
+            for _ in range(20):
+                requests.start_soon(one)
+            await wait_in_flight(client, 20)
+            running.daemon.request_shutdown()
+            await trio.sleep(0.05)
+            late = await client.post("/infer", json=body("t", prompt="", tokens=10))
+            assert late.status_code == 503 and late.json()["error"] == "shutting_down"
+            assert "Retry-After" in late.headers
+            assert (await client.get("/health")).json()["status"] == "draining"
+    assert [a.status_code for a in answers] == [200] * 20
+
+
+async def test_shutdown_after_grace_answers_the_rest_with_503(nursery):
+    running = await start_daemon(nursery, slow_config(grace_s=0.2))
+    answers = []
+    async with running.client as client:
+        async def one():
+            answers.append(await client.post("/infer", json=body("t", prompt="", tokens=2000)))
+        async with trio.open_nursery() as requests:
+            for _ in range(40):
+                requests.start_soon(one)
+            await wait_in_flight(client, 40)
+            pipeline = running.daemon.pipeline
+            running.daemon.request_shutdown()
+    codes = sorted(a.status_code for a in answers)
+    assert len(codes) == 40 and set(codes) == {503}   # 2000 tokens take ~0.8 wall s: none finish in 0.2 s
+    assert all(a.json()["error"] == "shutting_down" for a in answers)
+    counts = pipeline.metrics()["requests"]
+    assert counts["cancelled"] == 40 and counts["conservation_ok"] and counts["in_flight"] == 0
+    # tokens of requests that never ran went back to the bucket
+    assert pipeline.admission.buckets["t"].level(pipeline.clock.now()) == 10**6
+
+
+async def test_refusals_before_admission_are_counted_without_growing_per_name_state(live):
+    for i in range(50):
+        await live.client.post("/infer", json=body(f"stranger-{i}"))
+    await live.client.post("/infer", content=b"{")
+    metrics = (await live.client.get("/metrics")).json()
+    assert metrics["requests"]["rejected"] == 51
+    assert metrics["requests"]["rejected_by_error"] == {"unknown_tenant": 50, "invalid_json": 1}
+    assert set(live.daemon.pipeline.ledger.tenants) == {"tenant_a", "tenant_b", "trickle", "big"}
