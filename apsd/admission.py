@@ -21,6 +21,7 @@ GPU); the seconds in headers are wall seconds, what a real client must wait.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from .policy import BatchingPolicy
 
 __all__ = ["Admission", "TokenBucket"]
+
+log = logging.getLogger("apsd.admission")
 
 
 @attrs.define(eq=False)
@@ -120,7 +123,12 @@ class Admission:
                            f"request costs {cost} tokens (prompt {request.prompt_tokens} + requested "
                            f"{request.tokens_requested}) but tenant {request.tenant_id!r} can bank at most "
                            f"{tenant.burst} (its burst); it could never be admitted")
-        never = self.batching.refuse_reason(request)
+        try:
+            never = self.batching.refuse_reason(request)
+        except Exception as exc:
+            log.error("batching policy raised in refuse_reason", exc_info=exc)
+            return Refusal(500, "policy_error",
+                           f"batching policy raised {type(exc).__name__} in refuse_reason: {exc}")
         if never is not None:
             return Refusal(413, "exceeds_batch_capacity", never)
         if self.ledger.queued_total >= self.max_queued:

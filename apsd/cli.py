@@ -1,4 +1,7 @@
-"""The ``apsd`` command: ``apsd [--policy P] [--host H] [--port N] [CONFIG]``.
+"""The ``apsd`` command.
+
+* ``apsd [--policy P] [--host H] [--port N] [CONFIG]`` runs the daemon.
+* ``apsd plugins [--json]`` lists every registered plugin and what it provides.
 
 Exit status: 0 after a clean shutdown, 2 for a bad config or command line
 (one message naming the file and the key, no traceback), 1 for a plugin that
@@ -8,6 +11,7 @@ cannot load.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -17,7 +21,7 @@ import trio
 from . import __version__
 from .config import ConfigError, load_config
 from .daemon import Daemon
-from .plugins import PluginError
+from .plugins import PluginError, describe_plugins, load_policy_registry, make_plugin_manager
 
 __all__ = ["main"]
 
@@ -36,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="apsd",
         description="Multi-tenant inference scheduler daemon (Adaptive Priority Scheduling).",
-        epilog="Without CONFIG, apsd runs on its embedded defaults (the same as config/apsd.toml).",
+        epilog="Without CONFIG, apsd runs on its embedded defaults (the same as config/apsd.toml). "
+        "'apsd plugins' lists the installed policy plugins (APSD_PLUGINS=name,... limits which load).",
     )
     parser.add_argument("config", nargs="?", metavar="CONFIG", help="TOML config file")
     parser.add_argument("--policy", metavar="PRESET",
@@ -49,7 +54,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def plugins_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="apsd plugins",
+                                     description="List registered plugins (built-ins first) and their policies.")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    try:
+        pm = make_plugin_manager()
+        described = describe_plugins(pm, load_policy_registry(pm))
+    except PluginError as exc:
+        parser.exit(1, f"apsd: plugin error: {exc}\n")
+    if args.json:
+        print(json.dumps(described, indent=2))
+        return 0
+    for plugin in described:
+        origin = "built-in" if plugin["builtin"] else f"{plugin['distribution']} {plugin['version']}"
+        provides = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in plugin["provides"].items())
+        observes = [h for h in plugin["hooks"] if h != "register_policies"]
+        if observes:
+            provides = "; ".join(filter(None, [provides, f"observes: {', '.join(observes)}"]))
+        print(f"{plugin['name']}  [{origin}]  {provides or '(nothing)'}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plugins"]:
+        return plugins_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,

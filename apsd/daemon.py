@@ -25,6 +25,7 @@ import trio
 
 from .api import create_app
 from .config import Config
+from .events import EventBus
 from .pipeline import Pipeline
 from .plugins import load_policy_registry, make_plugin_manager
 from .policy import PolicyRegistry, PolicySet
@@ -69,7 +70,8 @@ class Daemon:
 
     async def run(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until shut down; ``task_status.started`` receives the bound URLs."""
-        pipeline = self.pipeline = Pipeline.build(self.config, self.policies)
+        pipeline = self.pipeline = Pipeline.build(self.config, self.policies,
+                                                  events=EventBus(self.plugin_manager))
         async with trio.open_nursery() as nursery:
             if self.handle_signals:
                 await nursery.start(self._watch_signals)

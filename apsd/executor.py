@@ -74,6 +74,7 @@ class SimulatedExecutor:
         prefill_s = self.model.prefill_s(batch)
         decode_s = self.model.decode_s(batch)
         busy_s = prefill_s + decode_s
+        self.ledger.batch_started(batch, self.executor_id)
         self.busy = True
         try:
             await self.clock.sleep(busy_s)
@@ -81,7 +82,7 @@ class SimulatedExecutor:
             self.busy = False
         end = self.clock.now()
         cost = self.model.cost_usd(busy_s)
-        self.ledger.batch_ran(busy_s, cost)
+        self.ledger.batch_ran(batch, self.executor_id, busy_s, cost)
         batch_tokens = sum(r.cost_tokens for r in batch.requests)
         for request in batch.requests:
             assert request.dispatched_at is not None and request.effective_priority is not None

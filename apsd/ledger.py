@@ -2,7 +2,9 @@
 
 Ownership: the ledger is the only code that resolves a request's reply slot
 (:meth:`Ledger.finish`, :meth:`Ledger.refuse_unadmitted`), so counting and
-answering cannot drift apart. It keeps, per tenant and overall::
+answering cannot drift apart. For the same reason it is where the observation
+hooks are emitted (:class:`~apsd.events.EventBus`) and where the policies hear
+that a request finished (``on_finish``). It keeps, per tenant and overall::
 
     admitted == completed + failed + cancelled + queued + running
 
@@ -18,12 +20,14 @@ means one tenant got everything.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import attrs
 import numpy as np
 import trio
 
+from .clock import ModelClock
+from .events import EventBus
 from .models import Batch, Completion, InferenceRequest, Outcome, Refusal
 
 __all__ = ["Ledger", "TenantStats", "jain_index"]
@@ -75,6 +79,10 @@ class Ledger:
     gpu_busy_s: float = 0.0
     cost_usd: float = 0.0
     queue_waits_s: collections.deque[float] = attrs.field(factory=lambda: collections.deque(maxlen=_WAIT_SAMPLES))
+    clock: ModelClock | None = None
+    events: EventBus = attrs.field(factory=EventBus)
+    #: Called with (request, outcome, now) after every admitted request's outcome is delivered.
+    on_finish: Callable[[InferenceRequest, Outcome, float], None] | None = None
     _idle: trio.Event = attrs.field(factory=trio.Event)
 
     def __attrs_post_init__(self) -> None:
@@ -84,11 +92,15 @@ class Ledger:
     def _stats(self, tenant_id: str) -> TenantStats:
         return self.tenants.get(tenant_id, self.unattributed)
 
+    def _now(self) -> float:
+        return self.clock.now() if self.clock is not None else 0.0
+
     # -- events -----------------------------------------------------------------------
     def refuse_unadmitted(self, request: InferenceRequest, refusal: Refusal) -> None:
         """Answer a request that admission turned away (it was never in flight)."""
         if request.reply.resolve(refusal):
             self.count_refusal(request.tenant_id, refusal.error)
+            self.events.emit("request_rejected", request=request, refusal=refusal, now=self._now())
 
     def count_refusal(self, tenant_id: str | None, error: str) -> None:
         """Count a refusal of a request that never entered the pipeline (e.g. a bad body)."""
@@ -103,6 +115,7 @@ class Ledger:
         if not self.outstanding:
             self._idle = trio.Event()
         self.outstanding[request.request_id] = request
+        self.events.emit("request_admitted", request=request, now=self._now())
 
     def dispatched(self, batch: Batch) -> None:
         for request in batch.requests:
@@ -111,11 +124,19 @@ class Ledger:
             stats.running += 1
             assert request.dispatched_at is not None
             self.queue_waits_s.append(request.dispatched_at - request.arrival)
+        if self.events.wants("request_dispatched"):
+            for request in batch.requests:
+                self.events.emit("request_dispatched", request=request, batch=batch, now=batch.formed_at)
 
-    def batch_ran(self, busy_s: float, cost_usd: float) -> None:
+    def batch_started(self, batch: Batch, executor_id: int) -> None:
+        self.events.emit("batch_started", batch=batch, executor_id=executor_id, now=self._now())
+
+    def batch_ran(self, batch: Batch, executor_id: int, busy_s: float, cost_usd: float) -> None:
         self.batches += 1
         self.gpu_busy_s += busy_s
         self.cost_usd += cost_usd
+        self.events.emit("batch_finished", batch=batch, executor_id=executor_id, now=self._now(),
+                         busy_s=busy_s, cost_usd=cost_usd)
 
     def finish(self, request: InferenceRequest, outcome: Outcome) -> bool:
         """Deliver an admitted request's terminal outcome; False if it already had one."""
@@ -138,6 +159,10 @@ class Ledger:
         del self.outstanding[request.request_id]
         if not self.outstanding:
             self._idle.set()
+        now = self._now()
+        self.events.emit("request_finished", request=request, outcome=outcome, now=now)
+        if self.on_finish is not None:
+            self.on_finish(request, outcome, now)
         return True
 
     async def wait_idle(self) -> None:

@@ -28,6 +28,7 @@ import trio
 from .admission import Admission
 from .clock import ModelClock
 from .config import Config
+from .events import EventBus
 from .executor import GpuModel, SimulatedExecutor
 from .ledger import Ledger
 from .models import Batch, InferenceRequest, Refusal
@@ -52,13 +53,15 @@ class Pipeline:
     _next_request: int = 0
 
     @classmethod
-    def build(cls, config: Config, policies: PolicySet, *, request_id_prefix: str | None = None) -> Pipeline:
+    def build(cls, config: Config, policies: PolicySet, *, request_id_prefix: str | None = None,
+              events: EventBus | None = None) -> Pipeline:
         """Assemble a pipeline (call inside ``trio.run``: the clock starts now)."""
         clock = ModelClock(time_scale=config.gpu.time_scale)
-        ledger = Ledger(tenant_names=config.tenants)
+        ledger = Ledger(tenant_names=config.tenants, clock=clock, events=events or EventBus())
         admission = Admission(tenants=dict(config.tenants), batching=policies.batching, ledger=ledger,
                               clock=clock, max_queued=config.queue.max_requests)
         scheduler = Scheduler(policies=policies, ledger=ledger, clock=clock)
+        ledger.on_finish = scheduler.policy_finished
         model = GpuModel(config.gpu)
         executors = [SimulatedExecutor(i, model, ledger, clock) for i in range(config.gpu.count)]
         send, receive = trio.open_memory_channel[InferenceRequest](config.queue.ingress_buffer)
@@ -204,15 +207,15 @@ class Pipeline:
 
 
 @asynccontextmanager
-async def open_pipeline(config: Config, policies: PolicySet, *,
-                        request_id_prefix: str = "sim") -> AsyncIterator[Pipeline]:
+async def open_pipeline(config: Config, policies: PolicySet, *, request_id_prefix: str = "sim",
+                        events: EventBus | None = None) -> AsyncIterator[Pipeline]:
     """A running pipeline without HTTP, for the simulator and tests; stopped on exit.
 
     Under ``trio.testing.MockClock(autojump_threshold=0)`` it runs in virtual time.
     Requests still unfinished on exit are answered 503 before the stages stop.
     """
     async with trio.open_nursery() as nursery:
-        pipeline = Pipeline.build(config, policies, request_id_prefix=request_id_prefix)
+        pipeline = Pipeline.build(config, policies, request_id_prefix=request_id_prefix, events=events)
         pipeline.start_stages(nursery)
         try:
             yield pipeline

@@ -125,6 +125,8 @@ class PolicySet:
     governor: Governor
     batching: BatchingPolicy
     names: dict[str, str]
+    #: Builds a fresh, empty aging policy (used after the running one raised).
+    new_aging: Callable[[], OrderingPolicy]
 
 
 @attrs.define(eq=False)
@@ -198,5 +200,8 @@ class PolicyRegistry:
                 built[kind] = entry.factory(dict(config.policy.params.get(entry.name, {})), config)
             except ConfigError as exc:
                 raise ConfigError(f"{source}: {exc}") from None
+        aging = self.entries[("aging", names["aging"])]
+        aging_params = dict(config.policy.params.get(aging.name, {}))
         return PolicySet(aging=built["aging"], governor=built["governor"], batching=built["batching"],
-                         names={"preset": chosen_preset, **names})
+                         names={"preset": chosen_preset, **names},
+                         new_aging=lambda: aging.factory(dict(aging_params), config))

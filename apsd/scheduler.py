@@ -3,7 +3,8 @@
 Ownership: the scheduler owns the receive end of the admitted channel
 (:meth:`Scheduler.serve_intake`), the receive end of the demand channel and the
 send end of the batch channel (:meth:`Scheduler.serve_dispatch`). The queue
-itself is the aging policy object; the scheduler is its only user.
+itself is the aging policy object; the scheduler is its only user, and the only
+caller of the three policies on the hot path.
 
 When a batch is cut: executors *pull*. An idle executor sends its id on the
 demand channel and then waits on the unbuffered batch channel; only then does
@@ -14,19 +15,35 @@ The window: a batch is cut as soon as the batching policy says it is full, or
 once ``window_s`` (from the governor) has passed since the first request of
 the current backlog arrived. Requests left over after a cut have already
 waited, so they go out as soon as an executor is free.
+
+Error handling: a policy that raises fails the requests it was handling with a
+500 ``policy_error`` naming the policy, and the scheduler carries on. If the
+exception came while cutting a batch the queue can no longer be trusted: every
+queued request is failed and the aging policy is replaced by a fresh one.
+Requests answered while still queued (failed, or cancelled at shutdown) are
+skipped when they come out of the queue.
 """
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
 
 import attrs
 import trio
 
 from .clock import ModelClock
 from .ledger import Ledger
-from .models import Batch, InferenceRequest
-from .policy import GovernorReading, PolicySet
+from .models import Batch, InferenceRequest, Outcome, Refusal
+from .policy import POLICY_KINDS, GovernorReading, OrderingPolicy, PolicySet
 
 __all__ = ["Scheduler"]
+
+log = logging.getLogger("apsd.scheduler")
+
+
+class PolicyFailure(Exception):
+    """A policy raised; ``str()`` names the kind, the policy and the exception."""
 
 
 @attrs.define(eq=False)
@@ -34,13 +51,17 @@ class Scheduler:
     policies: PolicySet
     ledger: Ledger
     clock: ModelClock
+    queue: OrderingPolicy = attrs.field(init=False)
     _changed: trio.Event = attrs.field(factory=trio.Event, init=False)
     _backlog_since: float | None = attrs.field(default=None, init=False)
     _next_batch_id: int = attrs.field(default=1, init=False)
 
+    def __attrs_post_init__(self) -> None:
+        self.queue = self.policies.aging
+
     @property
     def queue_depth(self) -> int:
-        return len(self.policies.aging)
+        return len(self.queue)
 
     def governor_reading(self) -> GovernorReading:
         return self.policies.governor.reading(self.clock.now())
@@ -49,20 +70,43 @@ class Scheduler:
         self._changed.set()
         self._changed = trio.Event()
 
+    # -- policy calls and their failures ----------------------------------------------------
+    def _failure(self, kind: str, exc: Exception) -> PolicyFailure:
+        name = self.policies.names[kind]
+        log.error("%s policy %r raised", kind, name, exc_info=exc)
+        return PolicyFailure(f"{kind} policy {name!r} raised {type(exc).__name__}: {exc}")
+
+    def _fail(self, requests: Iterable[InferenceRequest], failure: PolicyFailure) -> None:
+        for request in requests:
+            self.ledger.finish(request, Refusal(500, "policy_error", str(failure), kind="failed"))
+
+    def policy_finished(self, request: InferenceRequest, outcome: Outcome, now: float) -> None:
+        """Tell every policy with an ``on_finish`` method (the ledger calls this)."""
+        for kind, policy in self._policies():
+            on_finish = getattr(policy, "on_finish", None)
+            if on_finish is not None:
+                try:
+                    on_finish(request, outcome, now)
+                except Exception as exc:  # the outcome is delivered already: log only
+                    self._failure(kind, exc)
+
+    def _policies(self) -> list[tuple[str, object]]:
+        return [("aging", self.queue), ("governor", self.policies.governor),
+                ("batching", self.policies.batching)]
+
+    # -- intake ----------------------------------------------------------------------------
     def enqueue(self, request: InferenceRequest) -> None:
         """Put an admitted request in the queue and tell the governor it arrived."""
-        self.policies.governor.observe_arrival(request.arrival)
-        self.policies.aging.push(request, self.clock.now())
+        for kind, call in (("governor", lambda: self.policies.governor.observe_arrival(request.arrival)),
+                           ("aging", lambda: self.queue.push(request, self.clock.now()))):
+            try:
+                call()
+            except Exception as exc:
+                self._fail([request], self._failure(kind, exc))
+                return
         if self._backlog_since is None:
             self._backlog_since = request.arrival
         self._wake()
-
-    def drop_queued(self) -> list[InferenceRequest]:
-        """Empty the queue (shutdown): the caller answers the requests it gets back."""
-        now = self.clock.now()
-        dropped = [self.policies.aging.pop(now) for _ in range(len(self.policies.aging))]
-        self._backlog_since = None
-        return dropped
 
     async def serve_intake(self, admitted: trio.MemoryReceiveChannel[InferenceRequest]) -> None:
         """Move admitted requests into the queue until the channel closes."""
@@ -70,6 +114,19 @@ class Scheduler:
             async for request in admitted:
                 self.enqueue(request)
 
+    def drop_queued(self) -> list[InferenceRequest]:
+        """Empty the queue (shutdown): the caller answers the requests it gets back."""
+        now = self.clock.now()
+        try:
+            dropped = [self.queue.pop(now) for _ in range(len(self.queue))]
+        except Exception as exc:
+            self._failure("aging", exc)
+            dropped = []
+            self.queue = self.policies.new_aging()
+        self._backlog_since = None
+        return dropped
+
+    # -- dispatch --------------------------------------------------------------------------
     async def serve_dispatch(
         self,
         demand: trio.MemoryReceiveChannel[int],
@@ -83,33 +140,72 @@ class Scheduler:
 
     async def wait_next_batch(self) -> Batch:
         """Wait until the queue has a batch to cut (full, or its window elapsed), then cut it."""
-        queue = self.policies.aging
         while True:
-            now = self.clock.now()
-            if not queue:
+            if not self.queue:
                 await self._changed.wait()
                 continue
-            reading = self.policies.governor.reading(now)
-            assert self._backlog_since is not None
-            cut_at = self._backlog_since + reading.window_s
-            if self.clock.reached(cut_at) or self.policies.batching.is_full(queue, now):
-                return self._cut(now, reading)
+            now = self.clock.now()
+            try:
+                try:
+                    reading = self.policies.governor.reading(now)
+                except Exception as exc:
+                    raise self._failure("governor", exc) from exc
+                assert self._backlog_since is not None
+                cut_at = self._backlog_since + reading.window_s
+                if self.clock.reached(cut_at) or self._is_full(now):
+                    batch = self._cut(now, reading)
+                    if batch is not None:
+                        return batch
+                    continue
+            except PolicyFailure as failure:
+                self._fail_queued(failure)
+                continue
             with trio.move_on_at(self.clock.deadline(cut_at)):
                 await self._changed.wait()
 
-    def _cut(self, now: float, reading: GovernorReading) -> Batch:
-        queue = self.policies.aging
-        requests = self.policies.batching.cut(queue, now)
-        if not requests:
-            raise RuntimeError(f"batching policy {self.policies.names['batching']!r} cut an empty batch "
-                               "from a non-empty queue")
-        for request in requests:
-            request.dispatched_at = now
-            request.effective_priority = queue.effective_priority(request, now)
+    def _is_full(self, now: float) -> bool:
+        try:
+            return self.policies.batching.is_full(self.queue, now)
+        except Exception as exc:
+            raise self._failure("batching", exc) from exc
+
+    def _fail_queued(self, failure: PolicyFailure) -> None:
+        """After a failed cut: fail every admitted request not yet dispatched, start a fresh queue."""
+        self._fail([r for r in list(self.ledger.outstanding.values()) if r.dispatched_at is None], failure)
+        self.queue = self.policies.new_aging()
+        self._backlog_since = None
+
+    def _cut(self, now: float, reading: GovernorReading) -> Batch | None:
+        """Cut a batch (None if everything that came out had been answered already)."""
+        queue = self.queue
+        try:
+            cut = self.policies.batching.cut(queue, now)
+        except Exception as exc:
+            raise self._failure("batching", exc) from exc
+        requests = [r for r in cut if r.reply.outcome is None]  # skip requests answered while queued
         if not queue:
             self._backlog_since = None
+        if not cut:
+            raise PolicyFailure(f"batching policy {self.policies.names['batching']!r} cut an empty batch "
+                                "from a non-empty queue")
+        if not requests:
+            return None
+        try:
+            for request in requests:
+                request.dispatched_at = now
+                request.effective_priority = queue.effective_priority(request, now)
+        except Exception as exc:
+            raise self._failure("aging", exc) from exc
         batch = Batch(batch_id=self._next_batch_id, requests=tuple(requests), formed_at=now,
                       window_s=reading.window_s)
         self._next_batch_id += 1
         self.ledger.dispatched(batch)
+        for kind, policy in self._policies():
+            on_dispatch = getattr(policy, "on_dispatch", None)
+            if on_dispatch is not None:
+                try:
+                    on_dispatch(batch, now)
+                except Exception as exc:
+                    self._fail(requests, self._failure(kind, exc))
+                    return None
         return batch
