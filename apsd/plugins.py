@@ -46,7 +46,10 @@ ALLOW_LIST_VARIABLE = "APSD_PLUGINS"
 
 
 class PluginError(Exception):
-    """A plugin could not be loaded or registered; ``str()`` names the plugin."""
+    """A plugin could not be loaded or registered; ``str()`` names the plugin, on one line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
 
 
 def _allow_list(value: str | None) -> set[str] | None:

@@ -72,9 +72,13 @@ class Scheduler:
 
     # -- policy calls and their failures ----------------------------------------------------
     def _failure(self, kind: str, exc: Exception) -> PolicyFailure:
-        name = self.policies.names[kind]
-        log.error("%s policy %r raised", kind, name, exc_info=exc)
-        return PolicyFailure(f"{kind} policy {name!r} raised {type(exc).__name__}: {exc}")
+        if kind == "cut":  # batching.cut drives the queue's peek/pop: either policy may have raised
+            who = (f"cutting a batch (batching policy {self.policies.names['batching']!r} from aging "
+                   f"policy {self.policies.names['aging']!r})")
+        else:
+            who = f"{kind} policy {self.policies.names[kind]!r}"
+        log.error("%s raised", who, exc_info=exc)
+        return PolicyFailure(f"{who} raised {type(exc).__name__}: {exc}")
 
     def _fail(self, requests: Iterable[InferenceRequest], failure: PolicyFailure) -> None:
         for request in requests:
@@ -181,7 +185,7 @@ class Scheduler:
         try:
             cut = self.policies.batching.cut(queue, now)
         except Exception as exc:
-            raise self._failure("batching", exc) from exc
+            raise self._failure("cut", exc) from exc
         requests = [r for r in cut if r.reply.outcome is None]  # skip requests answered while queued
         if not queue:
             self._backlog_since = None

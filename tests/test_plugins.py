@@ -1,0 +1,270 @@
+"""Plugins through their real interfaces: installed distributions, the hooks, failures."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+import apsd
+from apsd import hookspecs
+from apsd.config import GpuConfig, ServerConfig, TenantConfig
+from apsd.daemon import Daemon
+from apsd.events import EventBus
+from apsd.models import Completion
+from apsd.pipeline import open_pipeline
+from apsd.plugins import PluginError, load_policy_registry, make_plugin_manager
+from apsd.policies.aging import ApsQueue
+
+from .conftest import make_config
+
+ROOT = Path(__file__).resolve().parents[1]
+APSD = str(Path(sys.executable).with_name("apsd"))
+
+
+# -- every hook has a documented contract ---------------------------------------------------------
+
+HOOKS = [name for name, f in inspect.getmembers(hookspecs, inspect.isfunction)
+         if getattr(f, "apsd_spec", None) is not None]
+
+
+def test_every_hookspec_is_documented():
+    assert set(HOOKS) == {"register_policies", *hookspecs.EVENT_HOOKS}
+    plugin_guide = (ROOT / "docs" / "plugins.md").read_text()
+    for name in HOOKS:
+        assert len(inspect.getdoc(getattr(hookspecs, name)) or "") > 60, name
+        assert f"`{name}" in plugin_guide, f"docs/plugins.md does not document {name}"
+
+
+# -- broken plugins stop the daemon at start-up with one message ------------------------------------
+
+def install_fake_plugin(site: Path, module_source: str, name: str = "broken") -> None:
+    """A real (if minimal) installed distribution with an ``apsd`` entry point."""
+    (site / f"{name}_mod.py").write_text(textwrap.dedent(module_source))
+    info = site / f"{name}_plugin-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}-plugin\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text(f"[apsd]\n{name} = {name}_mod\n")
+
+
+BROKEN = {
+    "import error": ("import torch_that_is_not_installed\n",
+                     "plugin 'broken' (broken_mod, from broken-plugin 0.3) failed to load: "
+                     "ModuleNotFoundError: No module named 'torch_that_is_not_installed'"),
+    "bad signature": ("import apsd\n@apsd.hookimpl\ndef register_policies(registry, gpu):\n    pass\n",
+                      "plugin 'broken' (broken_mod, from broken-plugin 0.3): bad hook implementation"),
+    "misspelled hook": ("import apsd\n@apsd.hookimpl\ndef register_policys(registry):\n    pass\n",
+                        "plugin 'broken': unknown hook 'register_policys'"),
+    "raises while registering": (
+        "import apsd\n@apsd.hookimpl\ndef register_policies(registry):\n    raise RuntimeError('no GPU here')\n",
+        "plugin 'broken' failed in register_policies: RuntimeError: no GPU here"),
+    "takes a built-in's name": (
+        "import apsd\n@apsd.hookimpl\ndef register_policies(registry):\n"
+        "    registry.aging('aps', lambda params, config: None)\n",
+        "aging policy 'aps' is registered twice (apsd.policies.aging and broken)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_broken_plugin_stops_startup_naming_it(tmp_path, case):
+    source, expected = BROKEN[case]
+    install_fake_plugin(tmp_path, source)
+    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    for args in (["--port", "0"], ["plugins"]):
+        result = subprocess.run([APSD, *args], capture_output=True, text=True, timeout=60, env=env)
+        assert result.returncode == 1, result.stderr
+        assert expected in result.stderr
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_allow_list_skips_a_broken_plugin_and_rejects_unknown_names(tmp_path):
+    install_fake_plugin(tmp_path, BROKEN["import error"][0])
+    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    listed = subprocess.run([APSD, "plugins"], capture_output=True, text=True, timeout=60,
+                            env={**env, "APSD_PLUGINS": ""})
+    assert listed.returncode == 0 and "broken" not in listed.stdout and "apsd.policies.aging" in listed.stdout
+    unknown = subprocess.run([APSD, "plugins"], capture_output=True, text=True, timeout=60,
+                             env={**env, "APSD_PLUGINS": "brokn"})
+    assert unknown.returncode == 1 and "APSD_PLUGINS names 'brokn'" in unknown.stderr
+
+
+def test_a_working_third_party_plugin_is_listed_and_selectable(tmp_path):
+    install_fake_plugin(tmp_path, """
+        import apsd
+
+        class Lifo:
+            def __init__(self):
+                self.items = []
+            def push(self, request, now):
+                self.items.append(request)
+            def peek(self, now):
+                return self.items[-1]
+            def pop(self, now):
+                return self.items.pop()
+            def effective_priority(self, request, now):
+                return float(request.priority_bid)
+            def __len__(self):
+                return len(self.items)
+            def __iter__(self):
+                return iter(self.items)
+
+        @apsd.hookimpl
+        def register_policies(registry):
+            registry.aging("lifo", lambda params, config: Lifo(), "last in, first out")
+
+        @apsd.hookimpl
+        def request_finished(request, outcome):
+            pass
+        """, name="lifo")
+    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin", "APSD_PLUGINS": "lifo"}
+    listed = subprocess.run([APSD, "plugins"], capture_output=True, text=True, timeout=60, env=env)
+    assert "lifo  [lifo-plugin 0.3]  aging: lifo; observes: request_finished" in listed.stdout
+    config = tmp_path / "lifo.toml"
+    config.write_text('[policy]\naging = "lifo"\n')
+    refused = subprocess.run([APSD, str(config)], capture_output=True, text=True, timeout=60,
+                             env={**env, "APSD_PLUGINS": ""})   # not loaded: the name is unknown
+    assert refused.returncode == 2 and "unknown aging policy 'lifo' (available: aps, fifo, static)" in refused.stderr
+
+
+# -- the observation hooks ----------------------------------------------------------------------
+
+class Recorder:
+    """Implements every observation hook and records what it saw."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    @apsd.hookimpl
+    def request_admitted(self, request, now):
+        self.events.append(("admitted", request.request_id, now))
+
+    @apsd.hookimpl
+    def request_rejected(self, request, refusal, now):
+        self.events.append(("rejected", request.request_id, refusal.status))
+
+    @apsd.hookimpl
+    def request_dispatched(self, request, batch, now):
+        assert request in batch.requests and request.dispatched_at == now
+        self.events.append(("dispatched", request.request_id, batch.batch_id))
+
+    @apsd.hookimpl
+    def batch_started(self, batch, executor_id, now):
+        self.events.append(("batch_started", batch.batch_id, executor_id))
+
+    @apsd.hookimpl
+    def batch_finished(self, batch, executor_id, now, busy_s, cost_usd):
+        self.events.append(("batch_finished", batch.batch_id, busy_s, cost_usd))
+
+    @apsd.hookimpl
+    def request_finished(self, request, outcome, now):
+        self.events.append(("finished", request.request_id, type(outcome).__name__))
+
+
+async def test_observation_hooks_fire_once_each_in_order(autojump_clock):
+    pm = make_plugin_manager(load_entry_points=False)
+    recorder = Recorder()
+    pm.register(recorder, name="recorder")
+    config = make_config(tenants={"t": TenantConfig(rate=1e6, burst=10**6)}, gpu=GpuConfig(count=2))
+    policies = load_policy_registry(pm).build(config, "aps")
+    async with open_pipeline(config, policies, events=EventBus(pm)) as pipeline:
+        requests = []
+        for i in range(40):
+            r = pipeline.new_request(tenant_id="t" if i % 10 else "nobody", prompt="", tokens_requested=50,
+                                     priority_bid=1 + i % 10, prompt_tokens=10)
+            pipeline.submit_nowait(r)
+            requests.append(r)
+        outcomes = [await r.reply.wait() for r in requests]
+        ledger = pipeline.ledger
+    kinds = Counter(e[0] for e in recorder.events)
+    assert kinds["rejected"] == 4 and kinds["admitted"] == kinds["dispatched"] == kinds["finished"] == 36
+    assert kinds["batch_started"] == kinds["batch_finished"] == ledger.batches == 3
+    assert sum(e[2] for e in recorder.events if e[0] == "batch_finished") == pytest.approx(ledger.gpu_busy_s)
+    assert sum(e[3] for e in recorder.events if e[0] == "batch_finished") == pytest.approx(ledger.cost_usd)
+    for r, outcome in zip(requests, outcomes):
+        mine = [e[0] for e in recorder.events if e[1] == r.request_id]
+        assert mine == (["admitted", "dispatched", "finished"] if isinstance(outcome, Completion) else ["rejected"])
+    assert {e[2] for e in recorder.events if e[0] == "batch_started"} == {0, 1}   # both GPUs ran
+
+
+# -- policies and observers that raise at run time ------------------------------------------------
+
+class FlakyQueue(ApsQueue):
+    """APS, except it cannot order tenant_b, and its next pop raises when told to."""
+
+    fail_next_pop = False
+
+    def push(self, request, now):
+        if request.tenant_id == "tenant_b":
+            raise ValueError("cannot order tenant_b")
+        super().push(request, now)
+
+    def pop(self, now):
+        if FlakyQueue.fail_next_pop:
+            FlakyQueue.fail_next_pop = False
+            raise RuntimeError("heap corrupted")
+        return super().pop(now)
+
+
+class FlakyPlugin:
+    @apsd.hookimpl
+    def register_policies(self, registry):
+        registry.aging("flaky", lambda params, config: FlakyQueue(alpha=1.0))
+
+    @apsd.hookimpl
+    def request_finished(self, request, outcome, now):
+        raise RuntimeError("observer bug")   # must never change an outcome
+
+
+async def test_a_policy_that_raises_fails_only_affected_requests(nursery):
+    pm = make_plugin_manager(load_entry_points=False)
+    pm.register(FlakyPlugin(), name="flaky")
+    config = make_config({"policy": {"aging": "flaky"}}, server=ServerConfig(port=0),
+                         gpu=GpuConfig(time_scale=0.001))
+    daemon = Daemon.from_config(config, handle_signals=False, plugin_manager=pm)
+    (url,) = await nursery.start(daemon.run)
+    body = {"prompt": "hi", "tokens_requested": 20, "priority_bid": 5}
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        bad = await client.post("/infer", json={"tenant_id": "tenant_b", **body})
+        assert bad.status_code == 500
+        assert bad.json() == {"error": "policy_error",
+                              "message": "aging policy 'flaky' raised ValueError: cannot order tenant_b"}
+        good = await client.post("/infer", json={"tenant_id": "tenant_a", **body})
+        assert good.status_code == 200
+
+        FlakyQueue.fail_next_pop = True       # the next cut fails
+        broken_cut = await client.post("/infer", json={"tenant_id": "tenant_c", **body})
+        assert broken_cut.status_code == 500
+        assert broken_cut.json()["message"] == ("cutting a batch (batching policy 'micro' from aging policy "
+                                                "'flaky') raised RuntimeError: heap corrupted")
+        after = await client.post("/infer", json={"tenant_id": "tenant_a", **body})
+        assert after.status_code == 200           # a fresh queue: the daemon keeps serving
+        counts = (await client.get("/metrics")).json()["requests"]
+    assert (counts["completed"], counts["failed"]) == (2, 2) and counts["conservation_ok"]
+    daemon.request_shutdown()
+
+
+async def test_a_failed_cut_fails_everything_queued_and_starts_a_fresh_queue(autojump_clock):
+    pm = make_plugin_manager(load_entry_points=False)
+    pm.register(FlakyPlugin(), name="flaky")
+    config = make_config({"policy": {"aging": "flaky"}}, tenants={"t": TenantConfig(rate=1e6, burst=10**6)})
+    async with open_pipeline(config, load_policy_registry(pm).build(config, "fifo")) as pipeline:
+        broken_queue = pipeline.scheduler.queue
+        FlakyQueue.fail_next_pop = True
+        first = [pipeline.new_request(tenant_id="t", prompt="", tokens_requested=10, priority_bid=5,
+                                      prompt_tokens=0) for _ in range(5)]
+        for r in first:
+            pipeline.submit_nowait(r)
+        assert {(await r.reply.wait()).error for r in first} == {"policy_error"}
+        assert pipeline.scheduler.queue is not broken_queue and len(pipeline.scheduler.queue) == 0
+        later = pipeline.new_request(tenant_id="t", prompt="", tokens_requested=10, priority_bid=5, prompt_tokens=0)
+        pipeline.submit_nowait(later)
+        assert isinstance(await later.reply.wait(), Completion)
+        requests = pipeline.metrics()["requests"]
+    assert (requests["failed"], requests["completed"], requests["conservation_ok"]) == (5, 1, True)
