@@ -19,7 +19,9 @@ LISTENING = re.compile(rb"apsd listening on (http://\S+)")
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([APSD, *args], capture_output=True, text=True, timeout=60)
+    """Run apsd with only the built-in plugins (whatever else is installed)."""
+    return subprocess.run([APSD, *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "APSD_PLUGINS": ""})
 
 
 def test_version_and_help():
