@@ -141,7 +141,14 @@ def slow_config(grace_s: float):
                        tenants={"t": TenantConfig(rate=1e6, burst=10**6)})
 
 
-async def wait_in_flight(client: httpx.AsyncClient, n: int) -> None:
+async def send_and_wait_in_flight(nursery: trio.Nursery, client: httpx.AsyncClient, n: int, tokens: int,
+                                  answers: list[httpx.Response]) -> None:
+    """Start ``n`` requests in ``nursery`` (answers appended to ``answers``); return once all are in flight."""
+    async def one() -> None:
+        answers.append(await client.post("/infer", json=body("t", prompt="", tokens=tokens)))
+
+    for _ in range(n):
+        nursery.start_soon(one)
     while (await client.get("/metrics")).json()["requests"]["in_flight"] < n:
         await trio.sleep(0.01)
 
@@ -150,12 +157,8 @@ async def test_shutdown_finishes_accepted_work_and_refuses_new(nursery):
     running = await start_daemon(nursery, slow_config(grace_s=30.0))
     answers = []
     async with running.client as client:
-        async def one():
-            answers.append(await client.post("/infer", json=body("t", prompt="", tokens=400)))
         async with trio.open_nursery() as requests:
-            for _ in range(20):
-                requests.start_soon(one)
-            await wait_in_flight(client, 20)
+            await send_and_wait_in_flight(requests, client, 20, 400, answers)
             running.daemon.request_shutdown()
             await trio.sleep(0.05)
             late = await client.post("/infer", json=body("t", prompt="", tokens=10))
@@ -169,12 +172,8 @@ async def test_shutdown_after_grace_answers_the_rest_with_503(nursery):
     running = await start_daemon(nursery, slow_config(grace_s=0.2))
     answers = []
     async with running.client as client:
-        async def one():
-            answers.append(await client.post("/infer", json=body("t", prompt="", tokens=2000)))
         async with trio.open_nursery() as requests:
-            for _ in range(40):
-                requests.start_soon(one)
-            await wait_in_flight(client, 40)
+            await send_and_wait_in_flight(requests, client, 40, 2000, answers)
             pipeline = running.daemon.pipeline
             running.daemon.request_shutdown()
     codes = sorted(a.status_code for a in answers)
