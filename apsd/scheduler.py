@@ -27,7 +27,7 @@ skipped when they come out of the queue.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
 import trio
@@ -35,7 +35,7 @@ import trio
 from .clock import ModelClock
 from .ledger import Ledger
 from .models import Batch, InferenceRequest, Outcome, Refusal
-from .policy import POLICY_KINDS, GovernorReading, OrderingPolicy, PolicySet
+from .policy import GovernorReading, OrderingPolicy, PolicySet
 
 __all__ = ["Scheduler"]
 
@@ -55,9 +55,20 @@ class Scheduler:
     _changed: trio.Event = attrs.field(factory=trio.Event, init=False)
     _backlog_since: float | None = attrs.field(default=None, init=False)
     _next_batch_id: int = attrs.field(default=1, init=False)
+    #: (kind, bound method) of every policy that defines on_dispatch / on_finish.
+    _on_dispatch: list[tuple[str, Callable[..., None]]] = attrs.field(factory=list, init=False)
+    _on_finish: list[tuple[str, Callable[..., None]]] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.queue = self.policies.aging
+        self._use_queue(self.policies.aging)
+
+    def _use_queue(self, queue: OrderingPolicy) -> None:
+        """Make ``queue`` the waiting queue and find which policies want events."""
+        self.queue = queue
+        self._backlog_since = None
+        policies = (("aging", queue), ("governor", self.policies.governor), ("batching", self.policies.batching))
+        self._on_dispatch = [(k, p.on_dispatch) for k, p in policies if hasattr(p, "on_dispatch")]
+        self._on_finish = [(k, p.on_finish) for k, p in policies if hasattr(p, "on_finish")]
 
     @property
     def queue_depth(self) -> int:
@@ -86,28 +97,25 @@ class Scheduler:
 
     def policy_finished(self, request: InferenceRequest, outcome: Outcome, now: float) -> None:
         """Tell every policy with an ``on_finish`` method (the ledger calls this)."""
-        for kind, policy in self._policies():
-            on_finish = getattr(policy, "on_finish", None)
-            if on_finish is not None:
-                try:
-                    on_finish(request, outcome, now)
-                except Exception as exc:  # the outcome is delivered already: log only
-                    self._failure(kind, exc)
-
-    def _policies(self) -> list[tuple[str, object]]:
-        return [("aging", self.queue), ("governor", self.policies.governor),
-                ("batching", self.policies.batching)]
+        for kind, on_finish in self._on_finish:
+            try:
+                on_finish(request, outcome, now)
+            except Exception as exc:  # the outcome is delivered already: log only
+                self._failure(kind, exc)
 
     # -- intake ----------------------------------------------------------------------------
     def enqueue(self, request: InferenceRequest) -> None:
         """Put an admitted request in the queue and tell the governor it arrived."""
-        for kind, call in (("governor", lambda: self.policies.governor.observe_arrival(request.arrival)),
-                           ("aging", lambda: self.queue.push(request, self.clock.now()))):
-            try:
-                call()
-            except Exception as exc:
-                self._fail([request], self._failure(kind, exc))
-                return
+        try:
+            self.policies.governor.observe_arrival(request.arrival)
+        except Exception as exc:
+            self._fail([request], self._failure("governor", exc))
+            return
+        try:
+            self.queue.push(request, self.clock.now())
+        except Exception as exc:
+            self._fail([request], self._failure("aging", exc))
+            return
         if self._backlog_since is None:
             self._backlog_since = request.arrival
         self._wake()
@@ -126,7 +134,7 @@ class Scheduler:
         except Exception as exc:
             self._failure("aging", exc)
             dropped = []
-            self.queue = self.policies.new_aging()
+            self._use_queue(self.policies.new_aging())
         self._backlog_since = None
         return dropped
 
@@ -176,8 +184,7 @@ class Scheduler:
     def _fail_queued(self, failure: PolicyFailure) -> None:
         """After a failed cut: fail every admitted request not yet dispatched, start a fresh queue."""
         self._fail([r for r in list(self.ledger.outstanding.values()) if r.dispatched_at is None], failure)
-        self.queue = self.policies.new_aging()
-        self._backlog_since = None
+        self._use_queue(self.policies.new_aging())
 
     def _cut(self, now: float, reading: GovernorReading) -> Batch | None:
         """Cut a batch (None if everything that came out had been answered already)."""
@@ -204,12 +211,10 @@ class Scheduler:
                       window_s=reading.window_s)
         self._next_batch_id += 1
         self.ledger.dispatched(batch)
-        for kind, policy in self._policies():
-            on_dispatch = getattr(policy, "on_dispatch", None)
-            if on_dispatch is not None:
-                try:
-                    on_dispatch(batch, now)
-                except Exception as exc:
-                    self._fail(requests, self._failure(kind, exc))
-                    return None
+        for kind, on_dispatch in self._on_dispatch:
+            try:
+                on_dispatch(batch, now)
+            except Exception as exc:
+                self._fail(requests, self._failure(kind, exc))
+                return None
         return batch

@@ -268,3 +268,57 @@ async def test_a_failed_cut_fails_everything_queued_and_starts_a_fresh_queue(aut
         assert isinstance(await later.reply.wait(), Completion)
         requests = pipeline.metrics()["requests"]
     assert (requests["failed"], requests["completed"], requests["conservation_ok"]) == (5, 1, True)
+
+
+class EventfulGovernor:
+    """A fixed 10 ms window that also hears every dispatch and finish (optionally failing)."""
+
+    def __init__(self) -> None:
+        self.dispatched: list[int] = []
+        self.finished: list[str] = []
+        self.fail_dispatch = False
+
+    def observe_arrival(self, now):
+        pass
+
+    def reading(self, now):
+        return apsd.GovernorReading(window_s=0.010, state="EVENTFUL")
+
+    def on_dispatch(self, batch, now):
+        if self.fail_dispatch:
+            raise KeyError("no room")
+        self.dispatched.append(batch.batch_id)
+
+    def on_finish(self, request, outcome, now):
+        self.finished.append(type(outcome).__name__)
+
+
+async def test_policies_hear_dispatch_and_finish_and_a_failing_dispatch_fails_its_batch(autojump_clock):
+    governor = EventfulGovernor()
+
+    class Plugin:
+        @apsd.hookimpl
+        def register_policies(self, registry):
+            registry.governor("eventful", lambda params, config: governor)
+
+    pm = make_plugin_manager(load_entry_points=False)
+    pm.register(Plugin(), name="eventful")
+    config = make_config({"policy": {"governor": "eventful"}}, tenants={"t": TenantConfig(rate=1e6, burst=10**6)})
+    async with open_pipeline(config, load_policy_registry(pm).build(config, "fifo")) as pipeline:
+        def submit(n):
+            batch = [pipeline.new_request(tenant_id="t", prompt="", tokens_requested=10, priority_bid=5,
+                                          prompt_tokens=0) for _ in range(n)]
+            for r in batch:
+                pipeline.submit_nowait(r)
+            return batch
+
+        ok = [await r.reply.wait() for r in submit(20)]
+        governor.fail_dispatch = True
+        failed = [await r.reply.wait() for r in submit(3)]
+        governor.fail_dispatch = False
+        again = [await r.reply.wait() for r in submit(1)]
+    assert all(isinstance(o, Completion) for o in ok + again)
+    assert governor.dispatched == [1, 2, 4]           # batch 3 was cut, then refused by on_dispatch
+    assert {(o.status, o.error) for o in failed} == {(500, "policy_error")}
+    assert "governor policy 'eventful' raised KeyError" in failed[0].message
+    assert governor.finished == ["Completion"] * 20 + ["Refusal"] * 3 + ["Completion"]
