@@ -25,7 +25,6 @@ import trio
 
 from .api import create_app
 from .config import Config
-from .events import EventBus
 from .pipeline import Pipeline
 from .plugins import load_policy_registry, make_plugin_manager
 from .policy import PolicyRegistry, PolicySet
@@ -70,8 +69,7 @@ class Daemon:
 
     async def run(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until shut down; ``task_status.started`` receives the bound URLs."""
-        pipeline = self.pipeline = Pipeline.build(self.config, self.policies,
-                                                  events=EventBus(self.plugin_manager))
+        pipeline = self.pipeline = Pipeline.build(self.config, self.policies)
         async with trio.open_nursery() as nursery:
             if self.handle_signals:
                 await nursery.start(self._watch_signals)

@@ -1,13 +1,15 @@
 """Observation events: the pipeline tells plugins what happened, cheaply and safely.
 
 Ownership: one :class:`EventBus` per pipeline, built from the plugin manager at
-start-up. Hooks without implementations cost one dict lookup; a hook that raises
-is logged and ignored (see :mod:`apsd.hookspecs`).
+start-up. Each hook implementation is called on its own, with the arguments it
+declares: one that raises is logged (naming its plugin) and the others still
+run. A hook nobody implements costs one dict lookup.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pluggy
@@ -21,21 +23,21 @@ log = logging.getLogger("apsd.plugins")
 
 class EventBus:
     def __init__(self, plugin_manager: pluggy.PluginManager | None = None) -> None:
-        self._hooks: dict[str, Any] = {}
+        # hook name -> [(plugin name, function, the argument names it takes)], in pluggy's call order
+        self._listeners: dict[str, list[tuple[str, Callable[..., Any], tuple[str, ...]]]] = {}
         if plugin_manager is not None:
             for name in EVENT_HOOKS:
-                hook = getattr(plugin_manager.hook, name)
-                if hook.get_hookimpls():
-                    self._hooks[name] = hook
+                impls = getattr(plugin_manager.hook, name).get_hookimpls()
+                if impls:
+                    self._listeners[name] = [(i.plugin_name, i.function, tuple(i.argnames))
+                                             for i in reversed(impls)]
 
     def wants(self, name: str) -> bool:
-        return name in self._hooks
+        return name in self._listeners
 
     def emit(self, name: str, **kwargs: Any) -> None:
-        hook = self._hooks.get(name)
-        if hook is None:
-            return
-        try:
-            hook(**kwargs)
-        except Exception:
-            log.exception("a plugin's %s hook raised; ignored", name)
+        for plugin, function, argnames in self._listeners.get(name, ()):
+            try:
+                function(*[kwargs[a] for a in argnames])
+            except Exception:
+                log.exception("plugin %r raised in its %s hook; ignored", plugin, name)

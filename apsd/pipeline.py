@@ -57,7 +57,9 @@ class Pipeline:
               events: EventBus | None = None) -> Pipeline:
         """Assemble a pipeline (call inside ``trio.run``: the clock starts now)."""
         clock = ModelClock(time_scale=config.gpu.time_scale)
-        ledger = Ledger(tenant_names=config.tenants, clock=clock, events=events or EventBus())
+        if events is None:
+            events = EventBus(policies.plugin_manager)
+        ledger = Ledger(tenant_names=config.tenants, clock=clock, events=events)
         admission = Admission(tenants=dict(config.tenants), batching=policies.batching, ledger=ledger,
                               clock=clock, max_queued=config.queue.max_requests)
         scheduler = Scheduler(policies=policies, ledger=ledger, clock=clock)
@@ -157,7 +159,11 @@ class Pipeline:
 
     # -- read-only views -----------------------------------------------------------------
     def governor_view(self) -> dict:
-        reading = self.scheduler.governor_reading()
+        try:
+            reading = self.scheduler.governor_reading()
+        except Exception as exc:  # a broken governor must not break /health and /metrics
+            return {"state": "ERROR", "entropy_bits": None, "window_ms": None,
+                    "error": f"{type(exc).__name__}: {exc}"}
         return {"state": reading.state, "entropy_bits": reading.entropy_bits,
                 "window_ms": reading.window_s * 1000.0}
 
@@ -211,6 +217,7 @@ async def open_pipeline(config: Config, policies: PolicySet, *, request_id_prefi
                         events: EventBus | None = None) -> AsyncIterator[Pipeline]:
     """A running pipeline without HTTP, for the simulator and tests; stopped on exit.
 
+    Observation hooks of the plugins the policies came from fire as in the daemon.
     Under ``trio.testing.MockClock(autojump_threshold=0)`` it runs in virtual time.
     Requests still unfinished on exit are answered 503 before the stages stop.
     """

@@ -22,7 +22,7 @@ import pluggy
 
 from . import hookspecs
 from .config import Config
-from .policy import POLICY_KINDS, PolicyRegistry, PolicySet
+from .policy import POLICY_KINDS, PluginError, PolicyRegistry, PolicySet
 
 __all__ = [
     "DEFAULT_PLUGINS",
@@ -45,11 +45,6 @@ ENTRY_POINT_GROUP = "apsd"
 ALLOW_LIST_VARIABLE = "APSD_PLUGINS"
 
 
-class PluginError(Exception):
-    """A plugin could not be loaded or registered; ``str()`` names the plugin, on one line."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(" ".join(message.split()))
 
 
 def _allow_list(value: str | None) -> set[str] | None:
@@ -98,7 +93,7 @@ def make_plugin_manager(*, load_entry_points: bool = True,
 
 def load_policy_registry(pm: pluggy.PluginManager) -> PolicyRegistry:
     """Call every plugin's ``register_policies`` (registration order) and return the registry."""
-    registry = PolicyRegistry()
+    registry = PolicyRegistry(plugin_manager=pm)
     for impl in pm.hook.register_policies.get_hookimpls():
         registry.current_plugin = impl.plugin_name
         try:

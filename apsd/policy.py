@@ -127,6 +127,25 @@ class PolicySet:
     names: dict[str, str]
     #: Builds a fresh, empty aging policy (used after the running one raised).
     new_aging: Callable[[], OrderingPolicy]
+    #: The plugin manager the policies came from: its observation hooks are the pipeline's events.
+    plugin_manager: Any = None
+
+
+class PluginError(Exception):
+    """A plugin could not be loaded, registered or built; ``str()`` names it, on one line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
+
+
+def _call_factory(entry: PolicyEntry, params: dict[str, Any], config: Config) -> Any:
+    try:
+        return entry.factory(params, config)
+    except ConfigError as exc:
+        raise ConfigError(f"{config.source}: {exc}") from None
+    except Exception as exc:
+        raise PluginError(f"{entry.kind} policy {entry.name!r} of plugin {entry.plugin!r} failed to build: "
+                          f"{type(exc).__name__}: {exc}") from exc
 
 
 @attrs.define(eq=False)
@@ -136,6 +155,7 @@ class PolicyRegistry:
     entries: dict[tuple[str, str], PolicyEntry] = attrs.field(factory=dict)
     presets: dict[str, Preset] = attrs.field(factory=dict)
     current_plugin: str = "?"
+    plugin_manager: Any = None
 
     def _add(self, kind: PolicyKind, name: str, factory: PolicyFactory, summary: str) -> None:
         key = (kind, name)
@@ -189,19 +209,14 @@ class PolicyRegistry:
                                   f"(policies: {', '.join(sorted(known))})")
         for (kind, name), entry in self.entries.items():  # catch typos in unselected tables too
             if name in config.policy.params and name != names[kind]:
-                try:
-                    entry.factory(dict(config.policy.params[name]), config)
-                except ConfigError as exc:
-                    raise ConfigError(f"{source}: {exc}") from None
+                _call_factory(entry, dict(config.policy.params[name]), config)
         built = {}
         for kind in POLICY_KINDS:
             entry = self.entries[(kind, names[kind])]
-            try:
-                built[kind] = entry.factory(dict(config.policy.params.get(entry.name, {})), config)
-            except ConfigError as exc:
-                raise ConfigError(f"{source}: {exc}") from None
+            built[kind] = _call_factory(entry, dict(config.policy.params.get(entry.name, {})), config)
         aging = self.entries[("aging", names["aging"])]
         aging_params = dict(config.policy.params.get(aging.name, {}))
         return PolicySet(aging=built["aging"], governor=built["governor"], batching=built["batching"],
                          names={"preset": chosen_preset, **names},
-                         new_aging=lambda: aging.factory(dict(aging_params), config))
+                         new_aging=lambda: aging.factory(dict(aging_params), config),
+                         plugin_manager=self.plugin_manager)

@@ -18,8 +18,11 @@ waited, so they go out as soon as an executor is free.
 
 Error handling: a policy that raises fails the requests it was handling with a
 500 ``policy_error`` naming the policy, and the scheduler carries on. If the
-exception came while cutting a batch the queue can no longer be trusted: every
-queued request is failed and the aging policy is replaced by a fresh one.
+exception came while deciding or cutting a batch (governor reading, batching
+``is_full``/``cut``, the queue's ``peek``/``pop``/``effective_priority``), no
+batch can be trusted to come out of the queue: every queued request is failed
+and the aging policy is replaced by a fresh one (its state is lost), so the
+scheduler cannot spin on a queue it cannot empty.
 Requests answered while still queued (failed, or cancelled at shutdown) are
 skipped when they come out of the queue.
 """
@@ -202,11 +205,12 @@ class Scheduler:
         if not requests:
             return None
         try:
-            for request in requests:
-                request.dispatched_at = now
-                request.effective_priority = queue.effective_priority(request, now)
-        except Exception as exc:
+            priorities = [queue.effective_priority(request, now) for request in requests]
+        except Exception as exc:  # nothing stamped yet: _fail_queued answers them
             raise self._failure("aging", exc) from exc
+        for request, priority in zip(requests, priorities):
+            request.dispatched_at = now
+            request.effective_priority = priority
         batch = Batch(batch_id=self._next_batch_id, requests=tuple(requests), formed_at=now,
                       window_s=reading.window_s)
         self._next_batch_id += 1

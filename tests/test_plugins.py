@@ -322,3 +322,62 @@ async def test_policies_hear_dispatch_and_finish_and_a_failing_dispatch_fails_it
     assert {(o.status, o.error) for o in failed} == {(500, "policy_error")}
     assert "governor policy 'eventful' raised KeyError" in failed[0].message
     assert governor.finished == ["Completion"] * 20 + ["Refusal"] * 3 + ["Completion"]
+
+
+class RaisingObserver:
+    @apsd.hookimpl
+    def request_admitted(self, request):
+        raise RuntimeError("observer bug")
+
+
+async def test_a_raising_observer_does_not_hide_events_from_others(autojump_clock):
+    pm = make_plugin_manager(load_entry_points=False)
+    recorder = Recorder()
+    pm.register(recorder, name="recorder")
+    pm.register(RaisingObserver(), name="raiser")     # registered last: pluggy calls it first
+    config = make_config(tenants={"t": TenantConfig(rate=1e6, burst=10**6)})
+    policies = load_policy_registry(pm).build(config, "fifo")
+    async with open_pipeline(config, policies) as pipeline:   # hooks come with the policies' plugins
+        r = pipeline.new_request(tenant_id="t", prompt="", tokens_requested=5, priority_bid=5, prompt_tokens=0)
+        pipeline.submit_nowait(r)
+        assert isinstance(await r.reply.wait(), Completion)
+    assert [e[0] for e in recorder.events if e[1] == r.request_id] == ["admitted", "dispatched", "finished"]
+
+
+class BadPriorityQueue(ApsQueue):
+    def effective_priority(self, request, now):
+        raise ZeroDivisionError("bad priority")
+
+
+async def test_effective_priority_raising_answers_the_cut_requests(autojump_clock):
+    class Plugin:
+        @apsd.hookimpl
+        def register_policies(self, registry):
+            registry.aging("badprio", lambda params, config: BadPriorityQueue(alpha=1.0))
+
+    pm = make_plugin_manager(load_entry_points=False)
+    pm.register(Plugin(), name="badprio")
+    config = make_config({"policy": {"aging": "badprio"}}, tenants={"t": TenantConfig(rate=1e6, burst=10**6)})
+    async with open_pipeline(config, load_policy_registry(pm).build(config, "fifo")) as pipeline:
+        requests = [pipeline.new_request(tenant_id="t", prompt="", tokens_requested=5, priority_bid=5,
+                                         prompt_tokens=0) for _ in range(20)]
+        for r in requests:
+            pipeline.submit_nowait(r)
+        outcomes = [await r.reply.wait() for r in requests]
+        counts = pipeline.metrics()["requests"]
+    assert {o.error for o in outcomes} == {"policy_error"}
+    assert "ZeroDivisionError: bad priority" in outcomes[0].message
+    assert (counts["failed"], counts["queued"], counts["running"], counts["conservation_ok"]) == (20, 0, 0, True)
+
+
+def test_a_factory_bug_names_the_plugin():
+    class Plugin:
+        @apsd.hookimpl
+        def register_policies(self, registry):
+            registry.batching("oops", lambda params, config: 1 / 0)
+
+    pm = make_plugin_manager(load_entry_points=False)
+    pm.register(Plugin(), name="oops-plugin")
+    with pytest.raises(PluginError, match="batching policy 'oops' of plugin 'oops-plugin' failed to build: "
+                                          "ZeroDivisionError: division by zero"):
+        load_policy_registry(pm).build(make_config({"policy": {"batching": "oops"}}))

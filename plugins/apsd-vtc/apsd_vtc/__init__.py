@@ -16,8 +16,9 @@ an idle tenant cannot bank credit and then monopolise the GPU.
 Work-conserving: whenever anything is queued, ``pop`` returns a request.
 
 Cost: the order depends on service, not on a key fixed at push time, so it is
-not a heap. ``push`` is O(1); ``peek`` and ``pop`` scan the backlogged tenants,
-O(T) for T backlogged tenants (requests within a tenant are a FIFO deque). With
+not a heap. ``peek`` and ``pop`` scan the backlogged tenants, O(T) for T
+backlogged tenants (requests within a tenant are a FIFO deque); ``push`` is O(1)
+except when it lifts a returning tenant's counter, which also scans them. With
 tens of tenants this is a few microseconds; with thousands, put a heap of
 counters in front (counters only grow between lifts).
 
