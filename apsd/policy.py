@@ -158,11 +158,13 @@ class PolicyRegistry:
     plugin_manager: Any = None
 
     def _add(self, kind: PolicyKind, name: str, factory: PolicyFactory, summary: str) -> None:
-        key = (kind, name)
-        if key in self.entries:
-            other = self.entries[key].plugin
-            raise ValueError(f"{kind} policy {name!r} is registered twice ({other} and {self.current_plugin})")
-        self.entries[key] = PolicyEntry(kind, name, factory, summary, self.current_plugin)
+        # Names are unique across kinds: a policy's parameters live in [policy.<name>].
+        taken = [e for (_, n), e in self.entries.items() if n == name]
+        if taken:
+            other = taken[0]
+            raise ValueError(f"policy name {name!r} is registered twice ({other.kind} policy of {other.plugin}, "
+                             f"{kind} policy of {self.current_plugin}); names are unique across kinds")
+        self.entries[(kind, name)] = PolicyEntry(kind, name, factory, summary, self.current_plugin)
 
     def aging(self, name: str, factory: PolicyFactory, summary: str = "") -> None:
         """Register an :class:`OrderingPolicy` factory under ``name``."""
@@ -200,8 +202,12 @@ class PolicyRegistry:
         for kind in POLICY_KINDS:
             names[kind] = getattr(config.policy, kind) or getattr(base, kind)
             if (kind, names[kind]) not in self.entries:
-                raise ConfigError(f"{source}: policy.{kind}: unknown {kind} policy {names[kind]!r} "
-                                  f"(available: {', '.join(self.names(kind))})")
+                available = ", ".join(self.names(kind))
+                if getattr(config.policy, kind):
+                    raise ConfigError(f"{source}: policy.{kind}: unknown {kind} policy {names[kind]!r} "
+                                      f"(available: {available})")
+                raise PluginError(f"preset {chosen_preset!r} of plugin {base.plugin!r} names unknown {kind} "
+                                  f"policy {names[kind]!r} (available: {available})")
         known = {name for (_, name) in self.entries}
         for table in config.policy.params:
             if table not in known:

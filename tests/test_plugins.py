@@ -68,7 +68,7 @@ BROKEN = {
     "takes a built-in's name": (
         "import apsd\n@apsd.hookimpl\ndef register_policies(registry):\n"
         "    registry.aging('aps', lambda params, config: None)\n",
-        "aging policy 'aps' is registered twice (apsd.policies.aging and broken)"),
+        "policy name 'aps' is registered twice (aging policy of apsd.policies.aging, aging policy of broken)"),
 }
 
 
@@ -381,3 +381,25 @@ def test_a_factory_bug_names_the_plugin():
     with pytest.raises(PluginError, match="batching policy 'oops' of plugin 'oops-plugin' failed to build: "
                                           "ZeroDivisionError: division by zero"):
         load_policy_registry(pm).build(make_config({"policy": {"batching": "oops"}}))
+
+
+def test_policy_names_are_unique_across_kinds_and_presets_are_checked():
+    class SameName:
+        @apsd.hookimpl
+        def register_policies(self, registry):
+            registry.governor("aps", lambda params, config: None)
+
+    pm = make_plugin_manager(load_entry_points=False)
+    pm.register(SameName(), name="same-name")
+    with pytest.raises(PluginError, match="policy name 'aps' is registered twice .* unique across kinds"):
+        load_policy_registry(pm)
+
+    class BadPreset:
+        @apsd.hookimpl
+        def register_policies(self, registry):
+            registry.preset("bad", aging="nope", governor="fixed", batching="micro")
+
+    pm = make_plugin_manager(load_entry_points=False)
+    pm.register(BadPreset(), name="bad-preset")
+    with pytest.raises(PluginError, match="preset 'bad' of plugin 'bad-preset' names unknown aging policy 'nope'"):
+        load_policy_registry(pm).build(make_config(), "bad")
