@@ -11,7 +11,8 @@ Checks, in order (the first that fails answers):
 2. unknown tenant           -> 404 ``unknown_tenant``
 3. can never be admitted    -> 413 (cost above the tenant's burst, or above
                                what one batch can hold — the batching policy says)
-4. queue full               -> 503 ``queue_full`` with ``Retry-After``
+4. tenant's queue share full -> 429 ``tenant_queue_full`` with ``Retry-After``
+   queue full               -> 503 ``queue_full`` with ``Retry-After``
 5. bucket short of tokens   -> 429 ``rate_limited`` with ``Retry-After`` and
                                the IETF ``RateLimit``/``RateLimit-Policy`` fields
 
@@ -76,8 +77,15 @@ class TokenBucket:
         return max(0.0, (amount - self.level(now)) / self.rate)
 
 
+_MAX_HEADER_SECONDS = 2**31 - 1  # what HTTP delta-seconds parsers are required to handle
+
+
+def _seconds(seconds: float) -> int:
+    return min(_MAX_HEADER_SECONDS, math.ceil(seconds))
+
+
 def _retry_after(seconds: float) -> str:
-    return str(max(1, math.ceil(seconds)))
+    return str(max(1, _seconds(seconds)))
 
 
 @attrs.define(eq=False)
@@ -89,6 +97,7 @@ class Admission:
     ledger: Ledger
     clock: ModelClock
     max_queued: int
+    max_queued_per_tenant: int
     buckets: dict[str, TokenBucket] = attrs.field(init=False)
     accepting: bool = True
     _next_seq: int = 0
@@ -105,8 +114,8 @@ class Admission:
         window = self.clock.wall_seconds(bucket.burst / bucket.rate)
         until_full = self.clock.wall_seconds(bucket.seconds_until(bucket.burst, now))
         return {
-            "RateLimit-Policy": f'"tokens";q={int(bucket.burst)};w={math.ceil(window)}',
-            "RateLimit": f'"tokens";r={int(remaining)};t={math.ceil(until_full)}',
+            "RateLimit-Policy": f'"tokens";q={int(bucket.burst)};w={_seconds(window)}',
+            "RateLimit": f'"tokens";r={int(remaining)};t={_seconds(until_full)}',
         }
 
     def decide(self, request: InferenceRequest) -> Refusal | None:
@@ -131,6 +140,11 @@ class Admission:
                            f"batching policy raised {type(exc).__name__} in refuse_reason: {exc}")
         if never is not None:
             return Refusal(413, "exceeds_batch_capacity", never)
+        if self.ledger.tenants[request.tenant_id].queued >= self.max_queued_per_tenant:
+            return Refusal(429, "tenant_queue_full",
+                           f"tenant {request.tenant_id!r} already has {self.max_queued_per_tenant} requests queued "
+                           "(queue.max_requests_per_tenant); retry when some have run",
+                           headers={"Retry-After": "1"})
         if self.ledger.queued_total >= self.max_queued:
             return Refusal(503, "queue_full",
                            f"the queue holds its maximum of {self.max_queued} requests; retry later",
@@ -165,7 +179,11 @@ class Admission:
         or ``ingress`` closes; closes ``admitted`` on the way out."""
         async with ingress, admitted:
             async for request in ingress:
-                refusal = self.decide(request)
+                try:
+                    refusal = self.decide(request)
+                except Exception:  # a bug deciding one request must not stop admission
+                    log.exception("admission failed on request %s", request.request_id)
+                    refusal = Refusal(500, "internal_error", "admission failed on this request; see the log")
                 if refusal is None:
                     self.ledger.admit(request)
                     await admitted.send(request)

@@ -27,6 +27,8 @@ __all__ = ["create_app", "parse_infer_body"]
 log = logging.getLogger("apsd.http")
 
 MAX_TENANT_ID_CHARS = 256
+#: Far beyond any real request; bounds client integers before any arithmetic or formatting.
+MAX_TOKENS_REQUESTED = 1_000_000_000
 _INFER_FIELDS = {"tenant_id": str, "prompt": str, "tokens_requested": int, "priority_bid": int}
 
 
@@ -59,12 +61,12 @@ def parse_infer_body(raw: bytes) -> dict[str, Any]:
     if not data["tenant_id"].strip() or len(data["tenant_id"]) > MAX_TENANT_ID_CHARS:
         raise BodyError(422, "invalid_field", f"tenant_id must be 1-{MAX_TENANT_ID_CHARS} characters",
                         field="tenant_id")
-    if data["tokens_requested"] < 1:
-        raise BodyError(422, "invalid_field",
-                        f"tokens_requested must be >= 1, got {data['tokens_requested']}", field="tokens_requested")
+    # (never format a client's integer before bounding it: a 5000-digit int cannot be printed)
+    if not 1 <= data["tokens_requested"] <= MAX_TOKENS_REQUESTED:
+        raise BodyError(422, "invalid_field", f"tokens_requested must be 1-{MAX_TOKENS_REQUESTED}",
+                        field="tokens_requested")
     if not 1 <= data["priority_bid"] <= 10:
-        raise BodyError(422, "invalid_field",
-                        f"priority_bid must be 1-10, got {data['priority_bid']}", field="priority_bid")
+        raise BodyError(422, "invalid_field", "priority_bid must be 1-10", field="priority_bid")
     return data
 
 
@@ -93,7 +95,11 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
                                          tokens_requested=body["tokens_requested"],
                                          priority_bid=body["priority_bid"])
         refusal = pipeline.submit_nowait(inference)
-        outcome = refusal or await inference.reply.wait()
+        try:
+            outcome = refusal or await inference.reply.wait()
+        finally:  # the client went away (the handler is cancelled): a queued request leaves
+            if not inference.answered:
+                pipeline.cancel(inference)
         if isinstance(outcome, Completion):
             headers = pipeline.admission.rate_limit_headers(outcome.tenant_id)
             return Response(json.dumps(attrs.asdict(outcome)), status=200, headers=headers,
@@ -128,6 +134,7 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
     @app.errorhandler(Exception)
     async def internal_error(exc: Exception) -> Response:
         log.exception("internal error answering %s %s", request.method, request.path)
+        pipeline.ledger.count_refusal(None, "internal_error")
         return error_response(Refusal(500, "internal_error", "internal error; see the daemon's log"))
 
     return app

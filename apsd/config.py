@@ -34,24 +34,22 @@ class ConfigError(Exception):
     """A configuration problem; ``str()`` names the source and the key."""
 
 
-def positive(_inst: object, attribute: attrs.Attribute, value: float) -> None:
-    if not value > 0 or (isinstance(value, float) and math.isinf(value)):
-        raise ValueError(f"must be a finite number > 0, got {value!r}")
-
-
-def non_negative(_inst: object, attribute: attrs.Attribute, value: float) -> None:
-    if not value >= 0 or (isinstance(value, float) and math.isinf(value)):
-        raise ValueError(f"must be a finite number >= 0, got {value!r}")
-
-
-def port_number(_inst: object, attribute: attrs.Attribute, value: int) -> None:
-    if not 0 <= value <= 65535:
-        raise ValueError(f"must be a port number 0-65535, got {value!r}")
+def between(low: float, high: float):
+    """A validator for ``low <= value <= high`` (the ranges keep later arithmetic finite)."""
+    def check(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+        if not low <= value <= high:
+            raise ValueError(f"must be between {low:g} and {high:g}, got {value!r}")
+    return check
 
 
 def non_empty(_inst: object, attribute: attrs.Attribute, value: str) -> None:
     if not value.strip():
         raise ValueError("must not be empty")
+
+
+def port_number(_inst: object, attribute: attrs.Attribute, value: int) -> None:
+    if not 0 <= value <= 65535:
+        raise ValueError(f"must be a port number 0-65535, got {value!r}")
 
 
 @attrs.frozen
@@ -61,50 +59,52 @@ class ServerConfig:
     host: str = attrs.field(default="127.0.0.1", validator=non_empty)
     port: int = attrs.field(default=8002, validator=port_number)
     #: Seconds queued and running requests get to finish after SIGTERM/SIGINT.
-    shutdown_grace_s: float = attrs.field(default=30.0, validator=non_negative)
+    shutdown_grace_s: float = attrs.field(default=30.0, validator=between(0, 86_400))
     #: Largest accepted request body; larger bodies get 413.
-    max_body_bytes: int = attrs.field(default=1_048_576, validator=positive)
+    max_body_bytes: int = attrs.field(default=1_048_576, validator=between(1, 1 << 30))
 
 
 @attrs.frozen
 class TenantConfig:
     """One tenant's token bucket: ``rate`` tokens/second, at most ``burst`` banked."""
 
-    rate: float = attrs.field(validator=positive)
-    burst: int = attrs.field(validator=positive)
+    rate: float = attrs.field(validator=between(1e-6, 1e12))
+    burst: int = attrs.field(validator=between(1, 10**12))
 
 
 @attrs.frozen
 class QueueConfig:
     """Backpressure: admitted-but-not-dispatched requests beyond this get 503."""
 
-    max_requests: int = attrs.field(default=10_000, validator=positive)
+    max_requests: int = attrs.field(default=10_000, validator=between(1, 10**8))
+    #: One tenant's share of the queue: beyond it that tenant gets 429 (the others are unaffected).
+    max_requests_per_tenant: int = attrs.field(default=2_000, validator=between(1, 10**8))
     #: Requests waiting in the ingress channel for the admission task.
-    ingress_buffer: int = attrs.field(default=1_024, validator=positive)
+    ingress_buffer: int = attrs.field(default=1_024, validator=between(1, 10**7))
 
 
 @attrs.frozen
 class AdmissionConfig:
     """How a prompt's token count is estimated (there is no tokenizer)."""
 
-    chars_per_token: float = attrs.field(default=4.0, validator=positive)
+    chars_per_token: float = attrs.field(default=4.0, validator=between(0.1, 1000))
 
 
 @attrs.frozen
 class GpuConfig:
     """The simulated A100 (seed model); every constant is here."""
 
-    count: int = attrs.field(default=1, validator=positive)
-    prefill_tokens_per_s: float = attrs.field(default=1024.0, validator=positive)
+    count: int = attrs.field(default=1, validator=between(1, 1024))
+    prefill_tokens_per_s: float = attrs.field(default=1024.0, validator=between(1e-3, 1e12))
     #: Single-sequence decode speed; a batch of b decodes at
     #: ``decode_tokens_per_s * (decode_batch_base + decode_batch_sqrt * sqrt(b))``.
-    decode_tokens_per_s: float = attrs.field(default=128.0, validator=positive)
-    decode_batch_base: float = attrs.field(default=0.4, validator=non_negative)
-    decode_batch_sqrt: float = attrs.field(default=0.6, validator=non_negative)
-    price_per_hour_usd: float = attrs.field(default=3.0, validator=non_negative)
+    decode_tokens_per_s: float = attrs.field(default=128.0, validator=between(1e-3, 1e12))
+    decode_batch_base: float = attrs.field(default=0.4, validator=between(0, 1e6))
+    decode_batch_sqrt: float = attrs.field(default=0.6, validator=between(0, 1e6))
+    price_per_hour_usd: float = attrs.field(default=3.0, validator=between(0, 1e9))
     #: Wall seconds per model second: 1.0 is real time, 0.01 runs 100x faster.
     #: Every duration apsd reports is in model seconds, whatever this is.
-    time_scale: float = attrs.field(default=1.0, validator=positive)
+    time_scale: float = attrs.field(default=1.0, validator=between(1e-6, 1e6))
 
 
 @attrs.frozen

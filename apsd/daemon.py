@@ -8,14 +8,17 @@ cancels the rest and propagates: the daemon stops loudly.
 
 Shutdown (SIGTERM/SIGINT or :meth:`request_shutdown`): new requests get 503;
 queued and running requests get ``server.shutdown_grace_s`` wall seconds to
-finish; whatever is left is answered 503 (tokens refunded); then hypercorn
-stops after sending those answers and :meth:`run` returns normally.
+finish (a second SIGTERM/SIGINT ends the grace period at once); whatever is left
+is answered 503 (tokens refunded) and the stages are cancelled; then hypercorn
+stops after sending those answers and :meth:`run` returns normally. SIGHUP is
+logged and ignored (configuration reload is not implemented yet).
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 
 import attrs
 import hypercorn.config
@@ -34,7 +37,7 @@ __all__ = ["Daemon"]
 log = logging.getLogger("apsd")
 
 #: Seconds hypercorn waits for responses still being written after we stop it.
-HTTP_GRACEFUL_TIMEOUT_S = 5.0
+HTTP_GRACEFUL_TIMEOUT_S = 2.0
 
 
 def _bind_address(host: str, port: int) -> str:
@@ -52,6 +55,7 @@ class Daemon:
     handle_signals: bool = True
     pipeline: Pipeline | None = None
     _stop: trio.Event = attrs.field(factory=trio.Event)
+    _hurry: trio.Event = attrs.field(factory=trio.Event)
 
     @classmethod
     def from_config(cls, config: Config, *, preset: str | None = None, handle_signals: bool = True,
@@ -64,7 +68,9 @@ class Daemon:
                    handle_signals=handle_signals)
 
     def request_shutdown(self) -> None:
-        """Begin a graceful shutdown (what SIGTERM does)."""
+        """Begin a graceful shutdown (what SIGTERM does); a second call ends the grace period now."""
+        if self._stop.is_set():
+            self._hurry.set()
         self._stop.set()
 
     async def run(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
@@ -73,7 +79,7 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             if self.handle_signals:
                 await nursery.start(self._watch_signals)
-            pipeline.start_stages(nursery)
+            await nursery.start(pipeline.run_stages)
             http_stop = trio.Event()
             http_done = trio.Event()
             binds = await nursery.start(self._serve_http, pipeline, http_stop, http_done)
@@ -86,10 +92,17 @@ class Daemon:
             log.info("apsd shutting down: %d requests in flight, grace %.1f s",
                      len(pipeline.ledger.outstanding), self.config.server.shutdown_grace_s)
             pipeline.close_doors()
-            await pipeline.drain(self.config.server.shutdown_grace_s)
+            with trio.move_on_after(self.config.server.shutdown_grace_s):
+                async with trio.open_nursery() as drain:  # whichever comes first: idle, or a 2nd signal
+                    async def finish_when(event_wait: Callable[[], Awaitable[object]]) -> None:
+                        await event_wait()
+                        drain.cancel_scope.cancel()
+                    drain.start_soon(finish_when, pipeline.ledger.wait_idle)
+                    drain.start_soon(finish_when, self._hurry.wait)
             aborted = pipeline.abort_outstanding()
+            pipeline.stop_stages()  # nothing runs, or is billed, after the last answer
             if aborted:
-                log.warning("grace period over: answered %d unfinished requests with 503", aborted)
+                log.warning("answered %d unfinished requests with 503", aborted)
             http_stop.set()
             await http_done.wait()
             nursery.cancel_scope.cancel()
@@ -109,8 +122,12 @@ class Daemon:
             done.set()
 
     async def _watch_signals(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             task_status.started()
             async for signum in signals:
-                log.info("received %s", signal.Signals(signum).name)
+                name = signal.Signals(signum).name
+                if signum == signal.SIGHUP:  # caught so it cannot kill the daemon mid-request
+                    log.warning("received SIGHUP: configuration reload is not supported yet; ignored")
+                    continue
+                log.info("received %s%s", name, " again: grace period ends now" if self._stop.is_set() else "")
                 self.request_shutdown()

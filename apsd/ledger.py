@@ -74,7 +74,8 @@ class Ledger:
     #: Refusals that name no configured tenant (unknown tenant, malformed body): counted, but
     #: never as a new entry per name, so a client cannot grow this dict.
     unattributed: TenantStats = attrs.field(factory=TenantStats, init=False)
-    outstanding: dict[str, InferenceRequest] = attrs.field(factory=dict)
+    #: Admitted requests without an outcome yet, by identity, in admission order.
+    outstanding: dict[InferenceRequest, None] = attrs.field(factory=dict)
     batches: int = 0
     gpu_busy_s: float = 0.0
     cost_usd: float = 0.0
@@ -83,6 +84,9 @@ class Ledger:
     events: EventBus = attrs.field(factory=EventBus)
     #: Called with (request, outcome, now) after every admitted request's outcome is delivered.
     on_finish: Callable[[InferenceRequest, Outcome, float], None] | None = None
+    #: Called with an admitted request that ended without being served (failed or cancelled):
+    #: its tokens go back to its tenant's bucket.
+    on_refund: Callable[[InferenceRequest], None] | None = None
     _idle: trio.Event = attrs.field(factory=trio.Event)
 
     def __attrs_post_init__(self) -> None:
@@ -109,12 +113,14 @@ class Ledger:
         stats.rejected_by_error[error] += 1
 
     def admit(self, request: InferenceRequest) -> None:
+        if request in self.outstanding:
+            raise ValueError(f"request {request.request_id} was admitted twice")
         stats = self._stats(request.tenant_id)
         stats.admitted += 1
         stats.queued += 1
         if not self.outstanding:
             self._idle = trio.Event()
-        self.outstanding[request.request_id] = request
+        self.outstanding[request] = None
         self.events.emit("request_admitted", request=request, now=self._now())
 
     def dispatched(self, batch: Batch) -> None:
@@ -156,7 +162,9 @@ class Ledger:
             stats.failed += 1
         else:
             stats.cancelled += 1
-        del self.outstanding[request.request_id]
+        if isinstance(outcome, Refusal) and self.on_refund is not None:
+            self.on_refund(request)
+        del self.outstanding[request]
         if not self.outstanding:
             self._idle.set()
         now = self._now()

@@ -106,6 +106,11 @@ class InferenceRequest:
     effective_priority: float | None = None
 
     @property
+    def answered(self) -> bool:
+        """Whether the request already has its terminal outcome (a queue may still hold it)."""
+        return self.reply.outcome is not None
+
+    @property
     def cost_tokens(self) -> int:
         """What the request costs its tenant's bucket and occupies in the KV cache."""
         return self.prompt_tokens + self.tokens_requested

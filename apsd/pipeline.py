@@ -51,6 +51,7 @@ class Pipeline:
     _ingress_send: trio.MemorySendChannel[InferenceRequest]
     _ingress_receive: trio.MemoryReceiveChannel[InferenceRequest]
     _next_request: int = 0
+    _stages_scope: trio.CancelScope | None = None
 
     @classmethod
     def build(cls, config: Config, policies: PolicySet, *, request_id_prefix: str | None = None,
@@ -61,9 +62,11 @@ class Pipeline:
             events = EventBus(policies.plugin_manager)
         ledger = Ledger(tenant_names=config.tenants, clock=clock, events=events)
         admission = Admission(tenants=dict(config.tenants), batching=policies.batching, ledger=ledger,
-                              clock=clock, max_queued=config.queue.max_requests)
+                              clock=clock, max_queued=config.queue.max_requests,
+                              max_queued_per_tenant=config.queue.max_requests_per_tenant)
         scheduler = Scheduler(policies=policies, ledger=ledger, clock=clock)
         ledger.on_finish = scheduler.policy_finished
+        ledger.on_refund = admission.refund
         model = GpuModel(config.gpu)
         executors = [SimulatedExecutor(i, model, ledger, clock) for i in range(config.gpu.count)]
         send, receive = trio.open_memory_channel[InferenceRequest](config.queue.ingress_buffer)
@@ -71,6 +74,18 @@ class Pipeline:
                    scheduler=scheduler, executors=executors,
                    request_id_prefix=request_id_prefix if request_id_prefix is not None else secrets.token_hex(4),
                    ingress_send=send, ingress_receive=receive)
+
+    async def run_stages(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the stages in a nursery of their own until :meth:`stop_stages` (supports ``nursery.start``)."""
+        async with trio.open_nursery() as nursery:
+            self._stages_scope = nursery.cancel_scope
+            self.start_stages(nursery)
+            task_status.started()
+
+    def stop_stages(self) -> None:
+        """Cancel the stages started by :meth:`run_stages`: no batch runs or is billed after this."""
+        if self._stages_scope is not None:
+            self._stages_scope.cancel()
 
     def start_stages(self, nursery: trio.Nursery) -> None:
         """Start admission, the scheduler's two loops and every executor in ``nursery``."""
@@ -108,8 +123,11 @@ class Pipeline:
     def submit_nowait(self, request: InferenceRequest) -> Refusal | None:
         """Hand ``request`` to admission; a Refusal if it cannot even be taken in.
 
-        Otherwise the request's reply slot will be resolved exactly once.
+        Otherwise the request's reply slot will be resolved exactly once. Submit each
+        request once, from one task (the order of submission is the order of admission).
         """
+        if request.answered or request in self.ledger.outstanding:
+            raise ValueError(f"request {request.request_id} was already submitted")
         refusal = None
         if not self.accepting:
             refusal = Refusal(503, "shutting_down", "apsd is shutting down and accepts no new requests",
@@ -124,23 +142,23 @@ class Pipeline:
             self.ledger.refuse_unadmitted(request, refusal)
         return refusal
 
+    def cancel(self, request: InferenceRequest) -> bool:
+        """The client gave up on ``request``: if it is still queued, it leaves the queue,
+        counted as cancelled, tokens refunded. Once running it finishes (and is billed:
+        the GPU does the work). Returns True if it was cancelled."""
+        if request.answered or request.dispatched_at is not None or request not in self.ledger.outstanding:
+            return False
+        return self.ledger.finish(request, Refusal(499, "client_disconnected",
+                                                   "the client disconnected while the request was queued",
+                                                   kind="cancelled"))
+
     # -- the way out -----------------------------------------------------------------------
     def close_doors(self) -> None:
         """Stop admitting: from now on every new request is answered 503."""
         self.admission.accepting = False
 
-    async def drain(self, grace_s: float) -> bool:
-        """Let queued and running requests finish for up to ``grace_s`` wall seconds.
-
-        Returns True if everything finished in time.
-        """
-        with trio.move_on_after(grace_s):
-            await self.ledger.wait_idle()
-            return True
-        return False
-
     def abort_outstanding(self) -> int:
-        """Answer every unfinished request with 503 (refunding its tokens); returns how many."""
+        """Answer every unfinished request with 503 (the ledger refunds its tokens); returns how many."""
         while True:  # requests still in the ingress buffer were never admitted
             try:
                 request = self._ingress_receive.receive_nowait()
@@ -150,8 +168,7 @@ class Pipeline:
                 503, "shutting_down", "apsd is shutting down", headers={"Retry-After": "5"}))
         self.scheduler.drop_queued()  # so no executor picks up a request already answered
         aborted = 0
-        for request in list(self.ledger.outstanding.values()):
-            self.admission.refund(request)
+        for request in list(self.ledger.outstanding):
             aborted += self.ledger.finish(request, Refusal(
                 503, "shutting_down", "apsd shut down before this request could finish",
                 kind="cancelled", headers={"Retry-After": "5"}))

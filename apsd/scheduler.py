@@ -38,6 +38,7 @@ import trio
 from .clock import ModelClock
 from .ledger import Ledger
 from .models import Batch, InferenceRequest, Outcome, Refusal
+from .policies.aging import FifoQueue
 from .policy import GovernorReading, OrderingPolicy, PolicySet
 
 __all__ = ["Scheduler"]
@@ -75,7 +76,8 @@ class Scheduler:
 
     @property
     def queue_depth(self) -> int:
-        return len(self.queue)
+        """Requests waiting for dispatch (the ledger's count: the queue may also hold answered ones)."""
+        return self.ledger.queued_total
 
     def governor_reading(self) -> GovernorReading:
         return self.policies.governor.reading(self.clock.now())
@@ -156,48 +158,72 @@ class Scheduler:
     async def wait_next_batch(self) -> Batch:
         """Wait until the queue has a batch to cut (full, or its window elapsed), then cut it."""
         while True:
-            if not self.queue:
-                await self._changed.wait()
-                continue
-            now = self.clock.now()
             try:
-                try:
-                    reading = self.policies.governor.reading(now)
-                except Exception as exc:
-                    raise self._failure("governor", exc) from exc
-                assert self._backlog_since is not None
-                cut_at = self._backlog_since + reading.window_s
-                if self.clock.reached(cut_at) or self._is_full(now):
-                    batch = self._cut(now, reading)
-                    if batch is not None:
-                        return batch
-                    continue
-            except PolicyFailure as failure:
-                self._fail_queued(failure)
-                continue
-            with trio.move_on_at(self.clock.deadline(cut_at)):
+                decision = self._decide(self.clock.now())
+            except Exception as exc:  # any policy failure, or a bad value a policy returned
+                self._fail_queued(exc if isinstance(exc, PolicyFailure) else self._failure("cut", exc))
+                # Everything queued has been answered: nothing to do before the next arrival
+                # (and a policy that fails every time cannot make this loop spin).
                 await self._changed.wait()
+                continue
+            if isinstance(decision, Batch):
+                return decision
+            if decision is None:
+                await self._changed.wait()
+            else:
+                with trio.move_on_at(self.clock.deadline(decision)):
+                    await self._changed.wait()
 
-    def _is_full(self, now: float) -> bool:
+    def _decide(self, now: float) -> Batch | float | None:
+        """A batch to send now, else the model time to look again (None: when something arrives)."""
         try:
-            return self.policies.batching.is_full(self.queue, now)
+            if not self.queue:
+                return None
+        except Exception as exc:
+            raise self._failure("aging", exc) from exc
+        try:
+            reading = self.policies.governor.reading(now)
+            window = float(reading.window_s)
+        except Exception as exc:
+            raise self._failure("governor", exc) from exc
+        if not 0.0 <= window < float("inf"):
+            raise PolicyFailure(f"governor policy {self.policies.names['governor']!r} returned window_s "
+                                f"{window!r} (must be finite and >= 0)")
+        if self._backlog_since is None:  # a push that raised may have left a request in the queue
+            self._backlog_since = now
+        cut_at = self._backlog_since + window
+        try:
+            full = self.policies.batching.is_full(self.queue, now)
         except Exception as exc:
             raise self._failure("batching", exc) from exc
+        if not (full or self.clock.reached(cut_at)):
+            return cut_at
+        # Everything cut may have been answered already (skipped): look again at once.
+        return self._cut(now, reading) or now
 
     def _fail_queued(self, failure: PolicyFailure) -> None:
         """After a failed cut: fail every admitted request not yet dispatched, start a fresh queue."""
-        self._fail([r for r in list(self.ledger.outstanding.values()) if r.dispatched_at is None], failure)
-        self._use_queue(self.policies.new_aging())
+        self._fail([r for r in list(self.ledger.outstanding) if r.dispatched_at is None], failure)
+        try:
+            fresh = self.policies.new_aging()
+        except Exception as exc:  # cannot even rebuild it: keep serving in arrival order
+            self._failure("aging", exc)
+            fresh = FifoQueue()
+            log.error("serving in arrival order (fifo) from now on")
+        self._use_queue(fresh)
 
     def _cut(self, now: float, reading: GovernorReading) -> Batch | None:
         """Cut a batch (None if everything that came out had been answered already)."""
         queue = self.queue
         try:
-            cut = self.policies.batching.cut(queue, now)
+            cut = list(self.policies.batching.cut(queue, now))
         except Exception as exc:
             raise self._failure("cut", exc) from exc
-        requests = [r for r in cut if r.reply.outcome is None]  # skip requests answered while queued
-        if not queue:
+        if not all(isinstance(r, InferenceRequest) for r in cut):
+            raise PolicyFailure(f"batching policy {self.policies.names['batching']!r} cut something that is "
+                                "not a request")
+        requests = [r for r in cut if not r.answered]  # skip requests answered while queued
+        if not len(queue):
             self._backlog_since = None
         if not cut:
             raise PolicyFailure(f"batching policy {self.policies.names['batching']!r} cut an empty batch "

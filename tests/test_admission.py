@@ -29,10 +29,11 @@ def request(tenant="t", prompt=10, tokens=90, bid=5, n=[0]):
     return InferenceRequest(f"r{n[0]}", tenant, prompt, tokens, bid)
 
 
-def make_admission(clock, max_queued=100):
+def make_admission(clock, max_queued=100, per_tenant=100):
     return Admission(tenants={"t": TenantConfig(rate=100.0, burst=1000)},
                      batching=MicroBatching(MicroParams(max_batch_size=16, kv_cap_tokens=800)),
-                     ledger=Ledger(tenant_names=["t"]), clock=clock, max_queued=max_queued)
+                     ledger=Ledger(tenant_names=["t"]), clock=clock, max_queued=max_queued,
+                     max_queued_per_tenant=per_tenant)
 
 
 async def test_bucket_refills_in_virtual_time(autojump_clock):
@@ -99,3 +100,19 @@ async def test_refund_returns_tokens(autojump_clock):
     assert admission.buckets["t"].level(0.0) == 300
     admission.refund(r)
     assert admission.buckets["t"].level(0.0) == 1000
+
+
+async def test_one_tenant_cannot_fill_the_shared_queue(autojump_clock):
+    clock = ModelClock()
+    admission = Admission(tenants={"hog": TenantConfig(rate=1e6, burst=10**6),
+                                   "other": TenantConfig(rate=1e6, burst=10**6)},
+                          batching=MicroBatching(MicroParams()), ledger=Ledger(tenant_names=["hog", "other"]),
+                          clock=clock, max_queued=10, max_queued_per_tenant=3)
+    answers = []
+    for tenant in ["hog"] * 5 + ["other"] * 3:
+        r = request(tenant=tenant)
+        refusal = admission.decide(r)
+        if refusal is None:
+            admission.ledger.admit(r)
+        answers.append((tenant, refusal and (refusal.status, refusal.error)))
+    assert answers == [("hog", None)] * 3 + [("hog", (429, "tenant_queue_full"))] * 2 + [("other", None)] * 3

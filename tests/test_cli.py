@@ -37,8 +37,8 @@ def test_version_and_help():
         (None, ["/no/such/apsd.toml"], "/no/such/apsd.toml: no such config file"),
         ("[server\n", [], "TOML syntax error"),
         ("[server]\nprot = 8002\n", [], "server.prot: unknown key"),
-        ("[tenants.a]\nrate = -1\nburst = 5\n", [], "tenants.a.rate: must be a finite number > 0, got -1"),
-        ("[tenants.a]\nrate = 0\nburst = 5\n", [], "tenants.a.rate: must be a finite number > 0, got 0"),
+        ("[tenants.a]\nrate = -1\nburst = 5\n", [], "tenants.a.rate: must be between 1e-06 and 1e+12, got -1"),
+        ("[tenants.a]\nrate = 0\nburst = 5\n", [], "tenants.a.rate: must be between 1e-06 and 1e+12, got 0"),
         ("[gpu]\ncount = 'two'\n", [], "gpu.count: must be an integer"),
         ("", ["--policy", "lottery"], "policy preset 'lottery' is unknown (available: aps, fifo, static)"),
         ("[policy]\naging = 'lifo'\n", [], "unknown aging policy 'lifo' (available: aps, fifo, static)"),
@@ -123,3 +123,34 @@ async def test_port_in_use_is_one_clear_message():
         process.send_signal(signal.SIGTERM)
         with trio.fail_after(30):
             assert await process.wait() == 0
+
+
+async def test_sighup_is_ignored_and_a_second_sigterm_ends_the_grace_period(tmp_path):
+    config = tmp_path / "slow.toml"
+    config.write_text("[server]\nshutdown_grace_s = 600.0\n[tenants.t]\nrate = 1e6\nburst = 1000000\n")
+    process, url, _ = await start_apsd(str(config), "--port", "0")
+    answers: list[httpx.Response] = []
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            async def long_one() -> None:   # 5000 tokens at 128/s: about 40 s of real time
+                answers.append(await client.post("/infer", json={"tenant_id": "t", "prompt": "",
+                                                                  "tokens_requested": 5000, "priority_bid": 1}))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(long_one)
+                with trio.fail_after(10):
+                    while (await client.get("/metrics")).json()["requests"]["running"] < 1:
+                        await trio.sleep(0.02)
+                process.send_signal(signal.SIGHUP)
+                await trio.sleep(0.2)
+                assert (await client.get("/health")).json()["status"] == "ok"   # still serving
+                process.send_signal(signal.SIGTERM)
+                await trio.sleep(0.2)
+                assert (await client.get("/health")).json()["status"] == "draining"
+                process.send_signal(signal.SIGTERM)                           # don't wait 600 s
+                with trio.fail_after(15):
+                    assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+    assert [(a.status_code, a.json()["error"]) for a in answers] == [(503, "shutting_down")]

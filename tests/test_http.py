@@ -181,6 +181,8 @@ async def test_shutdown_after_grace_answers_the_rest_with_503(nursery):
     assert all(a.json()["error"] == "shutting_down" for a in answers)
     counts = pipeline.metrics()["requests"]
     assert counts["cancelled"] == 40 and counts["conservation_ok"] and counts["in_flight"] == 0
+    await trio.sleep(1.0)              # the batch that was running would have ended by now...
+    assert pipeline.ledger.batches == 0 and pipeline.ledger.cost_usd == 0   # ...but it was stopped
     # tokens of requests that never ran went back to the bucket
     assert pipeline.admission.buckets["t"].level(pipeline.clock.now()) == 10**6
 
@@ -193,3 +195,35 @@ async def test_refusals_before_admission_are_counted_without_growing_per_name_st
     assert metrics["requests"]["rejected"] == 51
     assert metrics["requests"]["rejected_by_error"] == {"unknown_tenant": 50, "invalid_json": 1}
     assert set(live.daemon.pipeline.ledger.tenants) == {"tenant_a", "tenant_b", "trickle", "big"}
+
+
+@pytest.mark.parametrize("tokens", [10**1000, 2**31, 1_000_000_001])
+async def test_huge_integers_are_422_and_the_daemon_lives_on(live, tokens):
+    raw = ('{"tenant_id": "tenant_a", "prompt": "abcd", "tokens_requested": %d, "priority_bid": 5}' % tokens
+           if tokens < 10**999 else
+           '{"tenant_id": "tenant_a", "prompt": "abcd", "tokens_requested": %s, "priority_bid": 5}' % ("9" * 4300))
+    response = await live.client.post("/infer", content=raw.encode(), headers={"content-type": "application/json"})
+    assert response.status_code == 422 and response.json()["field"] == "tokens_requested"
+    assert (await live.client.post("/infer", json=body(tokens=5))).status_code == 200
+
+
+async def test_client_that_disconnects_while_queued_cancels_and_is_refunded(nursery):
+    running = await start_daemon(nursery, slow_config(grace_s=5.0))
+    async with running.client as client:
+        async with trio.open_nursery() as requests:
+            answers: list[httpx.Response] = []
+            await send_and_wait_in_flight(requests, client, 1, 2000, answers)    # ~0.8 s on the GPU
+            while (await client.get("/metrics")).json()["requests"]["running"] < 1:
+                await trio.sleep(0.01)
+            with trio.move_on_after(0.2):                                     # gives up while queued
+                await client.post("/infer", json=body("t", prompt="", tokens=5000))
+            with trio.fail_after(5):
+                while (await client.get("/tenants/t/status")).json()["cancelled"] < 1:
+                    await trio.sleep(0.01)
+        status = (await client.get("/tenants/t/status")).json()
+        metrics = (await client.get("/metrics")).json()["requests"]
+    assert [a.status_code for a in answers] == [200]
+    assert (status["cancelled"], status["completed"], status["generated_tokens"]) == (1, 1, 2000)
+    assert metrics["conservation_ok"] and metrics["in_flight"] == 0
+    assert status["tokens_available"] > 10**6 - 2000 - 100         # the cancelled 5000 came back
+    running.daemon.request_shutdown()

@@ -164,3 +164,16 @@ async def test_abort_empties_the_queue_so_no_answered_request_runs(autojump_cloc
         assert (stats.queued, stats.running, stats.cancelled, stats.completed) == (0, 0, 40, 0)
         assert pipeline.ledger.batches == 1
         assert {(await r.reply.wait()).status for r in requests} == {503}
+
+
+async def test_a_request_cannot_be_submitted_twice(autojump_clock):
+    config, preset = config_for("fifo")
+    async with open_pipeline(config, build_policies(config, preset)) as pipeline:
+        r = pipeline.new_request(tenant_id="vip", prompt="", tokens_requested=5, priority_bid=5, prompt_tokens=0)
+        assert pipeline.submit_nowait(r) is None
+        await trio.sleep(0.001)          # admitted
+        with pytest.raises(ValueError, match="already submitted"):
+            pipeline.submit_nowait(r)
+        await r.reply.wait()
+        with pytest.raises(ValueError, match="already submitted"):
+            pipeline.submit_nowait(r)

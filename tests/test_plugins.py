@@ -403,3 +403,57 @@ def test_policy_names_are_unique_across_kinds_and_presets_are_checked():
     pm.register(BadPreset(), name="bad-preset")
     with pytest.raises(PluginError, match="preset 'bad' of plugin 'bad-preset' names unknown aging policy 'nope'"):
         load_policy_registry(pm).build(make_config(), "bad")
+
+
+class NanGovernor(EventfulGovernor):
+    def reading(self, now):
+        return apsd.GovernorReading(window_s=float("nan"), state="BROKEN")
+
+
+class LenRaises(ApsQueue):
+    def __len__(self):
+        raise RuntimeError("len broke")
+
+
+class CutsNothing:
+    def refuse_reason(self, request):
+        return None
+
+    def is_full(self, queue, now):
+        return True
+
+    def cut(self, queue, now):
+        return None
+
+
+@pytest.mark.parametrize(
+    ("kind", "policy", "message"),
+    [
+        ("governor", EventfulGovernor, None),   # control: works
+        ("governor", NanGovernor, "returned window_s nan (must be finite and >= 0)"),
+        ("aging", lambda: LenRaises(alpha=1.0), "aging policy 'odd' raised RuntimeError: len broke"),
+        ("batching", CutsNothing, "raised TypeError"),
+    ],
+)
+async def test_bad_policy_results_fail_requests_not_the_daemon(autojump_clock, kind, policy, message):
+    class Plugin:
+        @apsd.hookimpl
+        def register_policies(self, registry):
+            getattr(registry, kind)("odd", lambda params, config: policy())
+
+    pm = make_plugin_manager(load_entry_points=False)
+    pm.register(Plugin(), name="odd")
+    config = make_config({"policy": {kind: "odd"}}, tenants={"t": TenantConfig(rate=1e6, burst=10**6)})
+    async with open_pipeline(config, load_policy_registry(pm).build(config, "fifo")) as pipeline:
+        outcomes = []
+        for _ in range(3):   # one after another: the pipeline keeps going after each failure
+            r = pipeline.new_request(tenant_id="t", prompt="", tokens_requested=10, priority_bid=5, prompt_tokens=0)
+            pipeline.submit_nowait(r)
+            outcomes.append(await r.reply.wait())
+        bucket = pipeline.admission.buckets["t"].level(pipeline.clock.now())
+    if message is None:
+        assert all(isinstance(o, Completion) for o in outcomes)
+    else:
+        assert {(o.status, o.error) for o in outcomes} == {(500, "policy_error")}
+        assert message in outcomes[0].message
+        assert bucket == 10**6     # failed requests got their tokens back

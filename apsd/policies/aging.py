@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from ..config import Config, non_negative, parse_section
+from ..config import Config, between, parse_section
 from ..hookspecs import hookimpl
 from ..models import InferenceRequest
 
@@ -70,7 +70,7 @@ class StaticQueue(HeapQueue):
 @attrs.frozen
 class ApsParams:
     #: Priority points a request gains per model second of waiting.
-    alpha: float = attrs.field(default=1.0, validator=non_negative)
+    alpha: float = attrs.field(default=1.0, validator=between(0, 1e6))
 
 
 class ApsQueue(HeapQueue):

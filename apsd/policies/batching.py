@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from ..config import Config, parse_section, positive
+from ..config import Config, between, parse_section
 from ..hookspecs import hookimpl
 from ..models import InferenceRequest
 from ..policy import OrderingPolicy
@@ -23,8 +23,8 @@ __all__ = ["MicroBatching"]
 
 @attrs.frozen
 class MicroParams:
-    max_batch_size: int = attrs.field(default=16, validator=positive)
-    kv_cap_tokens: int = attrs.field(default=32_768, validator=positive)
+    max_batch_size: int = attrs.field(default=16, validator=between(1, 1_000_000))
+    kv_cap_tokens: int = attrs.field(default=32_768, validator=between(1, 10**12))
 
 
 class MicroBatching:

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ..config import Config, non_negative, parse_section, positive
+from ..config import Config, ConfigError, between, parse_section
 from ..hookspecs import hookimpl
 from ..policy import GovernorReading
 
@@ -39,7 +39,7 @@ def shannon_entropy_bits(gaps_s: Any, bin_s: float) -> float:
 
 @attrs.frozen
 class FixedParams:
-    window_ms: float = attrs.field(default=10.0, validator=non_negative)
+    window_ms: float = attrs.field(default=10.0, validator=between(0, 3_600_000))
 
 
 class FixedGovernor:
@@ -57,12 +57,12 @@ class FixedGovernor:
 
 @attrs.frozen
 class EntropyParams:
-    base_window_ms: float = attrs.field(default=10.0, validator=non_negative)
-    history: int = attrs.field(default=50, validator=positive)
-    bin_ms: float = attrs.field(default=1.0, validator=positive)
-    temperature: float = attrs.field(default=5.0, validator=positive)
-    stable_below_bits: float = attrs.field(default=1.5, validator=non_negative)
-    burst_above_bits: float = attrs.field(default=2.5, validator=non_negative)
+    base_window_ms: float = attrs.field(default=10.0, validator=between(0, 3_600_000))
+    history: int = attrs.field(default=50, validator=between(2, 1_000_000))
+    bin_ms: float = attrs.field(default=1.0, validator=between(1e-6, 1e9))
+    temperature: float = attrs.field(default=5.0, validator=between(1e-6, 1e6))
+    stable_below_bits: float = attrs.field(default=1.5, validator=between(0, 64))
+    burst_above_bits: float = attrs.field(default=2.5, validator=between(0, 64))
 
 
 class EntropyGovernor:
@@ -102,8 +102,6 @@ def _fixed(params: dict[str, Any], config: Config) -> FixedGovernor:
 def _entropy(params: dict[str, Any], config: Config) -> EntropyGovernor:
     parsed = parse_section(EntropyParams, params, "policy.entropy")
     if parsed.burst_above_bits < parsed.stable_below_bits:
-        from ..config import ConfigError
-
         raise ConfigError("policy.entropy.burst_above_bits: must be >= stable_below_bits")
     return EntropyGovernor(parsed)
 

@@ -6,7 +6,8 @@ received. The queue serves the backlogged tenant with the smallest counter,
 first come first served within a tenant. When a request is dispatched, its
 tenant is charged ``(input_weight * prompt_tokens + output_weight *
 tokens_requested) / weight[c]``; when it finishes, the output charge is
-corrected to the tokens really generated (and refunded if it never ran).
+corrected to the tokens really generated, and a request that ends without being
+served (failed, cancelled) is refunded its whole charge.
 
 Counter lift: when a tenant's queue goes from empty to non-empty its counter is
 raised to at least the smallest counter among the other backlogged tenants (or,
@@ -39,15 +40,18 @@ __all__ = ["VtcParams", "VtcQueue", "register_policies"]
 __version__ = "0.1.0"
 
 
+_MAX = 1e6  # weights are ratios: this keeps counters finite
+
+
 def _positive(_inst: object, attribute: attrs.Attribute, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"must be > 0, got {value!r}")
+    if not 0 < value <= _MAX:
+        raise ValueError(f"must be > 0 and <= {_MAX:g}, got {value!r}")
 
 
 def _positive_weights(_inst: object, attribute: attrs.Attribute, value: dict[str, float]) -> None:
     for tenant, weight in value.items():
-        if not weight > 0:
-            raise ValueError(f"weight of {tenant!r} must be > 0, got {weight!r}")
+        if not 0 < weight <= _MAX:
+            raise ValueError(f"weight of {tenant!r} must be > 0 and <= {_MAX:g}, got {weight!r}")
 
 
 @attrs.frozen
@@ -69,7 +73,8 @@ class VtcQueue:
         self.params = params
         self.counters: dict[str, float] = collections.defaultdict(float)
         self._queues: dict[str, collections.deque[apsd.InferenceRequest]] = {}
-        self._last_served_counter = 0.0
+        self._charged: dict[apsd.InferenceRequest, float] = {}  # weighted charge per popped request
+        self._last_served: str | None = None
         self._length = 0
 
     def weight(self, tenant_id: str) -> float:
@@ -86,7 +91,10 @@ class VtcQueue:
         queue = self._queues.get(tenant)
         if not queue:  # the tenant becomes backlogged: lift its counter
             others = [self.counters[t] for t, q in self._queues.items() if q and t != tenant]
-            floor = min(others) if others else self._last_served_counter
+            if others:
+                floor = min(others)
+            else:
+                floor = self.counters[self._last_served] if self._last_served is not None else 0.0
             self.counters[tenant] = max(self.counters[tenant], floor)
             queue = self._queues[tenant] = collections.deque()
         queue.append(request)
@@ -114,8 +122,11 @@ class VtcQueue:
         if not queue:
             del self._queues[tenant]
         self._length -= 1
-        self.counters[tenant] += self.charge(request, request.tokens_requested) / self.weight(tenant)
-        self._last_served_counter = self.counters[tenant]
+        if not request.answered:  # an answered request is skipped by the scheduler: no service
+            charge = self.charge(request, request.tokens_requested) / self.weight(tenant)
+            self.counters[tenant] += charge
+            self._charged[request] = charge
+            self._last_served = tenant
         return request
 
     def effective_priority(self, request: apsd.InferenceRequest, now: float) -> float:
@@ -123,13 +134,16 @@ class VtcQueue:
         return -self.counters[request.tenant_id]
 
     def on_finish(self, request: apsd.InferenceRequest, outcome: Any, now: float) -> None:
-        """Correct the output charge made at dispatch to what was really generated."""
-        if request.dispatched_at is None:
-            return  # never popped, never charged
-        generated = outcome.tokens_generated if isinstance(outcome, apsd.Completion) else 0
-        correction = self.params.output_weight * (generated - request.tokens_requested)
-        if correction:
-            self.counters[request.tenant_id] += correction / self.weight(request.tenant_id)
+        """Correct the charge made at pop: to the tokens generated, or all of it back if not served."""
+        charge = self._charged.pop(request, None)
+        if charge is None:
+            return  # never charged by this queue (not popped yet, or popped by a replaced one)
+        tenant = request.tenant_id
+        if isinstance(outcome, apsd.Completion):
+            correction = self.params.output_weight * (outcome.tokens_generated - request.tokens_requested)
+            self.counters[tenant] += correction / self.weight(tenant)
+        else:
+            self.counters[tenant] -= charge
 
     def __len__(self) -> int:
         return self._length

@@ -131,7 +131,7 @@ async def service_difference(preset):
     """Max |service(slow) - service(fast)| over the first half and over the whole run."""
     config = apsd.parse_config({
         "tenants": {t: {"rate": 1e9, "burst": 10**9} for t in RATES},
-        "queue": {"max_requests": 100_000},
+        "queue": {"max_requests": 100_000, "max_requests_per_tenant": 100_000},
     })
     async with apsd.open_pipeline(config, apsd.build_policies(config, preset)) as pipeline:
         requests = []
@@ -145,6 +145,7 @@ async def service_difference(preset):
         done = sorted((o.latency_ms / 1000 + r.arrival, o.tenant_id, o.prompt_tokens + 2 * o.tokens_generated)
                       for r in requests if isinstance(o := r.reply.outcome, apsd.Completion))
         backlog = {t: sum(1 for r in requests if r.tenant_id == t and r.reply.outcome is None) for t in RATES}
+        assert pipeline.metrics()["requests"]["rejected"] == 0      # everything sent was admitted
     assert min(backlog.values()) > 100, backlog        # both tenants stay backlogged: a real overload
     served = dict.fromkeys(RATES, 0.0)
     worst = {"half": 0.0, "whole": 0.0}
@@ -185,6 +186,7 @@ async def test_weights_give_proportional_shares(autojump_clock):
                 assert pipeline.submit_nowait(r) is None
                 requests.append(r)
         await pipeline.clock.sleep_until(120.0)   # about 500 of the 1200 served: both still backlogged
+        assert pipeline.metrics()["requests"]["rejected"] == 0
         assert all(any(r.tenant_id == t and r.reply.outcome is None for r in requests) for t in ("gold", "bronze"))
         tokens = {t: sum(r.reply.outcome.tokens_generated for r in requests
                          if r.tenant_id == t and isinstance(r.reply.outcome, apsd.Completion))
@@ -216,3 +218,16 @@ async def test_daemon_runs_vtc_over_http(tmp_path):
         process.send_signal(signal.SIGTERM)
         with trio.fail_after(30):
             assert await process.wait() == 0
+
+
+def test_requests_that_are_not_served_are_refunded():
+    q = VtcQueue(VtcParams())
+    served, failed, cancelled = request(0, "a"), request(1, "a"), request(2, "a")
+    for r in (served, failed, cancelled):
+        q.push(r, 0.0)
+    cancelled.reply.resolve(apsd.Refusal(499, "client_disconnected", "gone", kind="cancelled"))
+    q.on_finish(cancelled, cancelled.reply.outcome, 0.0)   # answered while queued: nothing charged
+    assert [q.pop(0.0) for _ in range(3)] == [served, failed, cancelled]
+    assert q.counters["a"] == 2 * 768                      # the cancelled one was skipped, not charged
+    q.on_finish(failed, apsd.Refusal(500, "policy_error", "boom", kind="failed"), 1.0)
+    assert q.counters["a"] == 768                          # the failed one is refunded whole
