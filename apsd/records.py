@@ -1,0 +1,108 @@
+"""What a simulation records, and what a workload is: plain frozen values.
+
+Ownership: :mod:`apsd.workloads` makes :class:`Workload` values;
+:mod:`apsd.simulate` runs them through the real pipeline and produces one
+:class:`PolicyRun` per policy; :mod:`apsd.report` turns runs into numbers,
+Markdown and plots. All times are model seconds from the start of the run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from .config import TenantConfig
+
+__all__ = ["Arrival", "BatchRecord", "GovernorSample", "PolicyRun", "RequestRecord", "Workload"]
+
+
+@attrs.frozen
+class Arrival:
+    """One request of a workload: when it arrives and what it asks for."""
+
+    at: float
+    tenant: str
+    prompt_tokens: int
+    output_tokens: int
+    bid: int
+
+
+@attrs.frozen
+class Workload:
+    """A named, fully generated workload (identical for every policy it is run with)."""
+
+    name: str
+    description: str
+    arrivals: tuple[Arrival, ...]          # sorted by ``at``; ties keep generation order
+    tenants: dict[str, TenantConfig]       # the tenants' buckets during the simulation
+    params: dict[str, Any]                 # the parameters it was generated with (for the report)
+    seed: int = 0
+
+
+@attrs.frozen
+class RequestRecord:
+    """What happened to one arrival."""
+
+    tenant: str
+    bid: int
+    prompt_tokens: int
+    output_tokens: int
+    arrival: float
+    outcome: str                           # "completed" | "rejected" | "failed" | "cancelled"
+    error: str | None = None               # the refusal's error code when not completed
+    dispatched_at: float | None = None
+    finished_at: float | None = None
+    batch_id: int | None = None
+    batch_size: int | None = None
+    cost_usd: float = 0.0
+
+    @property
+    def queue_wait(self) -> float | None:
+        return None if self.dispatched_at is None else self.dispatched_at - self.arrival
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.arrival
+
+
+@attrs.frozen
+class BatchRecord:
+    batch_id: int
+    executor_id: int
+    size: int
+    kv_tokens: int
+    formed_at: float
+    started_at: float
+    finished_at: float
+    busy_s: float
+    cost_usd: float
+    window_s: float
+
+
+@attrs.frozen
+class GovernorSample:
+    """The governor and queue, sampled at a fixed interval of model time."""
+
+    at: float
+    state: str
+    entropy_bits: float | None
+    window_s: float
+    queue_depth: int
+
+
+@attrs.frozen
+class PolicyRun:
+    """One policy on one workload: everything the report needs."""
+
+    label: str                             # e.g. "aps", or "aps+fixed" for a variant
+    policy: dict[str, str]                 # preset, aging, governor, batching
+    workload: Workload
+    requests: tuple[RequestRecord, ...]    # in arrival order
+    batches: tuple[BatchRecord, ...]       # in finishing order
+    samples: tuple[GovernorSample, ...]
+    sample_interval_s: float
+    duration_s: float                      # from 0 to the last outcome
+    gpus: int
+    tenant_rates: dict[str, float]
+    wall_s: float = attrs.field(default=0.0, eq=False)  # real seconds it took: never in reports' data
