@@ -123,6 +123,8 @@ class Admission:
         if not self.accepting:
             return Refusal(503, "shutting_down", "apsd is shutting down and accepts no new requests",
                            headers={"Retry-After": "5"})
+        if request.abandoned:
+            return Refusal(499, "client_disconnected", "the client disconnected before admission")
         tenant = self.tenants.get(request.tenant_id)
         if tenant is None:
             return Refusal(404, "unknown_tenant", f"no tenant named {request.tenant_id!r}", field="tenant_id")
@@ -170,6 +172,19 @@ class Admission:
         if bucket is not None:
             bucket.give_back(request.cost_tokens, self.clock.now())
 
+    def handle(self, request: InferenceRequest) -> bool:
+        """Decide ``request`` and book it: admitted (True) or answered with its refusal (False)."""
+        try:
+            refusal = self.decide(request)
+        except Exception:  # a bug deciding one request must not stop admission
+            log.exception("admission failed on request %s", request.request_id)
+            refusal = Refusal(500, "internal_error", "admission failed on this request; see the log")
+        if refusal is None:
+            self.ledger.admit(request)
+            return True
+        self.ledger.refuse_unadmitted(request, refusal)
+        return False
+
     async def serve_admission(
         self,
         ingress: trio.MemoryReceiveChannel[InferenceRequest],
@@ -179,13 +194,5 @@ class Admission:
         or ``ingress`` closes; closes ``admitted`` on the way out."""
         async with ingress, admitted:
             async for request in ingress:
-                try:
-                    refusal = self.decide(request)
-                except Exception:  # a bug deciding one request must not stop admission
-                    log.exception("admission failed on request %s", request.request_id)
-                    refusal = Refusal(500, "internal_error", "admission failed on this request; see the log")
-                if refusal is None:
-                    self.ledger.admit(request)
+                if self.handle(request):
                     await admitted.send(request)
-                else:
-                    self.ledger.refuse_unadmitted(request, refusal)

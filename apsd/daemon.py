@@ -1,7 +1,8 @@
-"""The daemon: one nursery owning signals, the pipeline's stages and the HTTP server.
+"""The daemon: one root nursery owning signals, the pipeline's stages and the HTTP server.
 
-Ownership: :meth:`Daemon.run` opens the only long-lived nursery. Its children
-are the signal watcher, admission, the scheduler's loops, the executors and
+Ownership: :meth:`Daemon.run` opens the root nursery. Its children are the
+signal watcher, the pipeline's stages (admission, the scheduler's loops, the
+executors: in a nested nursery of their own, so they can be stopped first) and
 ``hypercorn.trio.serve`` (started with ``nursery.start`` so the bound address is
 known before anyone is told the daemon is ready). A crash in any of them
 cancels the rest and propagates: the daemon stops loudly.

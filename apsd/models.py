@@ -104,6 +104,10 @@ class InferenceRequest:
     seq: int = 0
     dispatched_at: float | None = None
     effective_priority: float | None = None
+    #: Set once handed to a pipeline (a request is submitted at most once).
+    submitted: bool = False
+    #: Its client left before admission decided it: admission refuses it.
+    abandoned: bool = False
 
     @property
     def answered(self) -> bool:

@@ -1,11 +1,11 @@
 """The pipeline: admission -> scheduler -> executors, wired with trio memory channels.
 
 Ownership: a :class:`Pipeline` owns its stages and every channel between them,
-but not a nursery: :meth:`Pipeline.start_stages` starts the long-lived tasks in
-the caller's nursery (the daemon's, or the simulator's), so one nursery owns
-every task. The HTTP layer and the simulator talk to it only through
-:meth:`submit_nowait` and the read-only views (:meth:`metrics`,
-:meth:`tenant_status`, :meth:`health`).
+but not the nursery they run in: :meth:`run_stages` (the daemon, started in
+its root nursery) opens one for them that :meth:`stop_stages` cancels, and
+:meth:`start_stages` starts them in a nursery the caller owns (simulator, tests). The HTTP layer talks to it through :meth:`submit_nowait` and
+:meth:`cancel`, the simulator through :meth:`admit_now`; both read the views
+(:meth:`metrics`, :meth:`tenant_status`, :meth:`health`).
 
 Channels (buffer sizes are deliberate)::
 
@@ -126,8 +126,7 @@ class Pipeline:
         Otherwise the request's reply slot will be resolved exactly once. Submit each
         request once, from one task (the order of submission is the order of admission).
         """
-        if request.answered or request in self.ledger.outstanding:
-            raise ValueError(f"request {request.request_id} was already submitted")
+        self._mark_submitted(request)
         refusal = None
         if not self.accepting:
             refusal = Refusal(503, "shutting_down", "apsd is shutting down and accepts no new requests",
@@ -142,15 +141,40 @@ class Pipeline:
             self.ledger.refuse_unadmitted(request, refusal)
         return refusal
 
+    @staticmethod
+    def _mark_submitted(request: InferenceRequest) -> None:
+        if request.submitted or request.answered:
+            raise ValueError(f"request {request.request_id} was already submitted")
+        request.submitted = True
+
+    def admit_now(self, request: InferenceRequest) -> bool:
+        """Admit (or refuse) ``request`` and queue it at once, bypassing the ingress channel.
+
+        For a single driver task such as the simulator: the same admission and scheduler
+        objects decide, without the two task switches the channels cost. Returns whether
+        it was admitted; a refused request is answered already.
+        """
+        self._mark_submitted(request)
+        if not self.admission.handle(request):
+            return False
+        self.scheduler.enqueue(request)
+        return True
+
     def cancel(self, request: InferenceRequest) -> bool:
         """The client gave up on ``request``: if it is still queued, it leaves the queue,
         counted as cancelled, tokens refunded. Once running it finishes (and is billed:
         the GPU does the work). Returns True if it was cancelled."""
-        if request.answered or request.dispatched_at is not None or request not in self.ledger.outstanding:
+        if request.answered or request.dispatched_at is not None:
             return False
-        return self.ledger.finish(request, Refusal(499, "client_disconnected",
-                                                   "the client disconnected while the request was queued",
-                                                   kind="cancelled"))
+        if request not in self.ledger.outstanding:  # still waiting for admission: it will refuse it
+            request.abandoned = True
+            return True
+        self.ledger.finish(request, Refusal(499, "client_disconnected",
+                                            "the client disconnected while the request was queued",
+                                            kind="cancelled"))
+        request.prompt = ""  # the queue may hold it a while longer: keep only what ordering needs
+        self.scheduler.note_answered_in_queue()
+        return True
 
     # -- the way out -----------------------------------------------------------------------
     def close_doors(self) -> None:
@@ -187,7 +211,7 @@ class Pipeline:
     def health(self) -> dict:
         return {
             "status": "ok" if self.accepting else "draining",
-            "policy": self.policies.names,
+            "policy": self.scheduler.policy_names,
             "queue_depth": self.scheduler.queue_depth,
             "governor": self.governor_view(),
         }
@@ -196,7 +220,7 @@ class Pipeline:
         rates = {name: t.rate for name, t in self.config.tenants.items()}
         snapshot = self.ledger.snapshot(self.clock.now(), len(self.executors), rates)
         snapshot.update(
-            policy=self.policies.names,
+            policy=self.scheduler.policy_names,
             queue_depth=self.scheduler.queue_depth,
             gpus=len(self.executors),
             time_scale=self.clock.time_scale,

@@ -30,6 +30,7 @@ skipped when they come out of the queue.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable
 
 import attrs
@@ -62,6 +63,9 @@ class Scheduler:
     #: (kind, bound method) of every policy that defines on_dispatch / on_finish.
     _on_dispatch: list[tuple[str, Callable[..., None]]] = attrs.field(factory=list, init=False)
     _on_finish: list[tuple[str, Callable[..., None]]] = attrs.field(factory=list, init=False)
+    _fallback: str | None = attrs.field(default=None, init=False)
+    #: Requests answered while queued that the queue still holds (skipped when popped).
+    _answered_in_queue: int = attrs.field(default=0, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._use_queue(self.policies.aging)
@@ -95,6 +99,27 @@ class Scheduler:
             who = f"{kind} policy {self.policies.names[kind]!r}"
         log.error("%s raised", who, exc_info=exc)
         return PolicyFailure(f"{who} raised {type(exc).__name__}: {exc}")
+
+    def _bad_value(self, kind: str, what: str) -> PolicyFailure:
+        """A policy returned something unusable (logged like an exception)."""
+        message = f"{kind} policy {self.policies.names[kind]!r} {what}"
+        log.error("%s", message)
+        return PolicyFailure(message)
+
+    @property
+    def policy_names(self) -> dict[str, str]:
+        """The policies in force (``aging`` reads ``fifo (fallback)`` after a failed rebuild)."""
+        return {**self.policies.names, **({"aging": self._fallback} if self._fallback else {})}
+
+    def _fresh_queue(self) -> None:
+        """Replace the aging policy with a new instance; arrival order if even that fails."""
+        try:
+            fresh = self.policies.new_aging()
+        except Exception as exc:
+            self._failure("aging", exc)
+            log.error("serving in arrival order (fifo) from now on")
+            fresh, self._fallback = FifoQueue(), "fifo (fallback)"
+        self._use_queue(fresh)
 
     def _fail(self, requests: Iterable[InferenceRequest], failure: PolicyFailure) -> None:
         for request in requests:
@@ -139,9 +164,24 @@ class Scheduler:
         except Exception as exc:
             self._failure("aging", exc)
             dropped = []
-            self._use_queue(self.policies.new_aging())
+            self._fresh_queue()
         self._backlog_since = None
         return dropped
+
+    def note_answered_in_queue(self) -> None:
+        """A queued request was answered (its client left): compact the queue if such
+        leftovers outnumber the live requests, for policies that can (``discard_answered``)."""
+        self._answered_in_queue += 1
+        if self._answered_in_queue > max(1024, self.ledger.queued_total):
+            discard = getattr(self.queue, "discard_answered", None)
+            if discard is not None:
+                try:
+                    discard()
+                except Exception as exc:
+                    self._fail([r for r in list(self.ledger.outstanding) if r.dispatched_at is None],
+                               self._failure("aging", exc))
+                    self._fresh_queue()
+            self._answered_in_queue = 0
 
     # -- dispatch --------------------------------------------------------------------------
     async def serve_dispatch(
@@ -160,8 +200,8 @@ class Scheduler:
         while True:
             try:
                 decision = self._decide(self.clock.now())
-            except Exception as exc:  # any policy failure, or a bad value a policy returned
-                self._fail_queued(exc if isinstance(exc, PolicyFailure) else self._failure("cut", exc))
+            except PolicyFailure as failure:  # a policy raised, or returned something unusable
+                self._fail_queued(failure)
                 # Everything queued has been answered: nothing to do before the next arrival
                 # (and a policy that fails every time cannot make this loop spin).
                 await self._changed.wait()
@@ -187,8 +227,7 @@ class Scheduler:
         except Exception as exc:
             raise self._failure("governor", exc) from exc
         if not 0.0 <= window < float("inf"):
-            raise PolicyFailure(f"governor policy {self.policies.names['governor']!r} returned window_s "
-                                f"{window!r} (must be finite and >= 0)")
+            raise self._bad_value("governor", f"returned window_s {window!r} (must be finite and >= 0)")
         if self._backlog_since is None:  # a push that raised may have left a request in the queue
             self._backlog_since = now
         cut_at = self._backlog_since + window
@@ -204,36 +243,35 @@ class Scheduler:
     def _fail_queued(self, failure: PolicyFailure) -> None:
         """After a failed cut: fail every admitted request not yet dispatched, start a fresh queue."""
         self._fail([r for r in list(self.ledger.outstanding) if r.dispatched_at is None], failure)
-        try:
-            fresh = self.policies.new_aging()
-        except Exception as exc:  # cannot even rebuild it: keep serving in arrival order
-            self._failure("aging", exc)
-            fresh = FifoQueue()
-            log.error("serving in arrival order (fifo) from now on")
-        self._use_queue(fresh)
+        self._fresh_queue()
 
     def _cut(self, now: float, reading: GovernorReading) -> Batch | None:
         """Cut a batch (None if everything that came out had been answered already)."""
         queue = self.queue
         try:
+            before = len(queue)
             cut = list(self.policies.batching.cut(queue, now))
+            after = len(queue)
         except Exception as exc:
             raise self._failure("cut", exc) from exc
-        if not all(isinstance(r, InferenceRequest) for r in cut):
-            raise PolicyFailure(f"batching policy {self.policies.names['batching']!r} cut something that is "
-                                "not a request")
-        requests = [r for r in cut if not r.answered]  # skip requests answered while queued
-        if not len(queue):
-            self._backlog_since = None
         if not cut:
-            raise PolicyFailure(f"batching policy {self.policies.names['batching']!r} cut an empty batch "
-                                "from a non-empty queue")
+            raise self._bad_value("batching", "cut an empty batch from a non-empty queue")
+        if not all(isinstance(r, InferenceRequest) for r in cut):
+            raise self._bad_value("batching", "cut something that is not a request")
+        if len({id(r) for r in cut}) != len(cut) or after > before - len(cut):
+            raise self._bad_value("batching", "cut requests it did not pop from the queue (or one twice)")
+        requests = [r for r in cut if not r.answered]  # skip requests answered while queued
+        self._answered_in_queue = max(0, self._answered_in_queue - (len(cut) - len(requests)))
+        if not after:
+            self._backlog_since = None
         if not requests:
             return None
         try:
-            priorities = [queue.effective_priority(request, now) for request in requests]
+            priorities = [float(queue.effective_priority(request, now)) for request in requests]
         except Exception as exc:  # nothing stamped yet: _fail_queued answers them
             raise self._failure("aging", exc) from exc
+        if not all(math.isfinite(p) for p in priorities):
+            raise self._bad_value("aging", "returned an effective priority that is not a finite number")
         for request, priority in zip(requests, priorities):
             request.dispatched_at = now
             request.effective_priority = priority

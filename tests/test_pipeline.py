@@ -177,3 +177,43 @@ async def test_a_request_cannot_be_submitted_twice(autojump_clock):
         await r.reply.wait()
         with pytest.raises(ValueError, match="already submitted"):
             pipeline.submit_nowait(r)
+
+
+async def test_cancelled_requests_do_not_pile_up_in_the_queue(autojump_clock):
+    config, preset = config_for("static")
+    async with open_pipeline(config, build_policies(config, preset)) as pipeline:
+        blocker = pipeline.new_request(tenant_id="vip", prompt="", tokens_requested=10_000, priority_bid=10,
+                                       prompt_tokens=0)
+        pipeline.admit_now(blocker)                 # keeps the GPU busy for a long while
+        await trio.sleep(1.0)
+        live = [pipeline.new_request(tenant_id="vip", prompt="", tokens_requested=5, priority_bid=10,
+                                     prompt_tokens=0) for _ in range(10)]
+        for r in live:
+            pipeline.admit_now(r)
+        for _ in range(3000):                      # low bids whose clients give up at once
+            r = pipeline.new_request(tenant_id="free", prompt="x" * 1000, tokens_requested=5, priority_bid=1,
+                                     prompt_tokens=0)
+            pipeline.admit_now(r)
+            assert pipeline.cancel(r) and r.prompt == ""
+        assert len(pipeline.scheduler.queue) < 1024 + 10 + 2   # compacted, not 3010
+        assert pipeline.scheduler.queue_depth == 10
+        outcomes = [await r.reply.wait() for r in live]
+    assert all(isinstance(o, Completion) for o in outcomes)
+
+
+async def test_ingress_duplicates_and_early_disconnects(autojump_clock):
+    config, preset = config_for("fifo")
+    async with open_pipeline(config, build_policies(config, preset)) as pipeline:
+        r = pipeline.new_request(tenant_id="vip", prompt="", tokens_requested=5, priority_bid=5, prompt_tokens=0)
+        assert pipeline.submit_nowait(r) is None           # waits in the ingress buffer...
+        with pytest.raises(ValueError, match="already submitted"):
+            pipeline.submit_nowait(r)                      # ...so a second submission is refused at once
+        gone = pipeline.new_request(tenant_id="vip", prompt="", tokens_requested=5, priority_bid=5,
+                                    prompt_tokens=0)
+        pipeline.submit_nowait(gone)
+        assert pipeline.cancel(gone)                       # its client left before admission
+        assert isinstance(await r.reply.wait(), Completion)
+        refusal = await gone.reply.wait()
+        counts = pipeline.metrics()["requests"]
+    assert (refusal.status, refusal.error) == (499, "client_disconnected")
+    assert (counts["admitted"], counts["rejected"], counts["conservation_ok"]) == (1, 1, True)

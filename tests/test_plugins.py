@@ -457,3 +457,58 @@ async def test_bad_policy_results_fail_requests_not_the_daemon(autojump_clock, k
         assert {(o.status, o.error) for o in outcomes} == {(500, "policy_error")}
         assert message in outcomes[0].message
         assert bucket == 10**6     # failed requests got their tokens back
+
+
+class CutsWithoutPopping(CutsNothing):
+    def cut(self, queue, now):
+        return [queue.peek(now)]                 # never pops: would be dispatched forever
+
+
+class RebuildFails(ApsQueue):
+    built = 0
+
+    def __init__(self, alpha):
+        RebuildFails.built += 1
+        if RebuildFails.built > 1:
+            raise RuntimeError("cannot rebuild")
+        super().__init__(alpha)
+
+    def pop(self, now):
+        raise RuntimeError("pop broke")
+
+
+async def test_a_cut_of_unpopped_requests_fails_instead_of_repeating(autojump_clock):
+    class Plugin:
+        @apsd.hookimpl
+        def register_policies(self, registry):
+            registry.batching("peeker", lambda params, config: CutsWithoutPopping())
+
+    pm = make_plugin_manager(load_entry_points=False)
+    pm.register(Plugin(), name="peeker")
+    config = make_config({"policy": {"batching": "peeker"}}, tenants={"t": TenantConfig(rate=1e6, burst=10**6)})
+    async with open_pipeline(config, load_policy_registry(pm).build(config, "fifo")) as pipeline:
+        r = pipeline.new_request(tenant_id="t", prompt="", tokens_requested=5, priority_bid=5, prompt_tokens=0)
+        pipeline.admit_now(r)
+        outcome = await r.reply.wait()
+        batches = pipeline.ledger.batches
+    assert "cut requests it did not pop from the queue" in outcome.message and batches == 0
+
+
+async def test_when_the_queue_cannot_be_rebuilt_apsd_falls_back_to_arrival_order(autojump_clock):
+    class Plugin:
+        @apsd.hookimpl
+        def register_policies(self, registry):
+            registry.aging("fragile", lambda params, config: RebuildFails(alpha=1.0))
+
+    RebuildFails.built = 0
+    pm = make_plugin_manager(load_entry_points=False)
+    pm.register(Plugin(), name="fragile")
+    config = make_config({"policy": {"aging": "fragile"}}, tenants={"t": TenantConfig(rate=1e6, burst=10**6)})
+    async with open_pipeline(config, load_policy_registry(pm).build(config, "fifo")) as pipeline:
+        first = pipeline.new_request(tenant_id="t", prompt="", tokens_requested=5, priority_bid=5, prompt_tokens=0)
+        pipeline.admit_now(first)
+        assert (await first.reply.wait()).error == "policy_error"
+        second = pipeline.new_request(tenant_id="t", prompt="", tokens_requested=5, priority_bid=5, prompt_tokens=0)
+        pipeline.admit_now(second)
+        assert isinstance(await second.reply.wait(), Completion)
+        assert pipeline.health()["policy"]["aging"] == "fifo (fallback)"

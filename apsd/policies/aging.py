@@ -46,6 +46,11 @@ class HeapQueue:
     def pop(self, now: float) -> InferenceRequest:
         return heapq.heappop(self._heap)[2]
 
+    def discard_answered(self) -> None:
+        """Drop requests answered while queued (O(N)); the scheduler calls it when they pile up."""
+        self._heap = [entry for entry in self._heap if not entry[2].answered]
+        heapq.heapify(self._heap)
+
     def __len__(self) -> int:
         return len(self._heap)
 

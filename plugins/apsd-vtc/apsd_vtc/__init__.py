@@ -145,6 +145,16 @@ class VtcQueue:
         else:
             self.counters[tenant] -= charge
 
+    def discard_answered(self) -> None:
+        """Drop requests answered while queued (their clients left); O(N)."""
+        for tenant in list(self._queues):
+            kept = collections.deque(r for r in self._queues[tenant] if not r.answered)
+            if kept:
+                self._queues[tenant] = kept
+            else:
+                del self._queues[tenant]
+        self._length = sum(len(q) for q in self._queues.values())
+
     def __len__(self) -> int:
         return self._length
 
