@@ -64,6 +64,8 @@ class Scheduler:
     _on_dispatch: list[tuple[str, Callable[..., None]]] = attrs.field(factory=list, init=False)
     _on_finish: list[tuple[str, Callable[..., None]]] = attrs.field(factory=list, init=False)
     _fallback: str | None = attrs.field(default=None, init=False)
+    #: The model time the dispatcher waits until (inf: for work); None when it is not waiting.
+    _waiting_until: float | None = attrs.field(default=None, init=False)
     #: Requests answered while queued that the queue still holds (skipped when popped).
     _answered_in_queue: int = attrs.field(default=0, init=False)
 
@@ -148,7 +150,28 @@ class Scheduler:
             return
         if self._backlog_since is None:
             self._backlog_since = request.arrival
-        self._wake()
+        if self._arrival_matters():
+            self._wake()
+
+    def _arrival_matters(self) -> bool:
+        """Whether the dispatcher, as it waits now, could decide differently after this arrival.
+
+        Not waiting (all executors busy): it decides afresh when one asks. Waiting for work:
+        yes. Waiting out a window: only if the batch is now full or the window got shorter.
+        Skipping needless wake-ups keeps the simulator fast; when in doubt, wake.
+        """
+        if self._waiting_until is None:
+            return False
+        if self._waiting_until == float("inf"):
+            return True
+        try:
+            now = self.clock.now()
+            if self.policies.batching.is_full(self.queue, now):
+                return True
+            window = self.policies.governor.reading(now).window_s
+            return self._backlog_since is None or self._backlog_since + window < self._waiting_until
+        except Exception:  # the dispatcher will meet (and handle) the same failure
+            return True
 
     async def serve_intake(self, admitted: trio.MemoryReceiveChannel[InferenceRequest]) -> None:
         """Move admitted requests into the queue until the channel closes."""
@@ -204,15 +227,15 @@ class Scheduler:
                 self._fail_queued(failure)
                 # Everything queued has been answered: nothing to do before the next arrival
                 # (and a policy that fails every time cannot make this loop spin).
-                await self._changed.wait()
-                continue
+                decision = None
             if isinstance(decision, Batch):
                 return decision
-            if decision is None:
-                await self._changed.wait()
-            else:
-                with trio.move_on_at(self.clock.deadline(decision)):
+            self._waiting_until = float("inf") if decision is None else decision
+            try:
+                with trio.move_on_at(self.clock.deadline(self._waiting_until)):
                     await self._changed.wait()
+            finally:
+                self._waiting_until = None
 
     def _decide(self, now: float) -> Batch | float | None:
         """A batch to send now, else the model time to look again (None: when something arrives)."""

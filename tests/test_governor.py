@@ -55,3 +55,19 @@ def test_fixed_governor():
     governor.observe_arrival(1.0)
     assert governor.reading(2.0).window_s == 0.025
     assert governor.reading(2.0).state == "FIXED"
+
+
+def test_incremental_entropy_equals_the_batch_formula_on_random_gaps():
+    import random
+
+    rng = random.Random(3)
+    governor = EntropyGovernor(EntropyParams(history=50))
+    t, gaps = 0.0, []
+    governor.observe_arrival(t)
+    for _ in range(500):
+        gap = rng.choice([0.0, 0.0004, 0.0013, 0.002, rng.expovariate(200.0)])
+        t += gap
+        gaps.append(gap)
+        governor.observe_arrival(t)
+        expected = shannon_entropy_bits(gaps[-50:], 0.001)
+        assert governor.reading(t).entropy_bits == pytest.approx(expected, abs=1e-9)

@@ -1,0 +1,713 @@
+"""The report of ``apsd simulate``: numbers, Markdown and plots from :class:`~apsd.records.PolicyRun`.
+
+Ownership: this module only reads runs; it never runs anything. :func:`summarize`
+turns one run into JSON-ready figures, :func:`format_summary_table` puts several
+summaries side by side in Markdown, and :func:`write_report` writes
+``summary.json``, ``report.md`` and five PNG plots into a directory.
+
+Every figure is measured from the run's records (model time, never wall-clock
+time: :attr:`PolicyRun.wall_s` is left out on purpose), and floats are rounded
+to :data:`SIGNIFICANT_DIGITS` significant digits, so two identical runs give a
+byte-identical ``summary.json``. The plots are reproducible too: matplotlib's
+Agg canvas is used directly (no pyplot, no global backend switch) and the PNGs
+carry no ``Software`` metadata. matplotlib is imported only inside the plotting
+functions, so ``import apsd.report`` stays light.
+
+Fairness is the daemon's own (:mod:`apsd.ledger`): Jain's index over
+``x_i`` = output tokens served to tenant ``i`` divided by its configured rate,
+over the tenants with at least one admitted request.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .ledger import jain_index
+from .records import PolicyRun, RequestRecord
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = [
+    "FAIRNESS_DEFINITION",
+    "PLOT_FILES",
+    "SIGNIFICANT_DIGITS",
+    "format_summary_table",
+    "summarize",
+    "write_report",
+]
+
+#: Floats in summaries are rounded to this many significant digits.
+SIGNIFICANT_DIGITS = 6
+
+FAIRNESS_DEFINITION = (
+    "Jain's index (sum x)^2/(n*sum x^2); x_i = output tokens served to tenant i "
+    "divided by its configured rate, over tenants with at least one admitted request"
+)
+
+#: The plots :func:`write_report` draws, in order (file name -> what it shows).
+PLOT_FILES: dict[str, str] = {
+    "latency_cdf.png": "end-to-end latency CDF per tenant",
+    "queue_wait.png": "queue wait against arrival time, coloured by bid",
+    "governor.png": "governor entropy and batch window over time",
+    "gpu_busy.png": "GPU busy fraction over time",
+    "service.png": "cumulative output tokens served per tenant",
+}
+
+_PERCENTILES = (50, 95, 99)
+_MAX_TENANT_LINES = 8          # tenants drawn individually; the rest are merged as "other"
+_MAX_SCATTER_POINTS = 20_000   # per run in queue_wait.png (the slowest 1% are always kept)
+_MAX_CURVE_POINTS = 1_000      # points per CDF / cumulative-service line
+_BUSY_BINS = 100
+_DPI = 100
+
+
+# -- numbers ----------------------------------------------------------------------------
+
+def _round(x: float) -> float | None:
+    x = float(x)
+    if not math.isfinite(x):
+        return None
+    return float(f"{x:.{SIGNIFICANT_DIGITS}g}") + 0.0  # + 0.0 turns -0.0 into 0.0
+
+
+def _clean(value: Any) -> Any:
+    """JSON-ready copy of ``value``: floats rounded, numpy scalars unwrapped, keys as strings."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return _round(value)
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return str(value)
+
+
+def _percentiles_ms(values_s: Sequence[float]) -> dict[str, float | None]:
+    """p50/p95/p99/max of ``values_s`` (seconds) in milliseconds; all None without data."""
+    if not len(values_s):
+        return {"p50": None, "p95": None, "p99": None, "max": None}
+    x = np.asarray(values_s, dtype=float) * 1000.0
+    p = np.percentile(x, _PERCENTILES, method="linear")
+    return {"p50": float(p[0]), "p95": float(p[1]), "p99": float(p[2]), "max": float(x.max())}
+
+
+def _counts(requests: Iterable[RequestRecord]) -> dict[str, Any]:
+    outcomes = collections.Counter()
+    rejected_by_error: collections.Counter[str] = collections.Counter()
+    sent = 0
+    for r in requests:
+        sent += 1
+        outcomes[r.outcome] += 1
+        if r.outcome == "rejected":
+            rejected_by_error[r.error or "unknown"] += 1
+    return {
+        "sent": sent,
+        "completed": outcomes["completed"],
+        "rejected": outcomes["rejected"],
+        "failed": outcomes["failed"],
+        "cancelled": outcomes["cancelled"],
+        "rejected_by_error": dict(sorted(rejected_by_error.items())),
+    }
+
+
+def _completed(requests: Iterable[RequestRecord]) -> list[RequestRecord]:
+    return [r for r in requests if r.outcome == "completed"]
+
+
+def _waits(requests: Iterable[RequestRecord]) -> list[float]:
+    return [r.queue_wait for r in requests if r.queue_wait is not None]
+
+
+def _latencies(requests: Iterable[RequestRecord]) -> list[float]:
+    return [r.latency for r in requests if r.latency is not None]
+
+
+def _tenant_names(run: PolicyRun) -> list[str]:
+    return sorted({r.tenant for r in run.requests} | set(run.workload.tenants))
+
+
+def _lowest_bidder(run: PolicyRun) -> dict[str, Any]:
+    bids = [a.bid for a in run.workload.arrivals] or [r.bid for r in run.requests]
+    if not bids:
+        return {"bid": None, "tenants": [], "requests": 0, "completed": 0,
+                "max_queue_wait_ms": None, "p99_queue_wait_ms": None}
+    low = min(bids)
+    mine = [r for r in run.requests if r.bid == low]
+    waits = _waits(_completed(mine))
+    stats = _percentiles_ms(waits)
+    return {
+        "bid": low,
+        "tenants": sorted({r.tenant for r in mine}),
+        "requests": len(mine),
+        "completed": len(waits),
+        "max_queue_wait_ms": stats["max"],
+        "p99_queue_wait_ms": stats["p99"],
+    }
+
+
+def _governor(run: PolicyRun) -> dict[str, Any]:
+    n = len(run.samples)
+    by_state = collections.Counter(s.state for s in run.samples)
+    windows = [s.window_s for s in run.samples]
+    entropies = [s.entropy_bits for s in run.samples if s.entropy_bits is not None]
+    return {
+        "samples": n,
+        "sample_interval_s": run.sample_interval_s,
+        "time_in_state": {
+            state: {"seconds": count * run.sample_interval_s, "fraction": count / n}
+            for state, count in sorted(by_state.items())
+        },
+        "mean_window_ms": float(np.mean(windows)) * 1000.0 if windows else None,
+        "mean_entropy_bits": float(np.mean(entropies)) if entropies else None,
+    }
+
+
+def _batch_sizes(run: PolicyRun) -> dict[str, Any]:
+    sizes = collections.Counter(b.size for b in run.batches)
+    total = sum(sizes.values())
+    return {
+        "count": total,
+        "distribution": {str(size): count for size, count in sorted(sizes.items())},
+        "mean": sum(size * count for size, count in sizes.items()) / total if total else None,
+    }
+
+
+def summarize(run: PolicyRun) -> dict[str, Any]:
+    """The run's figures, JSON-ready and deterministic (see the module docstring).
+
+    Queue waits and latencies cover completed requests only; rejected, failed and
+    cancelled requests are counted but never enter a percentile. Times are in
+    milliseconds where a key ends in ``_ms``, model seconds elsewhere. A figure with
+    nothing to measure (no completions, zero duration) is ``None``.
+    """
+    by_tenant: dict[str, list[RequestRecord]] = collections.defaultdict(list)
+    for r in run.requests:
+        by_tenant[r.tenant].append(r)
+
+    tenants: dict[str, Any] = {}
+    fairness_x: list[float] = []
+    for name in _tenant_names(run):
+        reqs = by_tenant.get(name, [])
+        done = _completed(reqs)
+        tokens = sum(r.output_tokens for r in done)
+        rate = run.tenant_rates.get(name)
+        admitted = sum(1 for r in reqs if r.outcome != "rejected")
+        if admitted and rate:
+            fairness_x.append(tokens / rate)
+        tenants[name] = {
+            **_counts(reqs),
+            "admitted": admitted,
+            "rate": rate,
+            "bids": sorted({r.bid for r in reqs}),
+            "output_tokens": tokens,
+            "service_per_rate": tokens / rate if rate else None,
+            "cost_usd": sum(r.cost_usd for r in done),
+            "queue_wait_ms": _percentiles_ms(_waits(done)),
+            "latency_ms": _percentiles_ms(_latencies(done)),
+        }
+
+    done = _completed(run.requests)
+    tokens = sum(r.output_tokens for r in done)
+    duration = run.duration_s
+    busy = sum(b.busy_s for b in run.batches)
+    cost = sum(b.cost_usd for b in run.batches)
+    overall = {
+        **_counts(run.requests),
+        "output_tokens": tokens,
+        "throughput_tokens_per_s": tokens / duration if duration > 0 else None,
+        "batches": len(run.batches),
+        "gpu_busy_s": busy,
+        "gpu_utilization": busy / (run.gpus * duration) if duration > 0 and run.gpus else None,
+        "cost_usd": cost,
+        "cost_per_1m_tokens_usd": cost / tokens * 1e6 if tokens else None,
+        "fairness": {
+            "jain_index": jain_index(fairness_x),
+            "tenants_counted": len(fairness_x),
+            "fairness_definition": FAIRNESS_DEFINITION,
+        },
+        "lowest_bidder": _lowest_bidder(run),
+        "queue_wait_ms": _percentiles_ms(_waits(done)),
+        "latency_ms": _percentiles_ms(_latencies(done)),
+        "governor": _governor(run),
+        "batch_sizes": _batch_sizes(run),
+    }
+    wl = run.workload
+    return _clean({
+        "label": run.label,
+        "policy": dict(sorted(run.policy.items())),
+        "workload": {
+            "name": wl.name,
+            "description": wl.description,
+            "params": wl.params,
+            "seed": wl.seed,
+            "arrivals": len(wl.arrivals),
+            "tenants": len(wl.tenants),
+        },
+        "gpus": run.gpus,
+        "duration_s": duration,
+        "tenants": tenants,
+        "overall": overall,
+    })
+
+
+# -- Markdown ---------------------------------------------------------------------------
+
+def _f(x: float | None, spec: str, scale: float = 1.0, prefix: str = "", suffix: str = "") -> str:
+    """``x * scale`` formatted with ``spec``; an em dash for a missing value."""
+    if x is None:
+        return "—"
+    return f"{prefix}{x * scale:{spec}}{suffix}"
+
+
+def _row(cells: Iterable[str]) -> str:
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[str]], align: str) -> str:
+    lines = [_row(header), "|" + "|".join({"l": ":---", "r": "---:"}[a] for a in align) + "|"]
+    lines += [_row(r) for r in rows]
+    return "\n".join(lines)
+
+
+_SUMMARY_HEADER = (
+    "policy", "completed", "rejected", "throughput (tok/s)", "GPU util (%)", "cost per 1M tokens (USD)",
+    "Jain", "lowest bidder max wait (s)", "p99 latency (s)", "mean batch size",
+)
+
+
+def format_summary_table(summaries: Sequence[dict[str, Any]]) -> str:
+    """A Markdown table with one row per summary (as returned by :func:`summarize`)."""
+    rows = []
+    for s in summaries:
+        o = s["overall"]
+        rows.append((
+            f"`{s['label']}`",
+            str(o["completed"]),
+            str(o["rejected"]),
+            _f(o["throughput_tokens_per_s"], ".1f"),
+            _f(o["gpu_utilization"], ".1f", 100),
+            _f(o["cost_per_1m_tokens_usd"], ".2f", prefix="$"),
+            _f(o["fairness"]["jain_index"], ".3f"),
+            _f(o["lowest_bidder"]["max_queue_wait_ms"], ".3f", 1e-3),
+            _f(o["latency_ms"]["p99"], ".3f", 1e-3),
+            _f(o["batch_sizes"]["mean"], ".2f"),
+        ))
+    return _table(_SUMMARY_HEADER, rows, "lrrrrrrrrr")
+
+
+def _tenant_table(summary: dict[str, Any]) -> str:
+    header = ("tenant", "bids", "sent", "completed", "rejected", "failed", "cancelled",
+              "wait p50/p95/p99/max (ms)", "latency p50/p95/p99/max (ms)", "output tokens", "rejections")
+    rows = []
+    for name, t in summary["tenants"].items():
+        w, lat = t["queue_wait_ms"], t["latency_ms"]
+        rows.append((
+            f"`{name}`",
+            ", ".join(str(b) for b in t["bids"]) or "—",
+            str(t["sent"]), str(t["completed"]), str(t["rejected"]), str(t["failed"]), str(t["cancelled"]),
+            " / ".join(_f(w[k], ".1f") for k in ("p50", "p95", "p99", "max")),
+            " / ".join(_f(lat[k], ".1f") for k in ("p50", "p95", "p99", "max")),
+            str(t["output_tokens"]),
+            ", ".join(f"{code}: {n}" for code, n in t["rejected_by_error"].items()) or "—",
+        ))
+    return _table(header, rows, "llrrrrrrrrl")
+
+
+def _governor_table(summary: dict[str, Any]) -> str:
+    g = summary["overall"]["governor"]
+    if not g["samples"]:
+        return "No governor samples."
+    rows = [(f"`{state}`", _f(v["seconds"], ".3f"), _f(v["fraction"], ".1f", 100))
+            for state, v in g["time_in_state"].items()]
+    return (_table(("state", "time (s)", "share (%)"), rows, "lrr")
+            + f"\n\n{g['samples']} samples, one every {g['sample_interval_s']:g} s; mean window "
+            + _f(g["mean_window_ms"], ".3g", suffix=" ms") + ", mean entropy "
+            + _f(g["mean_entropy_bits"], ".2f", suffix=" bits") + ".")
+
+
+def _batch_table(summary: dict[str, Any]) -> str:
+    b = summary["overall"]["batch_sizes"]
+    if not b["count"]:
+        return "No batches ran."
+    items = sorted(b["distribution"].items(), key=lambda kv: int(kv[0]))
+    rows = [(size, str(n), _f(n / b["count"], ".1f", 100)) for size, n in items]
+    return (_table(("batch size", "batches", "share (%)"), rows, "rrr")
+            + f"\n\n{b['count']} batches, mean size {_f(b['mean'], '.2f')}.")
+
+
+def _describe_workload(summary: dict[str, Any], runs: Sequence[dict[str, Any]]) -> str:
+    wl = summary["workload"]
+    params = ", ".join(f"`{k}={json.dumps(v)}`" for k, v in sorted(wl["params"].items())) or "none"
+    gpus = sorted({s["gpus"] for s in runs})
+    durations = ", ".join(f"`{s['label']}` {_f(s['duration_s'], '.3f')} s" for s in runs)
+    description = wl["description"].strip()
+    if description and description[-1] not in ".!?":
+        description += "."
+    return (
+        f"{description} {wl['arrivals']} arrivals from {wl['tenants']} tenants, "
+        f"generated with seed {wl['seed']} and parameters {params}; "
+        f"{' or '.join(str(g) for g in gpus)} simulated GPU(s); "
+        f"model time to the last outcome: {durations}."
+    ).strip()
+
+
+def _workload_key(run: PolicyRun) -> tuple[str, int, str, int]:
+    wl = run.workload
+    return (wl.name, wl.seed, json.dumps(_clean(wl.params), sort_keys=True), len(wl.arrivals))
+
+
+def _group(runs: Sequence[PolicyRun], summaries: Sequence[dict[str, Any]]):
+    groups: dict[tuple, list[int]] = {}
+    for i, run in enumerate(runs):
+        groups.setdefault(_workload_key(run), []).append(i)
+    return [[summaries[i] for i in idx] for idx in groups.values()]
+
+
+def _markdown(title: str, summaries: Sequence[dict[str, Any]], groups: Sequence[Sequence[dict[str, Any]]],
+              plots: Sequence[str]) -> str:
+    out = [f"# {title}", ""]
+    if not summaries:
+        out += ["No runs.", ""]
+    for group in groups:
+        first = group[0]
+        out += [f"## Workload `{first['workload']['name']}`", "",
+                _describe_workload(first, group), "",
+                "### Comparison", "", format_summary_table(group), "",
+                "Throughput is output tokens per model second to the last outcome; GPU utilization is "
+                "busy time over (GPUs × duration); cost per 1M tokens is the batches' cost over the output "
+                "tokens produced; the lowest bidder is every request with the smallest bid among the "
+                "arrivals, and its wait is the longest queue wait among its completed requests.", ""]
+        for s in group:
+            lb = s["overall"]["lowest_bidder"]
+            out += [f"### `{s['label']}`", "",
+                    "Policy: " + (", ".join(f"{k} `{v}`" for k, v in s["policy"].items()) or "—")
+                    + f". Lowest bid {lb['bid'] if lb['bid'] is not None else '—'}: "
+                    + f"{lb['completed']} of {lb['requests']} requests completed, queue wait p99 "
+                    + _f(lb["p99_queue_wait_ms"], ".1f", suffix=" ms") + ", max "
+                    + _f(lb["max_queue_wait_ms"], ".1f", suffix=" ms") + ".", "",
+                    "#### Tenants", "", _tenant_table(s), "",
+                    "#### Governor time in state", "", _governor_table(s), "",
+                    "#### Batch sizes", "", _batch_table(s), ""]
+    out += ["## Fairness", "", FAIRNESS_DEFINITION + ". 1.0 means every active tenant got service "
+            "in proportion to its rate; 1/n means one tenant got everything.", ""]
+    if plots:
+        out += ["## Plots", ""]
+        for name in plots:
+            out += [f"![{PLOT_FILES[name]}]({name})", ""]
+    return "\n".join(out)
+
+
+# -- plots ------------------------------------------------------------------------------
+
+def _figure(n_panels: int, width: float = 5.0, height: float = 3.6) -> tuple[Figure, list[Axes]]:
+    """A figure on matplotlib's Agg canvas with one subplot per panel (at most 3 per row)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    n = max(n_panels, 1)
+    ncols = min(n, 3)
+    nrows = math.ceil(n / ncols)
+    fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(n)]
+    return fig, axes
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=_DPI, metadata={"Software": None})
+    fig.clear()  # not owned by pyplot, so nothing else holds it once this returns
+    return path
+
+
+def _no_data(ax: Axes, what: str = "no data") -> None:
+    ax.text(0.5, 0.5, what, ha="center", va="center", transform=ax.transAxes, color="grey")
+
+
+def _run_title(run: PolicyRun, several_workloads: bool) -> str:
+    return f"{run.label} — {run.workload.name}" if several_workloads else run.label
+
+
+def _top_tenants(run: PolicyRun) -> tuple[list[str], set[str]]:
+    """The tenants drawn individually (most requests first) and the ones merged as "other"."""
+    sent = collections.Counter(r.tenant for r in run.requests)
+    ranked = sorted(sent, key=lambda t: (-sent[t], t))
+    return ranked[:_MAX_TENANT_LINES], set(ranked[_MAX_TENANT_LINES:])
+
+
+def _tenant_lines(run: PolicyRun, requests: Sequence[RequestRecord]) -> list[tuple[str, list[RequestRecord], Any]]:
+    """``requests`` split into one (name, requests, colour) line per top tenant, plus "other"."""
+    top, rest = _top_tenants(run)
+    index = {t: i for i, t in enumerate(top)}
+    split: list[list[RequestRecord]] = [[] for _ in range(len(top) + 1)]
+    for r in requests:
+        split[index.get(r.tenant, len(top))].append(r)
+    lines = [(t, split[i], _tenant_colour(i)) for i, t in enumerate(top)]
+    if rest:
+        lines.append((f"other ({len(rest)} tenants)", split[-1], "black"))
+    return lines
+
+
+_PALETTE = (0, 1, 2, 3, 4, 5, 6, 8, 9)  # tab10 without its grey, which would look like "other"
+
+
+def _tenant_colour(i: int) -> Any:
+    from matplotlib import colormaps
+    return colormaps["tab10"](_PALETTE[i % len(_PALETTE)])
+
+
+def _thin(x: np.ndarray, limit: int) -> np.ndarray:
+    """At most ``limit`` evenly spaced elements of the sorted array ``x`` (ends kept)."""
+    if x.size <= limit:
+        return x
+    return x[np.unique(np.linspace(0, x.size - 1, limit).round().astype(int))]
+
+
+def _plot_latency_cdf(runs: Sequence[PolicyRun], path: Path, several: bool) -> Path:
+    fig, axes = _figure(len(runs))
+    for ax, run in zip(axes, runs):
+        groups = _tenant_lines(run, _completed(run.requests))
+        drawn = False
+        low, high = math.inf, 0.0
+        for name, reqs, colour in groups:
+            lat = np.sort(np.asarray(_latencies(reqs), dtype=float))
+            if not lat.size:
+                continue
+            idx = _thin(np.arange(lat.size), _MAX_CURVE_POINTS)
+            # The step starts at 0 at the fastest request, so even one request draws a line.
+            x = np.concatenate(([lat[0]], lat[idx]))
+            y = np.concatenate(([0.0], (idx + 1) / lat.size))
+            ax.step(x, y, where="post", color=colour, label=name, linewidth=1.2)
+            low, high = min(low, float(lat[0])), max(high, float(lat[-1]))
+            drawn = True
+        if drawn:
+            if low > 0 and high / low > 20:  # log scale only when latencies span decades
+                ax.set_xscale("log")
+            ax.legend(fontsize="x-small", loc="lower right")
+        else:
+            _no_data(ax, "no completed requests")
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("end-to-end latency (s)")
+        ax.set_ylabel("fraction of completed requests")
+        ax.set_title(f"latency CDF — {_run_title(run, several)}")
+        ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _plot_queue_wait(runs: Sequence[PolicyRun], path: Path, several: bool) -> Path:
+    fig, axes = _figure(len(runs))
+    all_bids = [r.bid for run in runs for r in run.requests]
+    vmin, vmax = (min(all_bids), max(all_bids)) if all_bids else (0, 1)
+    if vmin == vmax:
+        vmin, vmax = vmin - 0.5, vmax + 0.5
+    mappable = None
+    for ax, run in zip(axes, runs):
+        done = [r for r in _completed(run.requests) if r.dispatched_at is not None]
+        at = np.asarray([r.arrival for r in done], dtype=float)
+        wait = np.asarray([r.queue_wait for r in done], dtype=float)
+        bid = np.asarray([r.bid for r in done], dtype=float)
+        shown = np.arange(at.size)
+        if at.size > _MAX_SCATTER_POINTS:
+            # Keep every request in the slowest 1% (the tail is the point of the plot) and an
+            # evenly spaced sample of the rest: deterministic and fast for 100k+ requests.
+            slow = np.argsort(wait, kind="stable")[-max(at.size // 100, 1):]
+            even = np.linspace(0, at.size - 1, _MAX_SCATTER_POINTS - slow.size).round().astype(int)
+            shown = np.union1d(slow, even)
+        title = f"queue wait — {_run_title(run, several)}"
+        if shown.size < at.size:
+            title += f"\n({shown.size} of {at.size} requests shown, slowest 1% all kept)"
+        if at.size:
+            mappable = ax.scatter(at[shown], wait[shown], c=bid[shown], s=4 if shown.size > 2_000 else 14,
+                                  cmap="viridis",
+                                  vmin=vmin, vmax=vmax, linewidths=0, rasterized=False)
+        else:
+            _no_data(ax, "no completed requests")
+        ax.set_xlabel("arrival time (s)")
+        ax.set_ylabel("queue wait (s)")
+        ax.set_title(title, fontsize="medium")
+        ax.grid(alpha=0.3)
+    if mappable is not None:
+        fig.colorbar(mappable, ax=axes, label="bid", shrink=0.9)
+    return _save(fig, path)
+
+
+def _plot_governor(runs: Sequence[PolicyRun], path: Path, several: bool) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 6), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_h, ax_w = fig.subplots(2, 1, sharex=True)
+    styles = ("-", "--", ":", "-.")
+    any_h = any_w = False
+    for i, run in enumerate(runs):
+        if not run.samples:
+            continue
+        t = np.asarray([s.at for s in run.samples], dtype=float)
+        h = np.asarray([np.nan if s.entropy_bits is None else s.entropy_bits for s in run.samples], dtype=float)
+        w = np.asarray([s.window_s for s in run.samples], dtype=float) * 1000.0
+        style = dict(color=_tenant_colour(i), linestyle=styles[i % len(styles)], linewidth=1.0,
+                     label=_run_title(run, several))
+        if np.isfinite(h).any():
+            ax_h.plot(t, h, **style)
+            any_h = True
+        ax_w.plot(t, w, drawstyle="steps-post", **style)
+        any_w = True
+    for ax, any_line, what in ((ax_h, any_h, "no entropy readings"), (ax_w, any_w, "no governor samples")):
+        if any_line:
+            ax.legend(fontsize="x-small", loc="upper right")
+        else:
+            _no_data(ax, what)
+        ax.grid(alpha=0.3)
+    ax_h.set_ylabel("arrival entropy (bits)")
+    ax_h.set_title("governor: entropy of inter-arrival gaps — " + ", ".join(_run_title(r, several) for r in runs))
+    ax_w.set_ylabel("batch window (ms)")
+    ax_w.set_xlabel("time (s)")
+    ax_w.set_title("governor: batch window")
+    return _save(fig, path)
+
+
+def _busy_cumulative(run: PolicyRun, edges: np.ndarray) -> np.ndarray:
+    """GPU busy seconds accumulated by each time in ``edges`` (busy time spread evenly over a batch)."""
+    if not run.batches:
+        return np.zeros_like(edges)
+    start = np.asarray([b.started_at for b in run.batches], dtype=float)
+    end = np.asarray([b.finished_at for b in run.batches], dtype=float)
+    busy = np.asarray([b.busy_s for b in run.batches], dtype=float)
+    span = end - start
+    spread = span > 0
+    total = np.zeros_like(edges)
+    # Instantaneous batches: a step at their start.
+    order = np.argsort(start[~spread], kind="stable")
+    s0, b0 = start[~spread][order], np.cumsum(busy[~spread][order])
+    k = np.searchsorted(s0, edges, side="right")
+    total += np.where(k > 0, b0[np.maximum(k - 1, 0)] if b0.size else 0.0, 0.0)
+    # Batches with a duration: slope busy/span between start and end, i.e.
+    # sum_{start<e} slope*(e-start) - sum_{end<e} slope*(e-end).
+    slope = busy[spread] / span[spread]
+    for points, sign in ((start[spread], 1.0), (end[spread], -1.0)):
+        order = np.argsort(points, kind="stable")
+        p, w = points[order], slope[order]
+        cw, cwp = np.concatenate(([0.0], np.cumsum(w))), np.concatenate(([0.0], np.cumsum(w * p)))
+        k = np.searchsorted(p, edges, side="right")
+        total += sign * (edges * cw[k] - cwp[k])
+    return total
+
+
+def _plot_gpu_busy(runs: Sequence[PolicyRun], path: Path, several: bool) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    styles = ("-", "--", ":", "-.")
+    drawn = False
+    for i, run in enumerate(runs):
+        if run.duration_s <= 0 or not run.gpus:
+            continue
+        edges = np.linspace(0.0, run.duration_s, _BUSY_BINS + 1)
+        width = edges[1] - edges[0]
+        frac = np.diff(_busy_cumulative(run, edges)) / (run.gpus * width)
+        ax.stairs(frac, edges, color=_tenant_colour(i), linestyle=styles[i % len(styles)],
+                  label=_run_title(run, several), linewidth=1.2)
+        drawn = True
+    if drawn:
+        ax.legend(fontsize="x-small", loc="lower right")
+    else:
+        _no_data(ax)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel(f"GPU busy fraction ({_BUSY_BINS} bins per run)")
+    ax.set_title("GPU busy time over time — " + ", ".join(_run_title(r, several) for r in runs))
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _plot_service(runs: Sequence[PolicyRun], path: Path, several: bool) -> Path:
+    fig, axes = _figure(len(runs))
+    for ax, run in zip(axes, runs):
+        done = [r for r in _completed(run.requests) if r.finished_at is not None]
+        groups = _tenant_lines(run, done)
+        end = max(run.duration_s, max((r.finished_at for r in done), default=0.0))
+        drawn = False
+        for name, reqs, colour in groups:
+            if not reqs:
+                continue
+            t = np.asarray([r.finished_at for r in reqs], dtype=float)
+            order = np.argsort(t, kind="stable")
+            t = t[order]
+            cum = np.cumsum(np.asarray([r.output_tokens for r in reqs], dtype=float)[order])
+            # Exact steps for small runs; the curve sampled on a fixed grid for large ones.
+            if t.size > _MAX_CURVE_POINTS:
+                grid = np.linspace(0.0, end, _MAX_CURVE_POINTS)
+                k = np.searchsorted(t, grid, side="right")
+                x, y = grid, np.where(k > 0, cum[np.maximum(k - 1, 0)], 0.0)
+            else:
+                x, y = np.concatenate(([0.0], t, [end])), np.concatenate(([0.0], cum, [cum[-1]]))
+            ax.plot(x, y, drawstyle="steps-post", color=colour, label=name, linewidth=1.2)
+            drawn = True
+        if drawn:
+            ax.legend(fontsize="x-small", loc="upper left")
+        else:
+            _no_data(ax, "no completed requests")
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel("cumulative output tokens served")
+        ax.set_title(f"service per tenant — {_run_title(run, several)}")
+        ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+_PLOTTERS = {
+    "latency_cdf.png": _plot_latency_cdf,
+    "queue_wait.png": _plot_queue_wait,
+    "governor.png": _plot_governor,
+    "gpu_busy.png": _plot_gpu_busy,
+    "service.png": _plot_service,
+}
+
+
+# -- the report -------------------------------------------------------------------------
+
+def write_report(runs: Sequence[PolicyRun], out_dir: Path, *, title: str | None = None,
+                 plots: bool = True) -> list[Path]:
+    """Write ``summary.json``, ``report.md`` and (with ``plots``) the PNGs into ``out_dir``.
+
+    ``out_dir`` is created if missing; existing files of the same names are
+    overwritten. Runs on different workloads are grouped by workload in the
+    Markdown; the plots hold one panel (or line) per run. Returns the paths written,
+    in that order. Identical runs give byte-identical files.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = list(runs)
+    summaries = [summarize(run) for run in runs]
+    groups = _group(runs, summaries)
+    title = title or "apsd simulate report"
+
+    written = []
+    summary_path = out_dir / "summary.json"
+    summary_path.write_text(json.dumps({"title": title, "runs": summaries}, indent=2, sort_keys=True) + "\n",
+                            encoding="utf-8")
+    written.append(summary_path)
+
+    plot_names = list(PLOT_FILES) if plots else []
+    report_path = out_dir / "report.md"
+    report_path.write_text(_markdown(title, summaries, groups, plot_names), encoding="utf-8")
+    written.append(report_path)
+
+    several = len(groups) > 1
+    for name in plot_names:
+        written.append(_PLOTTERS[name](runs, out_dir / name, several))
+    return written

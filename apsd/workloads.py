@@ -1,0 +1,710 @@
+"""Workloads for ``apsd simulate``: the built-in generators and the trace loader.
+
+Ownership: this module turns a built-in's name and parameters, or a trace file,
+into a :class:`~apsd.records.Workload`: every arrival generated up front, so
+:mod:`apsd.simulate` replays the very same requests for every policy. It owns
+parameter handling (defaults, strict types, ranges, the limit of
+:data:`MAX_ARRIVALS` arrivals) and trace parsing. Every problem is a
+:class:`WorkloadError` whose one-line message names the workload and the
+parameter (``workload 'poisson': rate: must be > 0, got -1``) or the file, line
+and field (``trace.csv:7: bid: must be between 1 and 10, got 11``).
+
+Determinism: a built-in draws only from ``numpy.random.default_rng(seed)``, so a
+name, parameters and seed always give the same workload. Arrivals are sorted by
+``at`` with a stable sort: ties keep generation order.
+
+Tenant buckets: no built-in is about throttling, so every tenant a workload
+defines gets :data:`UNTHROTTLED`, ``TenantConfig(rate=1e6 tokens/s,
+burst=10**9)``: far more than any workload here can use, so admission never
+rejects for quota and a comparison measures scheduling alone. A trace gets the
+same bucket for each tenant it names.
+
+Sizes: a built-in's requests always fit the seed GPU's KV cache of
+:data:`KV_CAPACITY_TOKENS` per batch (``prompt + output <= 32768``); random sizes
+are clipped to ``1..16384`` each. Bids are integers 1..10.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import tomllib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from .config import TenantConfig
+from .records import Arrival, Workload
+
+__all__ = [
+    "KV_CAPACITY_TOKENS",
+    "MAX_ARRIVALS",
+    "UNTHROTTLED",
+    "WorkloadError",
+    "build_workload",
+    "list_workloads",
+    "load_params_file",
+    "load_trace",
+    "parse_param_assignments",
+]
+
+#: The bucket every tenant gets unless a scenario is about throttling (none is yet).
+UNTHROTTLED = TenantConfig(rate=1e6, burst=10**9)
+#: A workload may hold at most this many arrivals (built or loaded).
+MAX_ARRIVALS = 1_000_000
+#: The seed GPU's KV cache per batch: every built-in request fits it.
+KV_CAPACITY_TOKENS = 32_768
+#: Random prompt and output sizes are clipped to ``1..MAX_RANDOM_TOKENS`` each.
+MAX_RANDOM_TOKENS = KV_CAPACITY_TOKENS // 2
+#: A trace's sizes may be up to this (what ``POST /infer`` accepts); admission judges the rest.
+MAX_TRACE_TOKENS = 1_000_000_000
+
+
+class WorkloadError(Exception):
+    """A workload problem: one line naming the workload and parameter, or ``file:line: field``."""
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+@attrs.frozen
+class Param:
+    """One parameter of a built-in: its default (whose type is the parameter's type) and range."""
+
+    default: int | float
+    low: float = 0
+    high: float = math.inf
+    #: ``True`` when ``low`` itself is refused (``rate`` must be > 0, not >= 0).
+    exclusive_low: bool = False
+
+    def check(self, value: Any) -> int | float:
+        """The value converted to the parameter's type; ``ValueError`` says what is wrong."""
+        given = value
+        if isinstance(self.default, int):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"must be an integer, got {value!r}")
+        else:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"must be a number, got {value!r}")
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"must be a finite number, got {value!r}")
+        if self.exclusive_low and value <= self.low:
+            raise ValueError(f"must be > {self.low:g}, got {given!r}")
+        if not self.low <= value <= self.high:
+            if self.high == math.inf:
+                raise ValueError(f"must be >= {self.low:g}, got {given!r}")
+            raise ValueError(f"must be between {self.low:g} and {self.high:g}, got {given!r}")
+        return value
+
+
+def positive(default: float, high: float = 1e6) -> Param:
+    """A number > 0 (a rate or a duration)."""
+    return Param(float(default), 0, high, exclusive_low=True)
+
+
+def count(default: int, low: int = 0, high: int = MAX_ARRIVALS) -> Param:
+    return Param(default, low, high)
+
+
+def tokens(default: int) -> Param:
+    return Param(default, 1, KV_CAPACITY_TOKENS - 1)
+
+
+def bid(default: int) -> Param:
+    return Param(default, 1, 10)
+
+
+def mean_tokens(default: float) -> Param:
+    return Param(float(default), 1, MAX_RANDOM_TOKENS)
+
+
+def sigma(default: float) -> Param:
+    """A lognormal sigma; 0 makes the size fixed at its mean."""
+    return Param(float(default), 0, 3)
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+def tenant_names(tenants: int) -> list[str]:
+    """``tenant_00`` .. ``tenant_NN``: zero-padded so they sort in order."""
+    width = max(2, len(str(tenants - 1)))
+    return [f"tenant_{i:0{width}d}" for i in range(tenants)]
+
+
+def poisson_times(rng: np.random.Generator, rate: float, duration: float) -> np.ndarray:
+    """A Poisson process on ``[0, duration)``: a Poisson count, then uniform sorted times."""
+    return np.sort(rng.uniform(0.0, duration, rng.poisson(rate * duration)))
+
+
+def lognormal_tokens(rng: np.random.Generator, mean: float, sigma_: float, size: int) -> np.ndarray:
+    """Integer sizes with the given mean, clipped to ``1..MAX_RANDOM_TOKENS``; fixed when sigma is 0."""
+    if sigma_ == 0:
+        return np.full(size, min(max(round(mean), 1), MAX_RANDOM_TOKENS), dtype=np.int64)
+    mu = math.log(mean) - sigma_**2 / 2  # so that the lognormal's mean is ``mean``
+    return np.clip(np.rint(rng.lognormal(mu, sigma_, size)), 1, MAX_RANDOM_TOKENS).astype(np.int64)
+
+
+def uniform_bids(rng: np.random.Generator, size: int) -> np.ndarray:
+    return rng.integers(1, 11, size)
+
+
+def regular_count(rate: float, duration: float) -> int:
+    """How many of the times ``0, 1/rate, 2/rate, ...`` fall before ``duration``."""
+    return max(1, math.ceil(rate * duration - 1e-9))
+
+
+def make_arrivals(times: Any, tenants: Any, prompt_tokens: Any, output_tokens: Any, bids: Any) -> list[Arrival]:
+    """Arrivals from columns; a scalar column is repeated. Values become plain ``float``/``int``/``str``."""
+    size = len(times)
+
+    def column(values: Any) -> list[Any]:
+        return np.broadcast_to(np.asarray(values), (size,)).tolist()
+
+    return [
+        Arrival(at=float(at), tenant=str(tenant), prompt_tokens=int(prompt), output_tokens=int(output), bid=int(b))
+        for at, tenant, prompt, output, b in zip(
+            column(times), column(tenants), column(prompt_tokens), column(output_tokens), column(bids), strict=True)
+    ]
+
+
+def fits_kv(p: Mapping[str, Any], prompt: str = "prompt_tokens", output: str = "output_tokens") -> None:
+    """Cross-check: a fixed-size request must fit the KV cache of one batch."""
+    total = p[prompt] + p[output]
+    if total > KV_CAPACITY_TOKENS:
+        raise ValueError(f"{output}: {prompt} + {output} must be <= {KV_CAPACITY_TOKENS}, got {total}")
+
+
+@attrs.frozen
+class Generated:
+    """What a generator returns: its arrivals (any order) and the tenants it defines."""
+
+    arrivals: list[Arrival]
+    tenants: list[str]          # every tenant the scenario defines, in order
+
+
+# --------------------------------------------------------------------------- the built-ins
+
+
+def seed_stress(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
+    """Seed 002's stress test: VIP and free requests interleaved, all at once (or spread evenly)."""
+    vip = ["tenant_a"] * p["vip_requests"]
+    free = ["tenant_b"] * p["free_requests"]
+    order = [t for pair in zip(vip, free) for t in pair] + vip[len(free):] + free[len(vip):]
+    times = [i * p["spread_s"] / len(order) for i in range(len(order))]
+    bids = [10 if tenant == "tenant_a" else 1 for tenant in order]
+    return Generated(make_arrivals(times, order, p["prompt_tokens"], p["output_tokens"], bids),
+                     ["tenant_a", "tenant_b"])
+
+
+def burst_50(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
+    """A quiet Poisson background over all tenants, then every tenant bursts at ``burst_at``."""
+    names = tenant_names(p["tenants"])
+    tenant_bid = np.array([1 + i * 10 // len(names) for i in range(len(names))])
+    background = poisson_times(rng, p["background_rate"], p["duration"])
+    background_tenant = rng.integers(0, len(names), background.size)
+    burst = p["burst_at"] + rng.uniform(0.0, p["burst_window_s"], (len(names), p["burst_requests"]))
+    burst_tenant = np.repeat(np.arange(len(names)), p["burst_requests"])
+    times = np.concatenate([background, burst.ravel()])
+    who = np.concatenate([background_tenant, burst_tenant]).astype(np.int64)
+    arrivals = make_arrivals(times, np.array(names)[who], p["prompt_tokens"], p["output_tokens"], tenant_bid[who])
+    return Generated(arrivals, names)
+
+
+def check_burst_50(p: Mapping[str, Any]) -> None:
+    fits_kv(p)
+    if p["burst_at"] > p["duration"]:
+        raise ValueError(f"burst_at: must be <= duration ({p['duration']:g}), got {p['burst_at']:g}")
+
+
+def poisson(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
+    """Poisson arrivals over equal tenants; lognormal sizes; uniform bids."""
+    names = tenant_names(p["tenants"])
+    times = poisson_times(rng, p["rate"], p["duration"])
+    size = times.size
+    who = rng.integers(0, len(names), size)
+    prompts = lognormal_tokens(rng, p["prompt_mean"], p["prompt_sigma"], size)
+    outputs = lognormal_tokens(rng, p["output_mean"], p["output_sigma"], size)
+    return Generated(make_arrivals(times, np.array(names)[who], prompts, outputs, uniform_bids(rng, size)), names)
+
+
+def regular_requests(p: Mapping[str, Any], rng: np.random.Generator,
+                     size: int) -> tuple[list[str], list[str], np.ndarray]:
+    """What ``periodic`` and ``bursty`` share for one seed: round-robin tenants and the same bids."""
+    names = tenant_names(p["tenants"])
+    return names, [names[i % len(names)] for i in range(size)], uniform_bids(rng, size)
+
+
+def periodic(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
+    """One arrival every ``1/rate`` seconds exactly: every gap equal, entropy 0."""
+    size = regular_count(p["rate"], p["duration"])
+    names, who, bids = regular_requests(p, rng, size)
+    times = np.arange(size) / p["rate"]
+    return Generated(make_arrivals(times, who, p["prompt_tokens"], p["output_tokens"], bids), names)
+
+
+def bursty(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
+    """``periodic``'s requests (same count, tenants, bids, sizes) in on/off bursts.
+
+    Each gap is, with probability ``1/burst_size``, an off period (exponential)
+    and otherwise an in-burst gap (exponential, mean ``burst_gap_ms``): bursts
+    hold ``burst_size`` requests on average. The gaps are then scaled to sum to
+    ``duration``, so the mean rate is exactly ``periodic``'s.
+    """
+    size = regular_count(p["rate"], p["duration"])
+    names, who, bids = regular_requests(p, rng, size)
+    in_burst_gap = p["burst_gap_ms"] / 1000
+    off_gap = off_period_s(p)
+    is_off = rng.random(size) < 1 / p["burst_size"]
+    gaps = np.where(is_off, rng.exponential(off_gap, size), rng.exponential(in_burst_gap, size))
+    gaps *= p["duration"] / gaps.sum()
+    times = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+    return Generated(make_arrivals(times, who, p["prompt_tokens"], p["output_tokens"], bids), names)
+
+
+def off_period_s(p: Mapping[str, Any]) -> float:
+    """The mean off period that keeps the mean gap at ``1/rate``."""
+    return p["burst_size"] / p["rate"] - (p["burst_size"] - 1) * p["burst_gap_ms"] / 1000
+
+
+def check_bursty(p: Mapping[str, Any]) -> None:
+    fits_kv(p)
+    if off_period_s(p) <= 0:
+        raise ValueError(f"burst_gap_ms: a burst of {p['burst_size']:g} requests {p['burst_gap_ms']:g} ms apart "
+                         f"lasts longer than burst_size/rate = {p['burst_size'] / p['rate']:g} s; lower it")
+
+
+def vip_flood(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
+    """A VIP tenant's Poisson flood above GPU capacity and a free tenant's trickle."""
+    vip = poisson_times(rng, p["vip_rate"], p["duration"])
+    free = poisson_times(rng, p["free_rate"], p["duration"])
+    arrivals = (make_arrivals(vip, "vip", p["prompt_tokens"], p["output_tokens"], p["vip_bid"])
+                + make_arrivals(free, "free", p["prompt_tokens"], p["output_tokens"], p["free_bid"]))
+    return Generated(arrivals, ["vip", "free"])
+
+
+def vtc_overload(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
+    """VTC's overload experiment: two Poisson tenants, equal bids, fixed sizes."""
+    arrivals = [
+        arrival
+        for tenant, rate in (("tenant_a", p["rate_a"]), ("tenant_b", p["rate_b"]))
+        for arrival in make_arrivals(poisson_times(rng, rate, p["duration"]), tenant,
+                                     p["prompt_tokens"], p["output_tokens"], p["bid"])
+    ]
+    return Generated(arrivals, ["tenant_a", "tenant_b"])
+
+
+def head_of_line(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
+    """Poisson small requests with a few huge ones (``huge_factor`` x the output) among them."""
+    names = tenant_names(p["tenants"])
+    times = poisson_times(rng, p["rate"], p["duration"])
+    size = times.size
+    who = rng.integers(0, len(names), size)
+    bids = uniform_bids(rng, size)  # independent of size: a huge request is not always the lowest bid
+    huge_count = min(size, max(1, round(size * p["huge_fraction"]))) if p["huge_fraction"] > 0 else 0
+    outputs = np.full(size, p["output_tokens"], dtype=np.int64)
+    outputs[rng.choice(size, huge_count, replace=False)] *= p["huge_factor"]
+    return Generated(make_arrivals(times, np.array(names)[who], p["prompt_tokens"], outputs, bids), names)
+
+
+def check_head_of_line(p: Mapping[str, Any]) -> None:
+    total = p["prompt_tokens"] + p["output_tokens"] * p["huge_factor"]
+    if total > KV_CAPACITY_TOKENS:
+        raise ValueError(f"huge_factor: prompt_tokens + output_tokens * huge_factor must be "
+                         f"<= {KV_CAPACITY_TOKENS}, got {total}")
+
+
+@attrs.frozen
+class Builtin:
+    """A built-in workload: its parameters, how many arrivals they ask for, and the generator."""
+
+    name: str
+    description: str
+    params: dict[str, Param]
+    generate: Callable[[Mapping[str, Any], np.random.Generator], Generated]
+    #: The expected number of arrivals and the parameters that set it (for the size limit).
+    expected_arrivals: Callable[[Mapping[str, Any]], tuple[float, str]]
+    #: Checks across parameters; ``ValueError("param: problem")``.
+    check: Callable[[Mapping[str, Any]], None] = fits_kv
+
+
+BUILTINS: dict[str, Builtin] = {b.name: b for b in [
+    Builtin(
+        "seed-stress",
+        "seed 002's stress test: tenant_a (bid 10) x 50 and tenant_b (bid 1) x 50, interleaved, all at t=0",
+        {"vip_requests": count(50), "free_requests": count(50), "prompt_tokens": tokens(16),
+         "output_tokens": tokens(100), "spread_s": Param(0.0, 0, 1e6)},
+        seed_stress,
+        lambda p: (p["vip_requests"] + p["free_requests"], "vip_requests + free_requests"),
+    ),
+    Builtin(
+        "burst-50",
+        "50 tenants (bids 1-10): a quiet Poisson background, then all burst together at burst_at",
+        {"tenants": count(50, 1, 10_000), "duration": positive(60), "background_rate": Param(0.5, 0, 1e6),
+         "burst_at": Param(30.0, 0, 1e6), "burst_requests": count(4), "burst_window_s": Param(0.05, 0, 1e6),
+         "prompt_tokens": tokens(64), "output_tokens": tokens(100)},
+        burst_50,
+        lambda p: (p["background_rate"] * p["duration"] + p["tenants"] * p["burst_requests"],
+                   "background_rate * duration + tenants * burst_requests"),
+        check_burst_50,
+    ),
+    Builtin(
+        "poisson",
+        "steady Poisson arrivals over equal tenants; lognormal sizes; bids uniform 1-10",
+        {"rate": positive(2), "duration": positive(120), "tenants": count(4, 1, 10_000),
+         "prompt_mean": mean_tokens(256), "prompt_sigma": sigma(0.5),
+         "output_mean": mean_tokens(100), "output_sigma": sigma(0.5)},
+        poisson,
+        lambda p: (p["rate"] * p["duration"], "rate * duration"),
+        lambda p: None,
+    ),
+    Builtin(
+        "periodic",
+        "one arrival every 1/rate s exactly (inter-arrival entropy 0); tenants round-robin, bids 1-10",
+        {"rate": positive(2), "duration": positive(120), "tenants": count(4, 1, 10_000),
+         "prompt_tokens": tokens(64), "output_tokens": tokens(100)},
+        periodic,
+        lambda p: (regular_count(p["rate"], p["duration"]), "rate * duration"),
+    ),
+    Builtin(
+        "bursty",
+        "periodic's requests at the same mean rate, in on/off bursts with exponential gaps (high entropy)",
+        {"rate": positive(2), "duration": positive(120), "tenants": count(4, 1, 10_000),
+         "prompt_tokens": tokens(64), "output_tokens": tokens(100),
+         "burst_size": Param(10.0, 1, 1e6), "burst_gap_ms": positive(20, 1e9)},
+        bursty,
+        lambda p: (regular_count(p["rate"], p["duration"]), "rate * duration"),
+        check_bursty,
+    ),
+    Builtin(
+        "vip-flood",
+        "a VIP (bid 10) flooding above GPU capacity and a free tenant's (bid 1) trickle: starvation",
+        {"duration": positive(120), "vip_rate": positive(5), "free_rate": positive(0.2),
+         "prompt_tokens": tokens(64), "output_tokens": tokens(100), "vip_bid": bid(10), "free_bid": bid(1)},
+        vip_flood,
+        lambda p: ((p["vip_rate"] + p["free_rate"]) * p["duration"], "(vip_rate + free_rate) * duration"),
+    ),
+    Builtin(
+        "vtc-overload",
+        "VTC's overload experiment: two tenants at 1.5 and 3 req/s (Poisson), 256 in / 256 out",
+        {"duration": positive(600), "rate_a": positive(1.5), "rate_b": positive(3),
+         "prompt_tokens": tokens(256), "output_tokens": tokens(256), "bid": bid(5)},
+        vtc_overload,
+        lambda p: ((p["rate_a"] + p["rate_b"]) * p["duration"], "(rate_a + rate_b) * duration"),
+    ),
+    Builtin(
+        "head-of-line",
+        "Poisson small requests with 2% huge ones (20x the output tokens); bids uniform 1-10 for all",
+        {"rate": positive(2), "duration": positive(120), "tenants": count(4, 1, 10_000),
+         "prompt_tokens": tokens(64), "output_tokens": tokens(100),
+         "huge_fraction": Param(0.02, 0, 1), "huge_factor": count(20, 1, KV_CAPACITY_TOKENS)},
+        head_of_line,
+        lambda p: (p["rate"] * p["duration"], "rate * duration"),
+        check_head_of_line,
+    ),
+]}
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def list_workloads() -> list[tuple[str, str, dict[str, Any]]]:
+    """Every built-in as ``(name, one-line description, default parameters)``."""
+    return [(b.name, b.description, {k: p.default for k, p in b.params.items()}) for b in BUILTINS.values()]
+
+
+def effective_params(builtin: Builtin, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The defaults with ``given`` merged over them, each checked; cross-checks too."""
+    def error(problem: str) -> WorkloadError:
+        return WorkloadError(f"workload {builtin.name!r}: {problem}")
+
+    unknown = sorted(set(given) - set(builtin.params), key=str)
+    if unknown:
+        raise error(f"unknown parameter {unknown[0]!r} (parameters: {', '.join(sorted(builtin.params))})")
+    params: dict[str, Any] = {}
+    for name, param in builtin.params.items():
+        try:
+            params[name] = param.check(given[name]) if name in given else param.default
+        except ValueError as exc:
+            raise error(f"{name}: {exc}") from None
+    try:
+        builtin.check(params)
+    except ValueError as exc:
+        raise error(str(exc)) from None
+    expected, what = builtin.expected_arrivals(params)
+    if expected > MAX_ARRIVALS:
+        raise error(f"{what}: asks for about {expected:,.0f} arrivals (limit {MAX_ARRIVALS:,})")
+    return params
+
+
+def build_workload(name: str, params: Mapping[str, Any] | None = None, seed: int = 0) -> Workload:
+    """Generate built-in ``name`` with ``params`` over its defaults, from ``seed``.
+
+    Raises :class:`WorkloadError` for an unknown name or parameter, a value of the
+    wrong type or out of range, more than :data:`MAX_ARRIVALS` arrivals, or none.
+    """
+    builtin = BUILTINS.get(name)
+    if builtin is None:
+        raise WorkloadError(f"unknown workload {name!r} (built-ins: {', '.join(BUILTINS)})")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise WorkloadError(f"workload {name!r}: seed: must be an integer >= 0, got {seed!r}")
+    if params is not None and not isinstance(params, Mapping):
+        raise WorkloadError(f"workload {name!r}: parameters must be a mapping, got {type(params).__name__}")
+    effective = effective_params(builtin, params or {})
+    generated = builtin.generate(effective, np.random.default_rng(seed))
+    if not generated.arrivals:
+        raise WorkloadError(f"workload {name!r}: generated no arrivals (raise the rate, duration or counts)")
+    if len(generated.arrivals) > MAX_ARRIVALS:
+        raise WorkloadError(f"workload {name!r}: {builtin.expected_arrivals(effective)[1]}: generated "
+                            f"{len(generated.arrivals):,} arrivals (limit {MAX_ARRIVALS:,})")
+    return Workload(
+        name=name,
+        description=builtin.description,
+        arrivals=tuple(sorted(generated.arrivals, key=lambda a: a.at)),
+        tenants={tenant: UNTHROTTLED for tenant in generated.tenants},
+        params=effective,
+        seed=seed,
+    )
+
+
+def load_params_file(path: str | Path) -> dict[str, Any]:
+    """The top-level keys of TOML file ``path`` as workload parameters (checked by :func:`build_workload`)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise WorkloadError(f"{path}: no such parameter file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"{path}: cannot read parameter file: {exc}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise WorkloadError(f"{path}: TOML syntax error: {exc}") from None
+
+
+def parse_param_assignments(items: Sequence[str]) -> dict[str, Any]:
+    """``["rate=5", "name=x"]`` -> ``{"rate": 5, "name": "x"}``: TOML values, else the bare string.
+
+    A later assignment to the same key wins. An item without ``=`` or with an
+    empty key is a :class:`WorkloadError`.
+    """
+    params: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise WorkloadError(f"parameter {item!r}: expected key=value (e.g. rate=5)")
+        params[key] = toml_value(value.strip())
+    return params
+
+
+def toml_value(text: str) -> Any:
+    """``text`` read as a TOML value (``5``, ``1.5``, ``true``, ``"x"``), or itself when it is not one."""
+    if "\n" in text or "\r" in text:
+        return text
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+# --------------------------------------------------------------------------- traces
+
+TIME_FIELDS = ("at", "arrival", "time")
+TRACE_FIELDS = ("tenant", "prompt_tokens", "output_tokens", "bid")
+FIELDS_HELP = "fields: at (or arrival, time), tenant, prompt_tokens, output_tokens, bid"
+
+
+@attrs.frozen
+class TraceRow:
+    """One record of a trace as read: raw values (strings when from CSV) and its line."""
+
+    line: int
+    values: dict[str, Any]
+    from_text: bool             # True for CSV cells: numbers still to be parsed
+
+
+def unknown_fields(names: Sequence[str]) -> list[str]:
+    return [n for n in names if n not in TIME_FIELDS and n not in TRACE_FIELDS]
+
+
+def unknown_fields_problem(unknown: Sequence[str]) -> str:
+    listed = ", ".join(repr(n) for n in unknown)
+    return f"unknown field{'s' if len(unknown) > 1 else ''} {listed} ({FIELDS_HELP})"
+
+
+def read_jsonl(path: Path, text: str) -> Iterator[TraceRow]:
+    # split on "\n" only: line numbers as an editor shows them (a JSON string may hold U+2028)
+    for line, raw in enumerate(text.split("\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            values = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise WorkloadError(f"{path}:{line}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+        if not isinstance(values, dict):
+            raise WorkloadError(f"{path}:{line}: must be a JSON object, got {type(values).__name__}")
+        unknown = unknown_fields(list(values))
+        if unknown:
+            raise WorkloadError(f"{path}:{line}: {unknown_fields_problem(unknown)}")
+        yield TraceRow(line, values, from_text=False)
+
+
+def read_csv(path: Path, text: str) -> Iterator[TraceRow]:
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header: list[str] | None = None
+    last_line = 0
+    try:
+        for cells in reader:
+            line, last_line = last_line + 1, reader.line_num  # a record starts after the previous one ends
+            if not any(cell.strip() for cell in cells):
+                continue
+            cells = [cell.strip() for cell in cells]
+            if header is None:
+                header = read_csv_header(path, line, cells)
+                continue
+            if len(cells) > len(header):
+                raise WorkloadError(f"{path}:{line}: {len(cells)} values but the header has {len(header)} columns")
+            yield TraceRow(line, {name: cell for name, cell in zip(header, cells) if cell != ""}, from_text=True)
+    except csv.Error as exc:
+        raise WorkloadError(f"{path}:{reader.line_num}: invalid CSV: {exc}") from None
+
+
+def read_csv_header(path: Path, line: int, cells: list[str]) -> list[str]:
+    unknown = unknown_fields(cells)
+    if unknown:
+        raise WorkloadError(f"{path}:{line}: {unknown_fields_problem(unknown)}")
+    duplicates = sorted({c for c in cells if cells.count(c) > 1})
+    if duplicates:
+        raise WorkloadError(f"{path}:{line}: duplicate column {duplicates[0]!r}")
+    return cells
+
+
+def number_value(raw: Any, from_text: bool) -> float:
+    if from_text:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"must be a number, got {raw!r}") from None
+    elif isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        raise ValueError(f"must be a number, got {raw!r}")
+    else:
+        value = float(raw)
+    if not math.isfinite(value):
+        raise ValueError(f"must be a finite number, got {raw!r}")
+    return value
+
+
+def integer_value(raw: Any, from_text: bool, low: int, high: int) -> int:
+    if from_text:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"must be an integer, got {raw!r}") from None
+    elif isinstance(raw, bool) or not isinstance(raw, int):
+        raise ValueError(f"must be an integer, got {raw!r}")
+    else:
+        value = raw
+    if not low <= value <= high:
+        raise ValueError(f"must be between {low} and {high}, got {value}")
+    return value
+
+
+def time_value(raw: Any, from_text: bool) -> float:
+    value = number_value(raw, from_text)
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {raw!r}")
+    return value
+
+
+def tenant_value(raw: Any, from_text: bool) -> str:
+    if not isinstance(raw, str):
+        raise ValueError(f"must be a string, got {raw!r}")
+    if not raw.strip():
+        raise ValueError("must not be empty")
+    return raw.strip()
+
+
+def tokens_value(raw: Any, from_text: bool) -> int:
+    return integer_value(raw, from_text, 1, MAX_TRACE_TOKENS)
+
+
+def bid_value(raw: Any, from_text: bool) -> int:
+    return integer_value(raw, from_text, 1, 10)
+
+
+FIELD_PARSERS: dict[str, Callable[[Any, bool], Any]] = {
+    "tenant": tenant_value, "prompt_tokens": tokens_value, "output_tokens": tokens_value, "bid": bid_value,
+}
+
+
+def trace_arrival(path: Path, row: TraceRow) -> Arrival:
+    """Validate one row, naming ``file:line: field`` on the first problem."""
+    def error(field: str, problem: str) -> WorkloadError:
+        return WorkloadError(f"{path}:{row.line}: {field}: {problem}")
+
+    times = [name for name in TIME_FIELDS if name in row.values]
+    if len(times) > 1:
+        raise error(times[0], f"give the arrival time once (found {', '.join(times)})")
+    values: dict[str, Any] = {}
+    for field, parse in [("at", time_value), *FIELD_PARSERS.items()]:
+        name = times[0] if field == "at" and times else field
+        raw = row.values.get(name)
+        if raw is None:
+            if field == "bid":
+                values[field] = 1
+                continue
+            raise error(name, "missing")
+        try:
+            values[field] = parse(raw, row.from_text)
+        except ValueError as exc:
+            raise error(name, str(exc)) from None
+    return Arrival(**values)
+
+
+TRACE_READERS: dict[str, Callable[[Path, str], Iterator[TraceRow]]] = {".jsonl": read_jsonl, ".csv": read_csv}
+
+
+def load_trace(path: str | Path) -> Workload:
+    """A workload replaying trace ``path`` (``.jsonl``: one object a line; ``.csv``: a header row).
+
+    Fields: ``at`` (seconds >= 0; or ``arrival`` / ``time``), ``tenant``,
+    ``prompt_tokens``, ``output_tokens``, ``bid`` (1-10, default 1). Blank lines
+    are skipped; every problem is ``file:line: field: problem``. The workload is
+    named after the file's stem; each tenant gets :data:`UNTHROTTLED`.
+    """
+    path = Path(path)
+    reader = TRACE_READERS.get(path.suffix.lower())
+    if reader is None:
+        raise WorkloadError(f"{path}: unknown trace format {path.suffix or '(no extension)'!r} "
+                            f"(use {' or '.join(TRACE_READERS)})")
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise WorkloadError(f"{path}: no such trace file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"{path}: cannot read trace file: {exc}") from None
+    arrivals: list[Arrival] = []
+    for row in reader(path, text):
+        if len(arrivals) == MAX_ARRIVALS:
+            raise WorkloadError(f"{path}:{row.line}: more than {MAX_ARRIVALS:,} arrivals (the limit)")
+        arrivals.append(trace_arrival(path, row))
+    if not arrivals:
+        raise WorkloadError(f"{path}: empty trace (no arrivals)")
+    tenants = {a.tenant: UNTHROTTLED for a in arrivals}
+    arrivals.sort(key=lambda a: a.at)
+    return Workload(
+        name=path.stem,
+        description=f"trace {path}: {len(arrivals):,} arrivals from {len(tenants)} tenants "
+                    f"over {arrivals[-1].at - arrivals[0].at:g} s",
+        arrivals=tuple(arrivals),
+        tenants=tenants,
+        params={"trace": str(path)},
+        seed=0,
+    )

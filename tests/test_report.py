@@ -1,0 +1,328 @@
+"""The simulate report: figures checked against hand-computed answers, reproducible files."""
+
+import json
+import subprocess
+import sys
+
+import attrs
+import numpy as np
+import pytest
+
+from apsd.config import TenantConfig
+from apsd.records import Arrival, BatchRecord, GovernorSample, PolicyRun, RequestRecord, Workload
+from apsd.report import FAIRNESS_DEFINITION, PLOT_FILES, _busy_cumulative, format_summary_table, summarize, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def tiny_workload(name="tiny", seed=7):
+    return Workload(
+        name=name,
+        description="Two tenants, four requests",
+        arrivals=(
+            Arrival(at=0.0, tenant="a", prompt_tokens=5, output_tokens=10, bid=1),
+            Arrival(at=0.2, tenant="b", prompt_tokens=5, output_tokens=20, bid=5),
+            Arrival(at=1.0, tenant="a", prompt_tokens=5, output_tokens=30, bid=1),
+            Arrival(at=1.1, tenant="b", prompt_tokens=5, output_tokens=40, bid=5),
+        ),
+        tenants={"a": TenantConfig(rate=10, burst=100), "b": TenantConfig(rate=20, burst=100)},
+        params={"rps": 3.5, "tenants": 2},
+        seed=seed,
+    )
+
+
+def tiny_run(label="aps", workload=None, **changes):
+    """2 tenants, 4 requests (3 completed, 1 rejected), 2 batches on 2 GPUs, 4 s."""
+    requests = (
+        RequestRecord("a", 1, 5, 10, arrival=0.0, outcome="completed", dispatched_at=0.5, finished_at=1.5,
+                      batch_id=0, batch_size=2, cost_usd=0.001),
+        RequestRecord("b", 5, 5, 20, arrival=0.2, outcome="completed", dispatched_at=0.5, finished_at=1.5,
+                      batch_id=0, batch_size=2, cost_usd=0.001),
+        RequestRecord("a", 1, 5, 30, arrival=1.0, outcome="completed", dispatched_at=2.0, finished_at=4.0,
+                      batch_id=1, batch_size=1, cost_usd=0.003),
+        RequestRecord("b", 5, 5, 40, arrival=1.1, outcome="rejected", error="rate_limited"),
+    )
+    batches = (
+        BatchRecord(0, executor_id=0, size=2, kv_tokens=40, formed_at=0.5, started_at=0.5, finished_at=1.5,
+                    busy_s=1.0, cost_usd=0.002, window_s=0.01),
+        BatchRecord(1, executor_id=1, size=1, kv_tokens=35, formed_at=2.0, started_at=2.0, finished_at=4.0,
+                    busy_s=2.0, cost_usd=0.003, window_s=0.01),
+    )
+    states = ["STABLE"] * 5 + ["CRITICAL_BURST"] * 2 + ["TRANSITIONAL"]
+    samples = tuple(
+        GovernorSample(at=0.5 * i, state=s, entropy_bits=None if i == 0 else 0.25 * i,
+                       window_s=0.010 - 0.001 * i, queue_depth=i % 3)
+        for i, s in enumerate(states)
+    )
+    fields = dict(
+        label=label,
+        policy={"preset": "aps", "aging": "aps", "governor": "entropy", "batching": "micro"},
+        workload=workload or tiny_workload(),
+        requests=requests,
+        batches=batches,
+        samples=samples,
+        sample_interval_s=0.5,
+        duration_s=4.0,
+        gpus=2,
+        tenant_rates={"a": 10.0, "b": 20.0},
+        wall_s=0.123,
+    )
+    fields.update(changes)
+    return PolicyRun(**fields)
+
+
+def empty_run(label="empty"):
+    return PolicyRun(
+        label=label, policy={"preset": "fifo"},
+        workload=Workload(name="nothing", description="", arrivals=(), tenants={}, params={}),
+        requests=(), batches=(), samples=(), sample_interval_s=0.5, duration_s=0.0, gpus=1, tenant_rates={},
+    )
+
+
+# -- summarize --------------------------------------------------------------------------
+
+def test_summary_top_level_and_workload():
+    s = summarize(tiny_run())
+    assert set(s) == {"label", "policy", "workload", "gpus", "duration_s", "tenants", "overall"}
+    assert s["label"] == "aps"
+    assert s["policy"]["governor"] == "entropy"
+    assert s["workload"] == {"name": "tiny", "description": "Two tenants, four requests",
+                             "params": {"rps": 3.5, "tenants": 2}, "seed": 7, "arrivals": 4, "tenants": 2}
+    assert s["gpus"] == 2 and s["duration_s"] == 4.0
+    assert list(s["tenants"]) == ["a", "b"]
+
+
+def test_overall_figures_match_hand_computation():
+    o = summarize(tiny_run())["overall"]
+    assert (o["sent"], o["completed"], o["rejected"], o["failed"], o["cancelled"]) == (4, 3, 1, 0, 0)
+    assert o["rejected_by_error"] == {"rate_limited": 1}
+    assert o["output_tokens"] == 60
+    assert o["throughput_tokens_per_s"] == 15.0            # 60 tokens / 4 s
+    assert o["gpu_busy_s"] == 3.0
+    assert o["gpu_utilization"] == 0.375                   # 3 s busy / (2 GPUs * 4 s)
+    assert o["cost_usd"] == 0.005
+    assert o["cost_per_1m_tokens_usd"] == pytest.approx(0.005 / 60 * 1e6, rel=1e-6)  # 83.3333
+    assert o["batches"] == 2
+    # Overall waits 0.5, 0.3, 1.0 s; latencies 1.5, 1.3, 3.0 s (the rejected request has neither).
+    assert o["queue_wait_ms"] == {"p50": 500.0, "p95": 950.0, "p99": 990.0, "max": 1000.0}
+    assert o["latency_ms"]["p50"] == 1500.0
+    assert o["latency_ms"]["p99"] == pytest.approx(2970.0)
+    assert o["latency_ms"]["max"] == 3000.0
+
+
+def test_per_tenant_figures():
+    t = summarize(tiny_run())["tenants"]
+    a, b = t["a"], t["b"]
+    assert (a["sent"], a["completed"], a["rejected"], a["admitted"]) == (2, 2, 0, 2)
+    assert (b["sent"], b["completed"], b["rejected"], b["admitted"]) == (2, 1, 1, 1)
+    assert b["rejected_by_error"] == {"rate_limited": 1} and a["rejected_by_error"] == {}
+    assert a["bids"] == [1] and b["bids"] == [5]
+    assert a["output_tokens"] == 40 and b["output_tokens"] == 20
+    # a waited 0.5 and 1.0 s: linear percentiles between the two.
+    assert a["queue_wait_ms"] == {"p50": 750.0, "p95": 975.0, "p99": 995.0, "max": 1000.0}
+    assert a["latency_ms"] == {"p50": 2250.0, "p95": 2925.0, "p99": 2985.0, "max": 3000.0}
+    # b's only completed request waited 0.3 s; its rejected one does not count.
+    assert b["queue_wait_ms"] == {"p50": 300.0, "p95": 300.0, "p99": 300.0, "max": 300.0}
+    assert b["latency_ms"]["max"] == 1300.0
+    assert a["service_per_rate"] == 4.0 and b["service_per_rate"] == 1.0
+
+
+def test_jain_index_uses_tokens_over_rate():
+    f = summarize(tiny_run())["overall"]["fairness"]
+    # x_a = 40 / 10 = 4, x_b = 20 / 20 = 1: (4 + 1)^2 / (2 * (16 + 1)) = 25 / 34.
+    assert f["jain_index"] == pytest.approx(25 / 34, rel=1e-6)
+    assert f["tenants_counted"] == 2
+    assert f["fairness_definition"] == FAIRNESS_DEFINITION
+    assert "divided by its configured rate" in f["fairness_definition"]
+
+
+def test_jain_index_skips_tenants_with_nothing_admitted():
+    run = tiny_run()
+    only_rejected = RequestRecord("c", 3, 5, 10, arrival=0.1, outcome="rejected", error="unknown_tenant")
+    run = attrs.evolve(run, requests=run.requests + (only_rejected,),
+                       tenant_rates={**run.tenant_rates, "c": 10.0})
+    s = summarize(run)
+    assert s["tenants"]["c"]["rejected"] == 1
+    assert s["overall"]["fairness"]["tenants_counted"] == 2
+    assert s["overall"]["fairness"]["jain_index"] == pytest.approx(25 / 34, rel=1e-6)
+
+
+def test_lowest_bidder():
+    lb = summarize(tiny_run())["overall"]["lowest_bidder"]
+    assert lb == {"bid": 1, "tenants": ["a"], "requests": 2, "completed": 2,
+                  "max_queue_wait_ms": 1000.0, "p99_queue_wait_ms": 995.0}
+
+
+def test_governor_time_in_state():
+    g = summarize(tiny_run())["overall"]["governor"]
+    assert g["samples"] == 8 and g["sample_interval_s"] == 0.5
+    assert g["time_in_state"] == {
+        "CRITICAL_BURST": {"seconds": 1.0, "fraction": 0.25},
+        "STABLE": {"seconds": 2.5, "fraction": 0.625},
+        "TRANSITIONAL": {"seconds": 0.5, "fraction": 0.125},
+    }
+    # windows 10, 9, ..., 3 ms -> mean 6.5 ms; entropies 0.25..1.75 (the first sample has none) -> mean 1.0
+    assert g["mean_window_ms"] == 6.5
+    assert g["mean_entropy_bits"] == 1.0
+
+
+def test_batch_size_distribution():
+    b = summarize(tiny_run())["overall"]["batch_sizes"]
+    assert b == {"count": 2, "distribution": {"1": 1, "2": 1}, "mean": 1.5}
+
+
+def test_failed_and_cancelled_are_counted_but_not_timed():
+    run = tiny_run()
+    failed = RequestRecord("a", 1, 5, 99, arrival=0.1, outcome="failed", error="executor_error",
+                           dispatched_at=3.0, finished_at=3.9, batch_id=9, batch_size=1)
+    cancelled = RequestRecord("b", 5, 5, 99, arrival=0.3, outcome="cancelled", error="client_disconnected")
+    s = summarize(attrs.evolve(run, requests=run.requests + (failed, cancelled)))
+    o = s["overall"]
+    assert (o["sent"], o["completed"], o["rejected"], o["failed"], o["cancelled"]) == (6, 3, 1, 1, 1)
+    assert o["rejected_by_error"] == {"rate_limited": 1}
+    assert s["tenants"]["a"]["failed"] == 1 and s["tenants"]["b"]["cancelled"] == 1
+    # The failed request's 2.9 s wait and 3.8 s latency are in no percentile, and its tokens are not served.
+    assert s["tenants"]["a"]["queue_wait_ms"]["max"] == 1000.0
+    assert o["latency_ms"]["max"] == 3000.0
+    assert o["output_tokens"] == 60
+    assert o["lowest_bidder"]["requests"] == 3 and o["lowest_bidder"]["completed"] == 2
+
+
+def test_no_completions_gives_nulls():
+    run = tiny_run()
+    rejected = tuple(attrs.evolve(r, outcome="rejected", error="rate_limited", dispatched_at=None,
+                                  finished_at=None, batch_id=None, batch_size=None, cost_usd=0.0)
+                     for r in run.requests)
+    s = summarize(attrs.evolve(run, requests=rejected, batches=(), samples=()))
+    o = s["overall"]
+    assert o["completed"] == 0 and o["rejected"] == 4
+    assert o["throughput_tokens_per_s"] == 0.0
+    assert o["gpu_utilization"] == 0.0
+    assert o["cost_per_1m_tokens_usd"] is None
+    assert o["fairness"]["jain_index"] is None
+    assert o["queue_wait_ms"] == {"p50": None, "p95": None, "p99": None, "max": None}
+    assert o["lowest_bidder"]["max_queue_wait_ms"] is None
+    assert o["batch_sizes"] == {"count": 0, "distribution": {}, "mean": None}
+    assert o["governor"]["time_in_state"] == {}
+
+
+def test_empty_run_does_not_crash(tmp_path):
+    s = summarize(empty_run())
+    o = s["overall"]
+    assert o["sent"] == 0 and s["tenants"] == {}
+    assert o["throughput_tokens_per_s"] is None and o["gpu_utilization"] is None
+    assert o["lowest_bidder"]["bid"] is None
+    paths = write_report([empty_run()], tmp_path)
+    assert {p.name for p in paths} == {"summary.json", "report.md", *PLOT_FILES}
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert data["runs"][0]["overall"]["latency_ms"]["p99"] is None
+    assert "| `empty` | 0 | 0 | — |" in (tmp_path / "report.md").read_text()
+
+
+def test_floats_are_rounded_and_wall_time_is_not_reported():
+    s = summarize(tiny_run())
+    assert s["overall"]["cost_per_1m_tokens_usd"] == 83.3333
+    assert "wall" not in json.dumps(s)
+    assert summarize(tiny_run(wall_s=99.0)) == s
+
+
+# -- the GPU busy curve behind gpu_busy.png ---------------------------------------------
+
+def test_busy_curve_spreads_busy_time_over_each_batch():
+    edges = np.array([0.0, 1.0, 2.0, 3.0, 4.0])
+    # Batch 0 is busy 1 s over [0.5, 1.5]; batch 1 is busy 2 s over [2, 4].
+    assert _busy_cumulative(tiny_run(), edges).tolist() == [0.0, 0.5, 1.0, 2.0, 3.0]
+    instant = attrs.evolve(tiny_run(), batches=(BatchRecord(0, 0, 1, 1, 1.0, 1.0, 1.0, 0.25, 0.0, 0.0),))
+    assert _busy_cumulative(instant, edges).tolist() == [0.0, 0.25, 0.25, 0.25, 0.25]
+
+
+# -- files ------------------------------------------------------------------------------
+
+def test_summary_json_is_byte_identical_and_sensitive(tmp_path):
+    write_report([tiny_run(), tiny_run("fifo")], tmp_path / "one", title="T", plots=False)
+    write_report([tiny_run(), tiny_run("fifo")], tmp_path / "two", title="T", plots=False)
+    one = (tmp_path / "one" / "summary.json").read_bytes()
+    assert one == (tmp_path / "two" / "summary.json").read_bytes()
+    assert one.endswith(b"}\n")
+    data = json.loads(one)
+    assert data["title"] == "T" and [r["label"] for r in data["runs"]] == ["aps", "fifo"]
+    assert data["runs"][0] == summarize(tiny_run())
+
+    changed = tiny_run()
+    later = attrs.evolve(changed.requests[2], finished_at=4.5)
+    changed = attrs.evolve(changed, requests=changed.requests[:2] + (later,) + changed.requests[3:])
+    write_report([changed, tiny_run("fifo")], tmp_path / "three", title="T", plots=False)
+    assert (tmp_path / "three" / "summary.json").read_bytes() != one
+
+
+def test_plots_written_as_reproducible_pngs(tmp_path):
+    runs = [tiny_run("aps"), tiny_run("fifo")]
+    first = write_report(runs, tmp_path / "one")
+    second = write_report(runs, tmp_path / "two")
+    assert [p.name for p in first] == ["summary.json", "report.md", *PLOT_FILES]
+    assert len(PLOT_FILES) == 5
+    for p, q in zip(first, second):
+        assert p.is_file() and p.stat().st_size > 0
+        if p.suffix == ".png":
+            data = p.read_bytes()
+            assert data[:8] == PNG_MAGIC, p
+            assert data == q.read_bytes(), p.name
+            assert b"matplotlib" not in data  # no Software metadata
+
+
+def test_no_plots_when_asked(tmp_path):
+    paths = write_report([tiny_run()], tmp_path, plots=False)
+    assert [p.name for p in paths] == ["summary.json", "report.md"]
+    assert not list(tmp_path.glob("*.png"))
+    assert ".png" not in (tmp_path / "report.md").read_text()
+
+
+def test_report_markdown_holds_the_measured_numbers(tmp_path):
+    write_report([tiny_run("aps"), tiny_run("static")], tmp_path, title="My comparison")
+    md = (tmp_path / "report.md").read_text()
+    assert md.startswith("# My comparison\n")
+    assert "| policy | completed | rejected | throughput (tok/s) | GPU util (%) |" in md
+    # One comparison row per run: 3 completed, 1 rejected, 15.0 tok/s, 37.5 %, $83.33 per 1M,
+    # Jain 25/34, lowest bidder max wait 1 s, p99 latency 2.97 s, mean batch 1.5.
+    row = "| `aps` | 3 | 1 | 15.0 | 37.5 | $83.33 | 0.735 | 1.000 | 2.970 | 1.50 |"
+    assert row in md
+    assert row.replace("`aps`", "`static`") in md
+    assert "### `aps`" in md and "### `static`" in md
+    # Per-tenant table: a's waits and latencies in ms, and b's rejection by error code.
+    assert "| `a` | 1 | 2 | 2 | 0 | 0 | 0 | 750.0 / 975.0 / 995.0 / 1000.0 | 2250.0 / 2925.0 / 2985.0 / 3000.0 | 40 | — |" in md
+    assert "rate_limited: 1" in md
+    assert "| `STABLE` | 2.500 | 62.5 |" in md
+    assert "| 2 | 1 | 50.0 |" in md
+    assert FAIRNESS_DEFINITION in md
+    assert "seed 7" in md and '`rps=3.5`' in md and "4 arrivals from 2 tenants" in md
+    for name in PLOT_FILES:
+        assert f"]({name})" in md
+
+
+def test_summary_table_follows_the_summaries():
+    s = summarize(tiny_run("x"))
+    table = format_summary_table([s])
+    assert table.count("\n") == 2  # header, rule, one row
+    o = s["overall"]
+    assert f"{o['throughput_tokens_per_s']:.1f}" in table
+    assert f"{o['fairness']['jain_index']:.3f}" in table
+    s["overall"]["throughput_tokens_per_s"] = 1234.5678
+    assert "1234.6" in format_summary_table([s])
+
+
+def test_runs_on_several_workloads_are_grouped(tmp_path):
+    other = tiny_workload(name="bursty", seed=8)
+    runs = [tiny_run("aps"), tiny_run("aps", workload=other), tiny_run("fifo")]
+    write_report(runs, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    tiny_at, bursty_at = md.index("## Workload `tiny`"), md.index("## Workload `bursty`")
+    assert md.count("## Workload ") == 2
+    tiny_section = md[tiny_at:bursty_at] if tiny_at < bursty_at else md[tiny_at:]
+    assert "| `fifo` |" in tiny_section and "| `aps` |" in tiny_section
+    assert "seed 8" in md[bursty_at:]
+
+
+def test_importing_the_report_does_not_load_matplotlib():
+    code = "import sys, apsd.report; print('matplotlib' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,456 @@
+"""Workload generators and the trace loader: defaults, determinism, shapes, and every error message."""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+
+import numpy as np
+import pytest
+
+from apsd.config import TenantConfig
+from apsd.policies.governor import shannon_entropy_bits
+from apsd.records import Arrival, Workload
+from apsd.workloads import (
+    KV_CAPACITY_TOKENS,
+    WorkloadError,
+    build_workload,
+    list_workloads,
+    load_params_file,
+    load_trace,
+    parse_param_assignments,
+)
+
+BUILTIN_NAMES = ["seed-stress", "burst-50", "poisson", "periodic", "bursty", "vip-flood", "vtc-overload",
+                 "head-of-line"]
+DEFAULTS = {name: defaults for name, _, defaults in list_workloads()}
+#: Every built-in draws something from its seed except the seed's own stress test.
+RANDOM_NAMES = [n for n in BUILTIN_NAMES if n != "seed-stress"]
+
+
+def gaps(workload: Workload) -> np.ndarray:
+    return np.diff([a.at for a in workload.arrivals])
+
+
+def by_tenant(workload: Workload) -> dict[str, list[Arrival]]:
+    grouped: dict[str, list[Arrival]] = collections.defaultdict(list)
+    for arrival in workload.arrivals:
+        grouped[arrival.tenant].append(arrival)
+    return grouped
+
+
+# --------------------------------------------------------------------------- every built-in
+
+
+def test_the_builtins_are_exactly_these():
+    assert [name for name, _, _ in list_workloads()] == BUILTIN_NAMES
+    for name, description, defaults in list_workloads():
+        assert description and "\n" not in description, name
+        assert defaults, name
+
+
+@pytest.mark.parametrize("name", BUILTIN_NAMES)
+def test_builtin_with_defaults_is_well_formed(name):
+    workload = build_workload(name)
+    assert workload.name == name
+    assert workload.seed == 0
+    assert workload.params == DEFAULTS[name]
+    assert 100 <= len(workload.arrivals) <= 5000  # runs in well under a few seconds simulated
+    times = [a.at for a in workload.arrivals]
+    assert times == sorted(times)
+    assert times[0] >= 0
+    for a in workload.arrivals:
+        assert type(a.at) is float and type(a.prompt_tokens) is int and type(a.output_tokens) is int
+        assert type(a.bid) is int and type(a.tenant) is str
+        assert a.prompt_tokens >= 1 and a.output_tokens >= 1
+        assert a.prompt_tokens + a.output_tokens <= KV_CAPACITY_TOKENS
+        assert 1 <= a.bid <= 10
+        assert a.tenant in workload.tenants
+    # every tenant is unthrottled: a bucket that no default workload can empty
+    for bucket in workload.tenants.values():
+        assert bucket == TenantConfig(rate=1e6, burst=10**9)
+    assert sum(a.prompt_tokens + a.output_tokens for a in workload.arrivals) < 10**9
+
+
+@pytest.mark.parametrize("name", BUILTIN_NAMES)
+def test_builtin_is_deterministic_for_a_seed(name):
+    assert build_workload(name, seed=7) == build_workload(name, seed=7)
+    assert build_workload(name, seed=7).seed == 7
+
+
+@pytest.mark.parametrize("name", RANDOM_NAMES)
+def test_a_different_seed_gives_different_arrivals(name):
+    assert build_workload(name, seed=1).arrivals != build_workload(name, seed=2).arrivals
+
+
+@pytest.mark.parametrize("name", BUILTIN_NAMES)
+def test_params_are_a_fresh_copy_per_workload(name):
+    workload = build_workload(name, {})
+    workload.params.clear()
+    assert build_workload(name).params == DEFAULTS[name] != {}
+    assert dict(list_workloads()[BUILTIN_NAMES.index(name)][2]) == DEFAULTS[name]
+
+
+# --------------------------------------------------------------------------- each built-in's shape
+
+
+def test_seed_stress_is_seed_002s_test():
+    workload = build_workload("seed-stress")
+    tenants = by_tenant(workload)
+    assert {t: len(a) for t, a in tenants.items()} == {"tenant_a": 50, "tenant_b": 50}
+    assert {a.bid for a in tenants["tenant_a"]} == {10}
+    assert {a.bid for a in tenants["tenant_b"]} == {1}
+    assert {a.at for a in workload.arrivals} == {0.0}
+    assert {(a.prompt_tokens, a.output_tokens) for a in workload.arrivals} == {(16, 100)}
+    assert [a.tenant for a in workload.arrivals[:4]] == ["tenant_a", "tenant_b", "tenant_a", "tenant_b"]
+    # simultaneous arrivals: every gap is 0, so the seed's entropy is 0 (REFERENCE §1)
+    assert shannon_entropy_bits(gaps(workload)[:50], 0.001) == 0.0
+
+
+def test_seed_stress_counts_and_spread():
+    workload = build_workload("seed-stress", {"vip_requests": 3, "free_requests": 1, "spread_s": 0.4})
+    assert [(a.tenant, a.at) for a in workload.arrivals] == [
+        ("tenant_a", 0.0), ("tenant_b", 0.1), ("tenant_a", 0.2), ("tenant_a", pytest.approx(0.3))]
+
+
+def test_burst_50_every_tenant_bursts_at_once():
+    workload = build_workload("burst-50")
+    p = workload.params
+    assert len(workload.tenants) == 50
+    tenant_bids = {}
+    for arrival in workload.arrivals:
+        assert tenant_bids.setdefault(arrival.tenant, arrival.bid) == arrival.bid  # one bid per tenant
+    assert sorted(set(tenant_bids.values())) == list(range(1, 11))
+    in_burst = [a for a in workload.arrivals if p["burst_at"] <= a.at < p["burst_at"] + p["burst_window_s"]]
+    assert len(in_burst) >= 50 * p["burst_requests"]
+    assert collections.Counter(a.tenant for a in in_burst).most_common()[-1][1] >= p["burst_requests"]
+    before = [a for a in workload.arrivals if a.at < p["burst_at"]]
+    assert 0 < len(before) < 3 * p["background_rate"] * p["burst_at"]  # a quiet background
+    # a burst of simultaneous arrivals has low entropy, not high (REFERENCE §1)
+    burst_gaps = np.diff([a.at for a in in_burst])[:50]
+    assert shannon_entropy_bits(burst_gaps, 0.001) < 1.0
+
+
+def test_poisson_rate_sizes_and_tenants():
+    workload = build_workload("poisson", {"rate": 10, "duration": 200, "tenants": 5})
+    assert len(workload.arrivals) == pytest.approx(2000, rel=0.1)
+    assert sorted(workload.tenants) == [f"tenant_{i:02d}" for i in range(5)]
+    assert statistics.fmean(a.output_tokens for a in workload.arrivals) == pytest.approx(100, rel=0.1)
+    assert statistics.fmean(a.prompt_tokens for a in workload.arrivals) == pytest.approx(256, rel=0.1)
+    assert len({a.output_tokens for a in workload.arrivals}) > 20
+    assert {a.bid for a in workload.arrivals} == set(range(1, 11))
+
+
+def test_poisson_sigma_zero_gives_fixed_sizes():
+    workload = build_workload("poisson", {"prompt_sigma": 0, "output_sigma": 0, "output_mean": 40})
+    assert {(a.prompt_tokens, a.output_tokens) for a in workload.arrivals} == {(256, 40)}
+
+
+def test_periodic_is_regular_with_zero_entropy():
+    workload = build_workload("periodic")
+    rate = workload.params["rate"]
+    assert len(workload.arrivals) == rate * workload.params["duration"]
+    assert np.allclose(gaps(workload), 1 / rate)
+    assert shannon_entropy_bits(gaps(workload)[:50], 0.001) == 0.0
+
+
+def test_bursty_has_periodics_mean_rate_and_much_higher_entropy():
+    periodic, bursty = build_workload("periodic"), build_workload("bursty")
+    assert periodic.params["rate"] == bursty.params["rate"]
+    assert periodic.params["duration"] == bursty.params["duration"]
+    assert len(bursty.arrivals) == len(periodic.arrivals)
+    assert gaps(bursty).mean() == pytest.approx(gaps(periodic).mean(), rel=0.05)
+    # same requests, only the timing differs
+    assert [(a.tenant, a.bid, a.prompt_tokens) for a in bursty.arrivals] == [
+        (a.tenant, a.bid, a.prompt_tokens) for a in periodic.arrivals]
+    windows = [shannon_entropy_bits(gaps(bursty)[i:i + 50], 0.001) for i in range(0, 150, 50)]
+    assert min(windows) > 3.0
+    assert max(windows) <= math.log2(50) + 1e-9
+    # bursts: most gaps are far shorter than the periodic gap, a few far longer
+    assert np.median(gaps(bursty)) < 0.1 * gaps(periodic)[0]
+    assert gaps(bursty).max() > 3 * gaps(periodic)[0]
+
+
+def test_vip_flood_overloads_the_gpu_and_starves_free():
+    workload = build_workload("vip-flood")
+    tenants = by_tenant(workload)
+    duration = workload.params["duration"]
+    assert {a.bid for a in tenants["vip"]} == {10}
+    assert {a.bid for a in tenants["free"]} == {1}
+    assert len(tenants["vip"]) / duration > 3.6  # above the batched capacity (~3.6 req/s at b=16)
+    assert 0 < len(tenants["free"]) < 0.1 * len(tenants["vip"])
+
+
+def test_vtc_overload_rates_are_vtcs():
+    workload = build_workload("vtc-overload")
+    duration = workload.params["duration"]
+    assert duration == 600
+    tenants = by_tenant(workload)
+    assert len(tenants["tenant_a"]) / duration == pytest.approx(1.5, rel=0.1)
+    assert len(tenants["tenant_b"]) / duration == pytest.approx(3.0, rel=0.1)
+    assert {(a.prompt_tokens, a.output_tokens) for a in workload.arrivals} == {(256, 256)}
+    assert len({a.bid for a in workload.arrivals}) == 1
+
+
+def test_head_of_line_has_a_few_huge_requests_with_any_bid():
+    workload = build_workload("head-of-line", {"duration": 1000})
+    small = workload.params["output_tokens"]
+    huge = [a for a in workload.arrivals if a.output_tokens == small * workload.params["huge_factor"]]
+    assert {a.output_tokens for a in workload.arrivals} == {small, small * 20}
+    assert len(huge) == round(0.02 * len(workload.arrivals))
+    assert max(a.bid for a in huge) > min(a.bid for a in workload.arrivals)
+
+
+def test_head_of_line_has_a_huge_request_even_when_short():
+    workload = build_workload("head-of-line", {"duration": 10})
+    assert sum(a.output_tokens > 100 for a in workload.arrivals) == 1
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+def test_params_override_defaults_and_numbers_become_floats():
+    workload = build_workload("periodic", {"rate": 5, "duration": 10, "tenants": 2})
+    assert workload.params == {**DEFAULTS["periodic"], "rate": 5.0, "duration": 10.0, "tenants": 2}
+    assert type(workload.params["rate"]) is float
+    assert len(workload.arrivals) == 50
+    assert set(workload.tenants) == {"tenant_00", "tenant_01"}
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "message"),
+    [
+        ("poisson", {"rat": 1},
+         "workload 'poisson': unknown parameter 'rat' (parameters: duration, output_mean, output_sigma, "
+         "prompt_mean, prompt_sigma, rate, tenants)"),
+        ("poisson", {"tenants": True}, "workload 'poisson': tenants: must be an integer, got True"),
+        ("poisson", {"tenants": 2.5}, "workload 'poisson': tenants: must be an integer, got 2.5"),
+        ("poisson", {"rate": "5"}, "workload 'poisson': rate: must be a number, got '5'"),
+        ("poisson", {"rate": False}, "workload 'poisson': rate: must be a number, got False"),
+        ("poisson", {"rate": -1}, "workload 'poisson': rate: must be > 0, got -1"),
+        ("poisson", {"rate": math.nan}, "workload 'poisson': rate: must be a finite number, got nan"),
+        ("periodic", {"duration": 0}, "workload 'periodic': duration: must be > 0, got 0"),
+        ("vtc-overload", {"bid": 11}, "workload 'vtc-overload': bid: must be between 1 and 10, got 11"),
+        ("seed-stress", {"vip_requests": -1},
+         "workload 'seed-stress': vip_requests: must be between 0 and 1e+06, got -1"),
+        ("poisson", {"rate": 1000, "duration": 10_000},
+         "workload 'poisson': rate * duration: asks for about 10,000,000 arrivals (limit 1,000,000)"),
+        ("seed-stress", {"vip_requests": 600_000, "free_requests": 600_000},
+         "workload 'seed-stress': vip_requests + free_requests: asks for about 1,200,000 arrivals "
+         "(limit 1,000,000)"),
+        ("head-of-line", {"huge_factor": 400},
+         "workload 'head-of-line': huge_factor: prompt_tokens + output_tokens * huge_factor must be "
+         "<= 32768, got 40064"),
+        ("periodic", {"prompt_tokens": 30000, "output_tokens": 3000},
+         "workload 'periodic': output_tokens: prompt_tokens + output_tokens must be <= 32768, got 33000"),
+        ("burst-50", {"burst_at": 100}, "workload 'burst-50': burst_at: must be <= duration (60), got 100"),
+        ("bursty", {"burst_gap_ms": 1000},
+         "workload 'bursty': burst_gap_ms: a burst of 10 requests 1000 ms apart lasts longer than "
+         "burst_size/rate = 5 s; lower it"),
+        ("seed-stress", {"vip_requests": 0, "free_requests": 0},
+         "workload 'seed-stress': generated no arrivals (raise the rate, duration or counts)"),
+    ],
+)
+def test_bad_params_are_named(name, params, message):
+    with pytest.raises(WorkloadError) as info:
+        build_workload(name, params)
+    assert str(info.value) == message
+
+
+def test_unknown_workload_lists_the_builtins():
+    with pytest.raises(WorkloadError) as info:
+        build_workload("poison")
+    assert str(info.value) == f"unknown workload 'poison' (built-ins: {', '.join(BUILTIN_NAMES)})"
+
+
+def test_parse_param_assignments_reads_toml_values():
+    assert parse_param_assignments(
+        ["rate=5", "duration=60.5", "flag=true", "name=steady", 'quoted="a b"', " tenants = 8 ", "empty="]
+    ) == {"rate": 5, "duration": 60.5, "flag": True, "name": "steady", "quoted": "a b", "tenants": 8, "empty": ""}
+    assert parse_param_assignments(["rate=1", "rate=2"]) == {"rate": 2}
+    assert parse_param_assignments([]) == {}
+
+
+@pytest.mark.parametrize("item", ["rate", "=5", " =5"])
+def test_parse_param_assignments_needs_key_equals_value(item):
+    with pytest.raises(WorkloadError) as info:
+        parse_param_assignments(["duration=1", item])
+    assert str(info.value) == f"parameter {item!r}: expected key=value (e.g. rate=5)"
+
+
+def test_cli_assignments_feed_build_workload():
+    workload = build_workload("poisson", parse_param_assignments(["rate=5", "duration=60", "tenants=8"]))
+    assert (workload.params["rate"], workload.params["duration"], workload.params["tenants"]) == (5.0, 60.0, 8)
+    with pytest.raises(WorkloadError, match="rate: must be a number, got 'fast'"):
+        build_workload("poisson", parse_param_assignments(["rate=fast"]))
+
+
+def test_load_params_file(tmp_path):
+    path = tmp_path / "params.toml"
+    path.write_text("rate = 3\nduration = 20.0\n")
+    assert load_params_file(path) == {"rate": 3, "duration": 20.0}
+    assert build_workload("poisson", load_params_file(path)).params["rate"] == 3.0
+
+
+def test_load_params_file_errors(tmp_path):
+    with pytest.raises(WorkloadError) as info:
+        load_params_file(tmp_path / "none.toml")
+    assert str(info.value) == f"{tmp_path / 'none.toml'}: no such parameter file"
+    bad = tmp_path / "bad.toml"
+    bad.write_text("rate = \n")
+    with pytest.raises(WorkloadError, match=r"bad\.toml: TOML syntax error"):
+        load_params_file(bad)
+
+
+# --------------------------------------------------------------------------- traces
+
+
+def test_jsonl_trace(tmp_path):
+    path = tmp_path / "morning.jsonl"
+    path.write_text(
+        '{"at": 2.5, "tenant": "b", "prompt_tokens": 10, "output_tokens": 20, "bid": 3}\n'
+        "\n"
+        '{"time": 1, "tenant": "a", "prompt_tokens": 5, "output_tokens": 6}\n'
+        '   \n'
+        '{"arrival": 1.0, "tenant": "c", "prompt_tokens": 7, "output_tokens": 8, "bid": 10}\n'
+    )
+    workload = load_trace(path)
+    assert workload.name == "morning"
+    assert str(path) in workload.description
+    assert workload.arrivals == (
+        Arrival(at=1.0, tenant="a", prompt_tokens=5, output_tokens=6, bid=1),  # tie: file order kept
+        Arrival(at=1.0, tenant="c", prompt_tokens=7, output_tokens=8, bid=10),
+        Arrival(at=2.5, tenant="b", prompt_tokens=10, output_tokens=20, bid=3),
+    )
+    assert set(workload.tenants) == {"a", "b", "c"}
+    assert all(t == TenantConfig(rate=1e6, burst=10**9) for t in workload.tenants.values())
+
+
+def test_csv_trace(tmp_path):
+    path = tmp_path / "replay.csv"
+    path.write_text("arrival,tenant,prompt_tokens,output_tokens,bid\n"
+                    "0.5,alice,16,100,10\n"
+                    "\n"
+                    "0.25, bob ,8,50,\n")
+    workload = load_trace(str(path))
+    assert workload.name == "replay"
+    assert workload.arrivals == (
+        Arrival(at=0.25, tenant="bob", prompt_tokens=8, output_tokens=50, bid=1),
+        Arrival(at=0.5, tenant="alice", prompt_tokens=16, output_tokens=100, bid=10),
+    )
+    assert list(workload.tenants) == ["alice", "bob"]
+
+
+GOOD_JSON = '{"at": 0, "tenant": "a", "prompt_tokens": 1, "output_tokens": 1}'
+
+
+@pytest.mark.parametrize(
+    ("row", "problem"),
+    [
+        ('{"at": -1, "tenant": "a", "prompt_tokens": 1, "output_tokens": 1}', "at: must be >= 0, got -1"),
+        ('{"at": "1", "tenant": "a", "prompt_tokens": 1, "output_tokens": 1}', "at: must be a number, got '1'"),
+        ('{"time": NaN, "tenant": "a", "prompt_tokens": 1, "output_tokens": 1}',
+         "time: must be a finite number, got nan"),
+        ('{"tenant": "a", "prompt_tokens": 1, "output_tokens": 1}', "at: missing"),
+        ('{"at": 0, "time": 1, "tenant": "a", "prompt_tokens": 1, "output_tokens": 1}',
+         "at: give the arrival time once (found at, time)"),
+        ('{"at": 0, "tenant": 7, "prompt_tokens": 1, "output_tokens": 1}', "tenant: must be a string, got 7"),
+        ('{"at": 0, "tenant": " ", "prompt_tokens": 1, "output_tokens": 1}', "tenant: must not be empty"),
+        ('{"at": 0, "tenant": "a", "prompt_tokens": 0, "output_tokens": 1}',
+         "prompt_tokens: must be between 1 and 1000000000, got 0"),
+        ('{"at": 0, "tenant": "a", "prompt_tokens": 1.5, "output_tokens": 1}',
+         "prompt_tokens: must be an integer, got 1.5"),
+        ('{"at": 0, "tenant": "a", "prompt_tokens": 1}', "output_tokens: missing"),
+        ('{"at": 0, "tenant": "a", "prompt_tokens": 1, "output_tokens": true}',
+         "output_tokens: must be an integer, got True"),
+        ('{"at": 0, "tenant": "a", "prompt_tokens": 1, "output_tokens": 1, "bid": 11}',
+         "bid: must be between 1 and 10, got 11"),
+        ('{"at": 0, "tenant": "a", "prompt_tokens": 1, "output_tokens": 1, "prio": 3}',
+         "unknown field 'prio' (fields: at (or arrival, time), tenant, prompt_tokens, output_tokens, bid)"),
+        ('{"at": 0, "tenant": "a", "prompt_tokens": 1, "output_tokens": 1,', "invalid JSON: "),
+        ("[1, 2]", "must be a JSON object, got list"),
+    ],
+)
+def test_bad_jsonl_row_names_file_line_and_field(tmp_path, row, problem):
+    path = tmp_path / "t.jsonl"
+    path.write_text(f"{GOOD_JSON}\n\n{row}\n{GOOD_JSON}\n")  # the bad row is on line 3
+    with pytest.raises(WorkloadError) as info:
+        load_trace(path)
+    if problem.endswith(": "):
+        assert str(info.value).startswith(f"{path}:3: {problem}")
+    else:
+        assert str(info.value) == f"{path}:3: {problem}"
+
+
+@pytest.mark.parametrize(
+    ("row", "problem"),
+    [
+        ("x,a,1,1,1", "at: must be a number, got 'x'"),
+        ("-0.5,a,1,1,1", "at: must be >= 0, got '-0.5'"),
+        ("inf,a,1,1,1", "at: must be a finite number, got 'inf'"),
+        (",a,1,1,1", "at: missing"),
+        ("0,,1,1,1", "tenant: missing"),
+        ("0,a,1.5,1,1", "prompt_tokens: must be an integer, got '1.5'"),
+        ("0,a,1,0,1", "output_tokens: must be between 1 and 1000000000, got 0"),
+        ("0,a,1", "output_tokens: missing"),
+        ("0,a,1,1,0", "bid: must be between 1 and 10, got 0"),
+        ("0,a,1,1,1,9", "6 values but the header has 5 columns"),
+    ],
+)
+def test_bad_csv_row_names_file_line_and_field(tmp_path, row, problem):
+    path = tmp_path / "t.csv"
+    path.write_text(f"at,tenant,prompt_tokens,output_tokens,bid\n0,a,1,1,1\n{row}\n0,a,1,1,1\n")
+    with pytest.raises(WorkloadError) as info:
+        load_trace(path)
+    assert str(info.value) == f"{path}:3: {problem}"
+
+
+def test_csv_line_numbers_count_blank_lines_and_multiline_cells(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text('at,tenant,prompt_tokens,output_tokens\n"0",a,1,1\n\n0,"two\nlines",1,1\n0,a,1,x\n')
+    with pytest.raises(WorkloadError) as info:
+        load_trace(path)
+    assert str(info.value) == f"{path}:6: output_tokens: must be an integer, got 'x'"
+    # a record spanning lines is reported at the line where it starts
+    path.write_text('at,tenant,prompt_tokens,output_tokens\n\n0,"two\nlines",1,x\n')
+    with pytest.raises(WorkloadError) as info:
+        load_trace(path)
+    assert str(info.value) == f"{path}:3: output_tokens: must be an integer, got 'x'"
+
+
+def test_csv_unknown_and_duplicate_columns(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("at,tenant,prompt,output_tokens,priority\n0,a,1,1,1\n")
+    with pytest.raises(WorkloadError) as info:
+        load_trace(path)
+    assert str(info.value) == (f"{path}:1: unknown fields 'prompt', 'priority' "
+                               "(fields: at (or arrival, time), tenant, prompt_tokens, output_tokens, bid)")
+    path.write_text("at,tenant,tenant,prompt_tokens,output_tokens\n0,a,b,1,1\n")
+    with pytest.raises(WorkloadError) as info:
+        load_trace(path)
+    assert str(info.value) == f"{path}:1: duplicate column 'tenant'"
+
+
+@pytest.mark.parametrize(("filename", "text"), [
+    ("empty.jsonl", ""), ("blank.jsonl", "\n  \n"), ("empty.csv", ""),
+    ("header-only.csv", "at,tenant,prompt_tokens,output_tokens\n"),
+])
+def test_empty_trace(tmp_path, filename, text):
+    path = tmp_path / filename
+    path.write_text(text)
+    with pytest.raises(WorkloadError) as info:
+        load_trace(path)
+    assert str(info.value) == f"{path}: empty trace (no arrivals)"
+
+
+def test_trace_file_problems(tmp_path):
+    missing = tmp_path / "gone.jsonl"
+    with pytest.raises(WorkloadError) as info:
+        load_trace(missing)
+    assert str(info.value) == f"{missing}: no such trace file"
+    wrong = tmp_path / "trace.txt"
+    wrong.write_text(GOOD_JSON)
+    with pytest.raises(WorkloadError) as info:
+        load_trace(wrong)
+    assert str(info.value) == f"{wrong}: unknown trace format '.txt' (use .jsonl or .csv)"
