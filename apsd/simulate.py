@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 import pluggy
 import trio
 import trio.testing
@@ -43,9 +44,8 @@ from .records import BatchRecord, GovernorSample, PolicyRun, RequestRecord, Work
 
 __all__ = ["PolicyChoice", "parse_policy_choice", "run_policy", "run_policies"]
 
-#: Governor/queue samples per run (the interval adapts to the workload's length).
-SAMPLES_PER_RUN = 1000
-_MAX_SAMPLES = 200_000
+#: Governor/queue samples per run, evenly spaced over its duration.
+SAMPLES = 500
 
 
 @attrs.frozen
@@ -120,16 +120,18 @@ def run_policy(workload: Workload, choice: PolicyChoice, *, base_config: Config 
         policies = load_policy_registry(pm).build(config)
         _seed_trio_scheduler(workload.seed)
         started = time.perf_counter()
-        requests, samples, interval, duration = trio.run(
+        requests, duration = trio.run(
             _drive, workload, config, policies, progress, clock=trio.testing.MockClock(autojump_threshold=0))
         wall_s = time.perf_counter() - started
+        fresh_governor = load_policy_registry(pm).build(config).governor
     finally:
         pm.unregister(recorder)
-    batches = tuple(recorder.batches)
+    batches = tuple(sorted(recorder.batches, key=lambda b: b.batch_id))
     finished = {b.batch_id: b.finished_at for b in batches}
     records = tuple(_record(arrival.at, request, finished) for arrival, request in zip(workload.arrivals, requests))
+    samples, interval = _sample(records, fresh_governor, duration)
     return PolicyRun(label=choice.label, policy=dict(policies.names), workload=workload, requests=records,
-                     batches=batches, samples=tuple(samples), sample_interval_s=interval, duration_s=duration,
+                     batches=batches, samples=samples, sample_interval_s=interval, duration_s=duration,
                      gpus=config.gpu.count, tenant_rates={n: t.rate for n, t in config.tenants.items()},
                      wall_s=wall_s)
 
@@ -140,28 +142,18 @@ def run_policies(workload: Workload, choices: Sequence[PolicyChoice], **kwargs: 
 
 
 async def _drive(workload: Workload, config: Config, policies: Any,
-                 progress: Callable[[int], None] | None) -> tuple[list[InferenceRequest], list[GovernorSample],
-                                                                  float, float]:
+                 progress: Callable[[int], None] | None) -> tuple[list[InferenceRequest], float]:
     pipeline = Pipeline.build(config, policies, request_id_prefix="sim")
     clock = pipeline.clock
-    last = workload.arrivals[-1].at if workload.arrivals else 0.0
-    interval = max(last, 1.0) / SAMPLES_PER_RUN
-    samples: list[GovernorSample] = []
-
-    async def sample_governor() -> None:
-        while len(samples) < _MAX_SAMPLES:
-            reading = pipeline.scheduler.governor_reading()
-            samples.append(GovernorSample(at=clock.now(), state=reading.state, entropy_bits=reading.entropy_bits,
-                                          window_s=reading.window_s, queue_depth=pipeline.scheduler.queue_depth))
-            await clock.sleep(interval)
-
     requests: list[InferenceRequest] = []
     async with trio.open_nursery() as nursery:
         pipeline.start_stages(nursery)
-        nursery.start_soon(sample_governor)
+        mock = trio.lowlevel.current_clock()
         for n, arrival in enumerate(workload.arrivals, 1):
             if not clock.reached(arrival.at):
-                await clock.sleep_until(arrival.at)
+                await _advance_to(clock, mock, arrival.at)
+            elif n % 1024 == 0:
+                await trio.lowlevel.checkpoint()
             request = pipeline.new_request(tenant_id=arrival.tenant, prompt="", tokens_requested=arrival.output_tokens,
                                            priority_bid=arrival.bid, prompt_tokens=arrival.prompt_tokens)
             pipeline.admit_now(request)
@@ -173,7 +165,55 @@ async def _drive(workload: Workload, config: Config, policies: Any,
         await pipeline.ledger.wait_idle()
         duration = clock.now()
         nursery.cancel_scope.cancel()
-    return requests, samples, interval, duration
+    return requests, duration
+
+
+async def _advance_to(clock: Any, mock: Any, model_time: float) -> None:
+    """Let virtual time reach ``model_time``, then admit after everything else due by then.
+
+    When no other task can run and none has a deadline before then, nothing can happen in
+    between: jump the MockClock there directly (what autojump would do, without its two
+    run-loop passes and a cancel scope per arrival). Otherwise sleep, then wait until every
+    other task is blocked: events due at the same instant (a batch ending, a window
+    closing) always come before the arrival. Trio orders equal deadlines by memory
+    address, so without this rule a tie could go either way from run to run.
+    """
+    gap = clock.deadline(model_time) - trio.current_time()
+    stats = trio.lowlevel.current_statistics()
+    if isinstance(mock, trio.testing.MockClock) and stats.tasks_runnable == 0 \
+            and stats.seconds_to_next_deadline > gap:
+        mock.jump(gap)
+    else:
+        await clock.sleep_until(model_time)
+        await trio.testing.wait_all_tasks_blocked()
+
+
+def _sample(records: Sequence[RequestRecord], governor: Any, duration: float) -> tuple[tuple[GovernorSample, ...],
+                                                                                      float]:
+    """The governor and the queue at ``SAMPLES`` evenly spaced instants, rebuilt after the run.
+
+    Both only change at events: the governor's reading at admissions (replayed into a fresh
+    governor from the same factory), the queue depth at admissions and dispatches (counted
+    from the records). Each sample is the state once everything at that instant happened.
+    A governor that also reacts to ``on_dispatch``/``on_finish`` is replayed from arrivals
+    only. (No sampling task: its wake-ups would tie with events at the same instant.)
+    """
+    interval = max(duration, 1e-9) / SAMPLES
+    admitted = [r for r in records if r.outcome != "rejected"]
+    arrivals = np.array([r.arrival for r in admitted])
+    dispatches = np.sort(np.array([r.dispatched_at for r in admitted if r.dispatched_at is not None]))
+    samples = []
+    fed = 0
+    for n in range(SAMPLES):
+        at = n * interval
+        while fed < len(admitted) and admitted[fed].arrival <= at:
+            governor.observe_arrival(admitted[fed].arrival)
+            fed += 1
+        reading = governor.reading(at)
+        depth = int(np.searchsorted(arrivals, at, side="right") - np.searchsorted(dispatches, at, side="right"))
+        samples.append(GovernorSample(at=at, state=reading.state, entropy_bits=reading.entropy_bits,
+                                      window_s=reading.window_s, queue_depth=depth))
+    return tuple(samples), interval
 
 
 def _record(at: float, request: InferenceRequest, finished: dict[int, float]) -> RequestRecord:
