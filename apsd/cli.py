@@ -2,6 +2,8 @@
 
 * ``apsd [--policy P] [--host H] [--port N] [CONFIG]`` runs the daemon.
 * ``apsd plugins [--json]`` lists every registered plugin and what it provides.
+* ``apsd simulate --workload W [--policy P ...]`` compares policies on one workload in
+  virtual time and writes a report (:mod:`apsd.simulate`, :mod:`apsd.report`).
 
 Exit status: 0 after a clean shutdown, 2 for a bad config or command line
 (one message naming the file and the key, no traceback), 1 for a plugin that
@@ -11,10 +13,12 @@ cannot load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import trio
 
@@ -41,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="apsd",
         description="Multi-tenant inference scheduler daemon (Adaptive Priority Scheduling).",
         epilog="Without CONFIG, apsd runs on its embedded defaults (the same as config/apsd.toml). "
-        "'apsd plugins' lists the installed policy plugins (APSD_PLUGINS=name,... limits which load).",
+        "'apsd plugins' lists the installed policy plugins (APSD_PLUGINS=name,... limits which load); "
+        "'apsd simulate --help' compares policies in virtual time.",
     )
     parser.add_argument("config", nargs="?", metavar="CONFIG", help="TOML config file")
     parser.add_argument("--policy", metavar="PRESET",
@@ -77,10 +82,111 @@ def plugins_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def simulate_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="apsd simulate",
+        description="Run policies on the identical generated workload through apsd's own pipeline in "
+                    "virtual time, and write a report (Markdown, JSON and PNG plots).",
+        epilog="Example: apsd simulate --workload vip-flood --policy static --policy aps --set duration=300")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--workload", default="seed-stress", metavar="NAME",
+                        help="built-in workload (default seed-stress; --list shows them)")
+    source.add_argument("--trace", metavar="FILE", help="replay a trace (.jsonl or .csv: at, tenant, "
+                        "prompt_tokens, output_tokens, bid)")
+    parser.add_argument("--policy", action="append", metavar="P",
+                        help="PRESET or PRESET:KIND=NAME,... (repeatable; default: fifo, static, aps)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a workload parameter (repeatable), e.g. --set rate=5")
+    parser.add_argument("--params", metavar="FILE", help="workload parameters from a TOML file (--set wins)")
+    parser.add_argument("--seed", type=int, default=1, help="random seed of the workload (default 1)")
+    parser.add_argument("--config", metavar="FILE", help="apsd config for the GPU model, queue limits and policy "
+                        "parameters (the workload brings its own tenants)")
+    parser.add_argument("--out", metavar="DIR", help="report directory (default apsd-sim/<workload>)")
+    parser.add_argument("--no-plots", action="store_true", help="write report.md and summary.json only")
+    parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no table")
+    parser.add_argument("--list", action="store_true", help="list the built-in workloads and their parameters")
+    return parser
+
+
+def simulate_main(argv: Sequence[str]) -> int:
+    from . import workloads
+    from .simulate import parse_policy_choice, run_policy, simulation_config
+
+    parser = simulate_parser()
+    args = parser.parse_args(argv)
+    if args.list:
+        for name, description, defaults in workloads.list_workloads():
+            print(f"{name}: {description}")
+            print("    " + ", ".join(f"{k}={v}" for k, v in defaults.items()))
+        return 0
+    try:
+        if args.trace:
+            if args.set or args.params:
+                raise workloads.WorkloadError("--set and --params apply to built-in workloads, not --trace")
+            workload = workloads.load_trace(args.trace)
+        else:
+            params = workloads.load_params_file(args.params) if args.params else {}
+            params.update(workloads.parse_param_assignments(args.set))
+            workload = workloads.build_workload(args.workload, params, seed=args.seed)
+        choices = [parse_policy_choice(p) for p in (args.policy or ["fifo", "static", "aps"])]
+        if len({c.label for c in choices}) != len(choices):
+            raise ConfigError("--policy: the same policy is given twice")
+        config = load_config(args.config)
+        pm = make_plugin_manager()
+        registry = load_policy_registry(pm)
+        for choice in choices:  # every policy must build before anything runs
+            registry.build(simulation_config(config, workload, choice))
+        if not args.no_plots:
+            _require_plotting(parser)
+        total = len(workload.arrivals) * len(choices)
+        runs = []
+        with _progress(total, args.quiet) as advance:
+            for choice in choices:
+                runs.append(run_policy(workload, choice, base_config=config, plugin_manager=pm, progress=advance))
+    except (workloads.WorkloadError, ConfigError) as exc:
+        parser.exit(2, f"apsd simulate: error: {exc}\n")
+    except PluginError as exc:
+        parser.exit(1, f"apsd simulate: plugin error: {exc}\n")
+    from .report import format_summary_table, summarize, write_report
+
+    out = Path(args.out or Path("apsd-sim") / workload.name)
+    write_report(runs, out, plots=not args.no_plots)
+    wall = sum(run.wall_s for run in runs)
+    if not args.quiet:
+        print(format_summary_table([summarize(run) for run in runs]))
+        print(f"\nreport: {out / 'report.md'}")
+    print(f"simulated {total} requests ({len(workload.arrivals)} arrivals x {len(runs)} policies) in {wall:.2f} s: "
+          f"{total / wall if wall else 0:,.0f} simulated requests per wall-clock second")
+    return 0
+
+
+def _require_plotting(parser: argparse.ArgumentParser) -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        parser.exit(2, "apsd simulate: error: plots need matplotlib: pip install 'apsd[sim]' (or use --no-plots)\n")
+
+
+@contextlib.contextmanager
+def _progress(total: int, quiet: bool) -> Iterator[Callable[[int], None] | None]:
+    """A tqdm bar on stderr (None when quiet or tqdm is missing)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    if quiet or tqdm is None:
+        yield None
+        return
+    with tqdm(total=total, unit="req", desc="simulating", file=sys.stderr, leave=False, disable=None) as bar:
+        yield bar.update
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plugins"]:
         return plugins_main(argv[1:])
+    if argv[:1] == ["simulate"]:
+        return simulate_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
