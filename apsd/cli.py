@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Multi-tenant inference scheduler daemon (Adaptive Priority Scheduling).",
         epilog="Without CONFIG, apsd runs on its embedded defaults (the same as config/apsd.toml). "
         "'apsd plugins' lists the installed policy plugins (APSD_PLUGINS=name,... limits which load); "
-        "'apsd simulate --help' compares policies in virtual time.",
+        "'apsd simulate --help' compares policies in virtual time; 'apsd research' regenerates "
+        "docs/research.md.",
     )
     parser.add_argument("config", nargs="?", metavar="CONFIG", help="TOML config file")
     parser.add_argument("--policy", metavar="PRESET",
@@ -181,8 +182,30 @@ def _progress(total: int, quiet: bool) -> Iterator[Callable[[int], None] | None]
         yield bar.update
 
 
+def research_main(argv: Sequence[str]) -> int:
+    from .research import POLICIES, WORKLOADS, write_research
+
+    parser = argparse.ArgumentParser(
+        prog="apsd research",
+        description="Regenerate the research report: policies "
+                    f"{', '.join(POLICIES)} on workloads {', '.join(WORKLOADS)}, in virtual time.")
+    parser.add_argument("--out", default="docs", metavar="DIR", help="where research.md and research/ go "
+                        "(default docs)")
+    parser.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
+    parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    _require_plotting(parser)
+    pm = make_plugin_manager(load_entry_points=False)  # built-in policies only: reproducible anywhere
+    with _progress(0, args.quiet) as advance:
+        path = write_research(Path(args.out), seed=args.seed, progress=advance, plugin_manager=pm)
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["research"]:
+        return research_main(argv[1:])
     if argv[:1] == ["plugins"]:
         return plugins_main(argv[1:])
     if argv[:1] == ["simulate"]:
