@@ -237,19 +237,27 @@ def parse_config(data: dict[str, Any], source: str = "<string>") -> Config:
         raise ConfigError(f"{source}: {exc}") from None
 
 
+def read_text(path: Path, what: str, error: type[Exception], encoding: str = "utf-8") -> str:
+    """The text of ``path``, or ``error("<path>: no such <what>")`` and the like: one line, no traceback."""
+    try:
+        return path.read_text(encoding=encoding)
+    except FileNotFoundError:
+        raise error(f"{path}: no such {what}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"{path}: cannot read {what}: {exc}") from None
+
+
+def read_toml(path: Path, what: str, error: type[Exception]) -> dict[str, Any]:
+    """The TOML document at ``path``, with :func:`read_text`'s errors and a syntax error naming the file."""
+    try:
+        return tomllib.loads(read_text(path, what, error))
+    except tomllib.TOMLDecodeError as exc:
+        raise error(f"{path}: TOML syntax error: {exc}") from None
+
+
 def load_config(path: str | Path | None) -> Config:
     """Read and validate ``path``; ``None`` gives the embedded defaults."""
     if path is None:
         return Config()
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read config file: {exc}") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: TOML syntax error: {exc}") from None
-    return parse_config(data, str(path))
+    return parse_config(read_toml(path, "config file", ConfigError), str(path))

@@ -38,7 +38,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from .config import TenantConfig
+from .config import TenantConfig, read_text, read_toml
 from .records import Arrival, Workload
 
 __all__ = [
@@ -475,17 +475,7 @@ def build_workload(name: str, params: Mapping[str, Any] | None = None, seed: int
 
 def load_params_file(path: str | Path) -> dict[str, Any]:
     """The top-level keys of TOML file ``path`` as workload parameters (checked by :func:`build_workload`)."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise WorkloadError(f"{path}: no such parameter file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise WorkloadError(f"{path}: cannot read parameter file: {exc}") from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise WorkloadError(f"{path}: TOML syntax error: {exc}") from None
+    return read_toml(Path(path), "parameter file", WorkloadError)
 
 
 def parse_param_assignments(items: Sequence[str]) -> dict[str, Any]:
@@ -684,12 +674,7 @@ def load_trace(path: str | Path) -> Workload:
     if reader is None:
         raise WorkloadError(f"{path}: unknown trace format {path.suffix or '(no extension)'!r} "
                             f"(use {' or '.join(TRACE_READERS)})")
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise WorkloadError(f"{path}: no such trace file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise WorkloadError(f"{path}: cannot read trace file: {exc}") from None
+    text = read_text(path, "trace file", WorkloadError, encoding="utf-8-sig")
     arrivals: list[Arrival] = []
     for row in reader(path, text):
         if len(arrivals) == MAX_ARRIVALS:
