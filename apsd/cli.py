@@ -99,7 +99,7 @@ def simulate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a workload parameter (repeatable), e.g. --set rate=5")
     parser.add_argument("--params", metavar="FILE", help="workload parameters from a TOML file (--set wins)")
-    parser.add_argument("--seed", type=int, default=1, help="random seed of the workload (default 1)")
+    parser.add_argument("--seed", type=int, help="random seed of a built-in workload (default 1)")
     parser.add_argument("--config", metavar="FILE", help="apsd config for the GPU model, queue limits and policy "
                         "parameters (the workload brings its own tenants)")
     parser.add_argument("--out", metavar="DIR", help="report directory (default apsd-sim/<workload>)")
@@ -122,13 +122,14 @@ def simulate_main(argv: Sequence[str]) -> int:
         return 0
     try:
         if args.trace:
-            if args.set or args.params:
-                raise workloads.WorkloadError("--set and --params apply to built-in workloads, not --trace")
+            if args.set or args.params or args.seed is not None:
+                raise workloads.WorkloadError("--set, --params and --seed apply to built-in workloads, "
+                                              "not --trace")
             workload = workloads.load_trace(args.trace)
         else:
             params = workloads.load_params_file(args.params) if args.params else {}
             params.update(workloads.parse_param_assignments(args.set))
-            workload = workloads.build_workload(args.workload, params, seed=args.seed)
+            workload = workloads.build_workload(args.workload, params, seed=1 if args.seed is None else args.seed)
         choices = [parse_policy_choice(p) for p in (args.policy or ["fifo", "static", "aps"])]
         if len({c.label for c in choices}) != len(choices):
             raise ConfigError("--policy: the same policy is given twice")
@@ -151,7 +152,10 @@ def simulate_main(argv: Sequence[str]) -> int:
     from .report import format_summary_table, summarize, write_report
 
     out = Path(args.out or Path("apsd-sim") / workload.name)
-    write_report(runs, out, plots=not args.no_plots)
+    written = write_report(runs, out, plots=not args.no_plots)
+    for stale in out.glob("*.png"):  # plots of an earlier run would no longer match the report
+        if stale not in written:
+            stale.unlink()
     wall = sum(run.wall_s for run in runs)
     if not args.quiet:
         print(format_summary_table([summarize(run) for run in runs]))

@@ -23,9 +23,10 @@ Error handling: configuration and plugin errors are raised before anything runs
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -73,8 +74,13 @@ def parse_policy_choice(text: str) -> PolicyChoice:
 
 
 def simulation_config(base: Config, workload: Workload, choice: PolicyChoice) -> Config:
-    """``base`` with the workload's tenants, the choice's policies and real-time-free GPU timing."""
-    policy = attrs.evolve(base.policy, preset=choice.preset, **choice.overrides)
+    """``base`` with the workload's tenants, the choice's policies and real-time-free GPU timing.
+
+    The choice decides every kind (its preset, then its overrides); ``base`` contributes the
+    policies' parameters (``[policy.<name>]``), not ``[policy] aging/governor/batching``.
+    """
+    kinds = {kind: choice.overrides.get(kind) for kind in POLICY_KINDS}
+    policy = attrs.evolve(base.policy, preset=choice.preset, **kinds)
     return attrs.evolve(base, tenants=dict(workload.tenants), policy=policy,
                         gpu=attrs.evolve(base.gpu, time_scale=1.0),
                         source=f"{base.source} (simulating {workload.name})")
@@ -99,13 +105,25 @@ class _BatchRecorder:
             busy_s=busy_s, cost_usd=cost_usd, window_s=batch.window_s))
 
 
-def _seed_trio_scheduler(seed: int) -> None:
-    """Fix the order trio gives tasks waking at the same instant (a private RNG; see module doc)."""
-    from trio._core import _run  # noqa: PLC0415 — deliberate: trio has no public hook for this
+@contextlib.contextmanager
+def _seeded_trio_scheduler(seed: int) -> Iterator[None]:
+    """Fix the order trio gives tasks waking at the same instant, for the duration of one run.
+
+    Trio has no public hook for this: it is the private ``trio._core._run._r``. If trio ever
+    drops it, nothing is seeded and tests/test_simulate.py's byte-for-byte test says so.
+    """
+    from trio._core import _run
 
     rng = getattr(_run, "_r", None)
-    if isinstance(rng, random.Random):
-        rng.seed(seed)
+    if not isinstance(rng, random.Random):
+        yield
+        return
+    state = rng.getstate()
+    rng.seed(seed)
+    try:
+        yield
+    finally:
+        rng.setstate(state)
 
 
 def run_policy(workload: Workload, choice: PolicyChoice, *, base_config: Config | None = None,
@@ -118,11 +136,11 @@ def run_policy(workload: Workload, choice: PolicyChoice, *, base_config: Config 
     pm.register(recorder)
     try:
         policies = load_policy_registry(pm).build(config)
-        _seed_trio_scheduler(workload.seed)
-        started = time.perf_counter()
-        requests, duration = trio.run(
-            _drive, workload, config, policies, progress, clock=trio.testing.MockClock(autojump_threshold=0))
-        wall_s = time.perf_counter() - started
+        with _seeded_trio_scheduler(workload.seed):
+            started = time.perf_counter()
+            requests, duration = trio.run(
+                _drive, workload, config, policies, progress, clock=trio.testing.MockClock(autojump_threshold=0))
+            wall_s = time.perf_counter() - started
         fresh_governor = load_policy_registry(pm).build(config).governor
     finally:
         pm.unregister(recorder)
@@ -150,10 +168,8 @@ async def _drive(workload: Workload, config: Config, policies: Any,
         pipeline.start_stages(nursery)
         mock = trio.lowlevel.current_clock()
         for n, arrival in enumerate(workload.arrivals, 1):
-            if not clock.reached(arrival.at):
+            if not clock.reached(arrival.at):  # arrivals at one instant all queue before anything else runs
                 await _advance_to(clock, mock, arrival.at)
-            elif n % 1024 == 0:
-                await trio.lowlevel.checkpoint()
             request = pipeline.new_request(tenant_id=arrival.tenant, prompt="", tokens_requested=arrival.output_tokens,
                                            priority_bid=arrival.bid, prompt_tokens=arrival.prompt_tokens)
             pipeline.admit_now(request)
