@@ -30,7 +30,7 @@ import attrs
 import trio
 
 from .clock import ModelClock
-from .config import TenantConfig
+from .config import QueueConfig, TenantConfig
 from .models import InferenceRequest, Refusal
 
 if TYPE_CHECKING:
@@ -165,6 +165,30 @@ class Admission:
         request.seq = self._next_seq
         self._next_seq += 1
         return None
+
+    def reconfigure(self, tenants: dict[str, TenantConfig], batching: BatchingPolicy,
+                    queue: QueueConfig) -> list[str]:
+        """Take new tenants, batching policy and queue limits (see Pipeline.reconfigure); returns changes."""
+        now = self.clock.now()
+        changes = []
+        for name in sorted(set(self.tenants) - set(tenants)):
+            del self.buckets[name]
+            changes.append(f"tenant {name} removed")
+        for name, tenant in sorted(tenants.items()):
+            bucket = self.buckets.get(name)
+            if bucket is None:
+                self.buckets[name] = TokenBucket.full(tenant, now)
+                changes.append(f"tenant {name} added (rate {tenant.rate:g}, burst {tenant.burst})")
+            elif (bucket.rate, bucket.burst) != (tenant.rate, float(tenant.burst)):
+                level = bucket.level(now)
+                self.buckets[name] = TokenBucket(rate=tenant.rate, burst=float(tenant.burst),
+                                                 tokens=min(level, float(tenant.burst)), updated=now)
+                changes.append(f"tenant {name} re-rated (rate {tenant.rate:g}, burst {tenant.burst})")
+        if (queue.max_requests, queue.max_requests_per_tenant) != (self.max_queued, self.max_queued_per_tenant):
+            changes.append(f"queue limits {queue.max_requests}/{queue.max_requests_per_tenant} per tenant")
+        self.tenants, self.batching = dict(tenants), batching
+        self.max_queued, self.max_queued_per_tenant = queue.max_requests, queue.max_requests_per_tenant
+        return changes
 
     def refund(self, request: InferenceRequest) -> None:
         """Return an admitted request's tokens to its bucket (it will never run)."""

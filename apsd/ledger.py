@@ -93,6 +93,11 @@ class Ledger:
         self.tenants = {name: TenantStats() for name in self.tenant_names}
         self._idle.set()
 
+    def add_tenants(self, names: Iterable[str]) -> None:
+        """Start counting for newly configured tenants (removed ones keep their counts)."""
+        for name in names:
+            self.tenants.setdefault(name, TenantStats())
+
     def _stats(self, tenant_id: str) -> TenantStats:
         return self.tenants.get(tenant_id, self.unattributed)
 

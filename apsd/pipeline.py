@@ -198,6 +198,41 @@ class Pipeline:
                 kind="cancelled", headers={"Retry-After": "5"}))
         return aborted
 
+    # -- live reconfiguration ----------------------------------------------------------------
+    def reconfigure(self, config: Config, policies: PolicySet) -> list[str]:
+        """Apply a new, already validated config and its policies, atomically; returns what changed.
+
+        Synchronous, so no request is handled half under the old and half under the new
+        settings. Queued and running requests are kept and finish: queued ones move into the
+        new queue in admission order. Tenants are added (full bucket), removed (new requests
+        get 404; their queued ones still run) or re-rated (current tokens kept, capped at the
+        new burst). What cannot change while running (``[server]``, ``gpu.count``,
+        ``gpu.time_scale``) keeps its old value and is reported as needing a restart.
+        """
+        old = self.config
+        fixed = {"server": old.server, "gpu": attrs.evolve(config.gpu, count=old.gpu.count,
+                                                             time_scale=old.gpu.time_scale)}
+        changes = [f"{name} needs a restart to change (kept as before)"
+                   for name, now, then in (("[server]", config.server, old.server),
+                                           ("gpu.count", config.gpu.count, old.gpu.count),
+                                           ("gpu.time_scale", config.gpu.time_scale, old.gpu.time_scale))
+                   if now != then]
+        config = attrs.evolve(config, **fixed)
+        changes += self.admission.reconfigure(config.tenants, policies.batching, config.queue)
+        self.ledger.add_tenants(config.tenants)
+        if policies.names != self.policies.names or config.policy.params != old.policy.params:
+            changes.append("policies: " + ", ".join(f"{k}={v}" for k, v in policies.names.items()))
+        self.scheduler.use_policies(policies)
+        model = GpuModel(config.gpu)
+        for executor in self.executors:
+            executor.model = model
+        if config.gpu != old.gpu:
+            changes.append("gpu model constants")
+        if config.admission != old.admission:
+            changes.append("admission.chars_per_token")
+        self.config, self.policies = config, policies
+        return changes
+
     # -- read-only views -----------------------------------------------------------------
     def governor_view(self) -> dict:
         try:

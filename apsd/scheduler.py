@@ -72,6 +72,31 @@ class Scheduler:
     def __attrs_post_init__(self) -> None:
         self._use_queue(self.policies.aging)
 
+    def use_policies(self, policies: PolicySet) -> None:
+        """Switch to new policies (a reload): queued requests move to the new queue in admission order."""
+        now = self.clock.now()
+        try:
+            waiting = sorted((r for r in self.queue if not r.answered), key=lambda r: r.seq)
+        except Exception as exc:  # the old queue cannot even be read: fail what it held
+            failure = self._failure("aging", exc)
+            waiting = []
+            self._fail([r for r in list(self.ledger.outstanding) if r.dispatched_at is None], failure)
+        backlog = self._backlog_since
+        self.policies, self._fallback, self._answered_in_queue = policies, None, 0
+        self._use_queue(policies.aging)
+        for request in waiting:
+            try:
+                self.policies.governor.observe_arrival(request.arrival)
+            except Exception as exc:  # the governor starts without that history; the request still runs
+                self._failure("governor", exc)
+            try:
+                self.queue.push(request, now)
+            except Exception as exc:
+                self._fail([request], self._failure("aging", exc))
+        if waiting:
+            self._backlog_since = backlog if backlog is not None else now
+        self._wake()
+
     def _use_queue(self, queue: OrderingPolicy) -> None:
         """Make ``queue`` the waiting queue and find which policies want events."""
         self.queue = queue
