@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -25,6 +24,7 @@ import trio
 from . import __version__
 from .config import ConfigError, load_config
 from .daemon import Daemon
+from .logs import configure_logging
 from .plugins import PluginError, describe_plugins, load_policy_registry, make_plugin_manager
 
 __all__ = ["main"]
@@ -55,7 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", help="listen address (overrides [server] host)")
     parser.add_argument("--port", type=_port, help="listen port, 0 for any free port (overrides [server] port)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="log level (default INFO)")
+                        help="log level (default INFO; DEBUG adds a line per finished request)")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="one line per event: text (default) or JSON")
+    parser.add_argument("--log-prompts", action="store_true",
+                        help="include prompt text in DEBUG request lines (never logged otherwise)")
     parser.add_argument("--version", action="version", version=f"apsd {__version__}")
     return parser
 
@@ -216,8 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return simulate_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format, prompts=args.log_prompts)
     try:
         config = load_config(args.config).with_overrides(host=args.host, port=args.port)
         daemon = Daemon.from_config(config, preset=args.policy)

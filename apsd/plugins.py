@@ -39,6 +39,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "apsd.policies.aging",
     "apsd.policies.governor",
     "apsd.policies.batching",
+    "apsd.logs",
 )
 
 ENTRY_POINT_GROUP = "apsd"

@@ -1,0 +1,94 @@
+"""Structured logs: one line per event, human-readable or JSON.
+
+Ownership: :func:`configure_logging` (called by the CLI) sets the root handler's
+level and format; this module is also a built-in plugin whose observation hooks
+log rejections and batches (INFO) and finished requests (DEBUG). Lifecycle events
+(start, ready, reload, shutdown) are logged by the daemon with the same
+``event`` field. Request lines never carry prompt text unless
+``--log-prompts`` asked for it.
+
+Every line has ``event`` and the event's fields (``request_id``, ``tenant``,
+``batch_id``, ...): in text as ``key=value`` after the message, in JSON as keys.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+from .hookspecs import hookimpl
+
+__all__ = ["configure_logging", "event_fields"]
+
+log = logging.getLogger("apsd.events")
+
+_settings = {"prompts": False}
+
+#: LogRecord attributes that are not event fields.
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+def event_fields(record: logging.LogRecord) -> dict[str, Any]:
+    """The structured fields a record carries (passed as ``extra=``)."""
+    return {k: v for k, v in vars(record).items() if k not in _STANDARD}
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = event_fields(record)
+        line = super().format(record)
+        if fields:
+            line += " " + " ".join(f"{k}={v}" for k, v in fields.items())
+        return line
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        body = {"ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+                "level": record.levelname, "logger": record.name, "msg": record.getMessage(),
+                **event_fields(record)}
+        if record.exc_info:
+            body["exc"] = self.formatException(record.exc_info)
+        return json.dumps(body, default=str)
+
+
+def configure_logging(level: str = "INFO", fmt: str = "text", *, prompts: bool = False) -> None:
+    """Root logging to stderr in ``fmt`` ("text" or "json") at ``level``."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    _settings["prompts"] = prompts
+
+
+@hookimpl
+def request_rejected(request: Any, refusal: Any) -> None:
+    if log.isEnabledFor(logging.INFO):
+        log.info("request rejected", extra={"event": "reject", "request_id": request.request_id,
+                                            "tenant": request.tenant_id, "status": refusal.status,
+                                            "error": refusal.error})
+
+
+@hookimpl
+def batch_finished(batch: Any, executor_id: int, busy_s: float, cost_usd: float) -> None:
+    if log.isEnabledFor(logging.INFO):
+        log.info("batch finished", extra={"event": "batch", "batch_id": batch.batch_id, "executor": executor_id,
+                                          "size": len(batch.requests), "kv_tokens": batch.kv_tokens,
+                                          "busy_s": round(busy_s, 6), "cost_usd": round(cost_usd, 8)})
+
+
+@hookimpl
+def request_finished(request: Any, outcome: Any) -> None:
+    if log.isEnabledFor(logging.DEBUG):
+        fields = {"event": "request", "request_id": request.request_id, "tenant": request.tenant_id,
+                  "outcome": getattr(outcome, "kind", "completed"), "batch_id": getattr(outcome, "batch_id", None),
+                  "latency_ms": getattr(outcome, "latency_ms", None)}
+        if _settings["prompts"]:
+            fields["prompt"] = request.prompt
+        log.debug("request finished", extra=fields)
