@@ -21,6 +21,7 @@ from werkzeug.exceptions import HTTPException
 
 from .models import Completion, Refusal
 from .pipeline import Pipeline
+from .prometheus import exporter_for, negotiate
 
 __all__ = ["create_app", "parse_infer_body"]
 
@@ -110,8 +111,30 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
     async def health() -> dict:
         return pipeline.health()
 
+    exporter = exporter_for(pipeline)  # before serving: its histograms see every dispatch
+
     @app.get("/metrics")
-    async def metrics() -> dict:
+    async def metrics() -> Any:
+        """Prometheus text exposition by default; JSON (as ``/metrics.json``) on request.
+
+        ``?format=json`` or ``?format=prometheus`` decides (any other value: 400). Otherwise
+        JSON only when the Accept header names ``application/json`` with a higher quality
+        than every Prometheus type it names (``text/plain``, ``application/openmetrics-text``);
+        Prometheus text in every other case: no Accept header, a scraper's, wildcards only
+        (curl's ``*/*``), a browser's, or a tie. See :func:`apsd.prometheus.negotiate`.
+        """
+        view = negotiate(request.args.get("format"), request.headers.get("Accept"))
+        if view is None:
+            return error_response(Refusal(400, "invalid_format", "format must be json or prometheus",
+                                          field="format"))
+        if view == "json":
+            return pipeline.metrics(), 200, {"Vary": "Accept"}
+        return Response(exporter.exposition(), status=200, content_type=exporter.content_type,
+                        headers={"Vary": "Accept"})
+
+    @app.get("/metrics.json")
+    async def metrics_json() -> dict:
+        """The JSON view of ``/metrics``, whatever the Accept header."""
         return pipeline.metrics()
 
     @app.get("/tenants/<tenant_id>/status")

@@ -223,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_format, prompts=args.log_prompts)
     try:
         config = load_config(args.config).with_overrides(host=args.host, port=args.port)
-        daemon = Daemon.from_config(config, preset=args.policy)
+        daemon = Daemon.from_config(config, preset=args.policy, config_path=args.config,
+                                    overrides={"host": args.host, "port": args.port})
     except ConfigError as exc:
         parser.exit(2, f"apsd: error: {exc}\n")
     except PluginError as exc:

@@ -7,12 +7,17 @@ executors: in a nested nursery of their own, so they can be stopped first) and
 known before anyone is told the daemon is ready). A crash in any of them
 cancels the rest and propagates: the daemon stops loudly.
 
+systemd (:mod:`apsd.notify`, a no-op without ``$NOTIFY_SOCKET``): ``READY=1`` once
+the HTTP socket listens; ``STATUS=`` lines and ``WATCHDOG=1`` pings from two more
+root-nursery tasks; ``STOPPING=1`` when shutdown begins. :attr:`Daemon.notifier`
+is there for the reload to send ``RELOADING=1`` and ``READY=1``.
+
 Shutdown (SIGTERM/SIGINT or :meth:`request_shutdown`): new requests get 503;
 queued and running requests get ``server.shutdown_grace_s`` wall seconds to
 finish (a second SIGTERM/SIGINT ends the grace period at once); whatever is left
 is answered 503 (tokens refunded) and the stages are cancelled; then hypercorn
-stops after sending those answers and :meth:`run` returns normally. SIGHUP is
-logged and ignored (configuration reload is not implemented yet).
+stops after sending those answers and :meth:`run` returns normally. SIGHUP
+re-reads the config file (:meth:`reload`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 
+from typing import Any
+
 import attrs
 import hypercorn.config
 import hypercorn.trio
@@ -28,9 +35,10 @@ import pluggy
 import trio
 
 from .api import create_app
-from .config import Config
+from .config import Config, ConfigError, load_config
+from .notify import ProgressProbe, SystemdNotifier, serve_status, serve_watchdog, status_line
 from .pipeline import Pipeline
-from .plugins import load_policy_registry, make_plugin_manager
+from .plugins import PluginError, load_policy_registry, make_plugin_manager
 from .policy import PolicyRegistry, PolicySet
 
 __all__ = ["Daemon"]
@@ -55,18 +63,31 @@ class Daemon:
     registry: PolicyRegistry
     handle_signals: bool = True
     pipeline: Pipeline | None = None
+    #: Tells systemd the daemon's state; replaced in :meth:`run` by one from the environment.
+    notifier: SystemdNotifier = attrs.field(factory=SystemdNotifier)
+    preset: str | None = None
+    config_path: str | None = None
+    overrides: dict[str, Any] = attrs.field(factory=dict)
+    #: Why the last reload was refused (None after a successful one).
+    reload_error: str | None = None
     _stop: trio.Event = attrs.field(factory=trio.Event)
     _hurry: trio.Event = attrs.field(factory=trio.Event)
 
     @classmethod
     def from_config(cls, config: Config, *, preset: str | None = None, handle_signals: bool = True,
-                    plugin_manager: pluggy.PluginManager | None = None) -> Daemon:
-        """Load plugins and build the configured policies; raises ConfigError or PluginError."""
+                    plugin_manager: pluggy.PluginManager | None = None, config_path: str | None = None,
+                    overrides: dict[str, Any] | None = None) -> Daemon:
+        """Load plugins and build the configured policies; raises ConfigError or PluginError.
+
+        ``config_path`` and ``overrides`` (command-line ``host``/``port``) are what a reload
+        re-reads and re-applies.
+        """
         pm = plugin_manager or make_plugin_manager()
         registry = load_policy_registry(pm)
         policies = registry.build(config, preset)
         return cls(config=config, policies=policies, plugin_manager=pm, registry=registry,
-                   handle_signals=handle_signals)
+                   handle_signals=handle_signals, preset=preset, config_path=config_path,
+                   overrides=overrides or {})
 
     def request_shutdown(self) -> None:
         """Begin a graceful shutdown (what SIGTERM does); a second call ends the grace period now."""
@@ -77,6 +98,7 @@ class Daemon:
     async def run(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until shut down; ``task_status.started`` receives the bound URLs."""
         pipeline = self.pipeline = Pipeline.build(self.config, self.policies)
+        notifier = self.notifier = SystemdNotifier.from_environ()
         async with trio.open_nursery() as nursery:
             if self.handle_signals:
                 await nursery.start(self._watch_signals)
@@ -87,12 +109,17 @@ class Daemon:
             log.info("apsd listening on %s policy=%s tenants=%s gpus=%d",
                      ", ".join(binds), "/".join(f"{k}={v}" for k, v in self.policies.names.items()),
                      ",".join(sorted(self.config.tenants)), self.config.gpu.count)
+            await notifier.ready(status=self.status_text())  # the HTTP socket listens: ready
+            if notifier.enabled:
+                nursery.start_soon(serve_status, notifier, self.status_text)
+                nursery.start_soon(serve_watchdog, notifier, self._watchdog_probe(pipeline))
             task_status.started(binds)
 
             await self._stop.wait()
             log.info("apsd shutting down: %d requests in flight, grace %.1f s",
                      len(pipeline.ledger.outstanding), self.config.server.shutdown_grace_s)
             pipeline.close_doors()
+            await notifier.stopping(status=self.status_text())
             with trio.move_on_after(self.config.server.shutdown_grace_s):
                 async with trio.open_nursery() as drain:  # whichever comes first: idle, or a 2nd signal
                     async def finish_when(event_wait: Callable[[], Awaitable[object]]) -> None:
@@ -108,6 +135,47 @@ class Daemon:
             await http_done.wait()
             nursery.cancel_scope.cancel()
         log.info("apsd stopped")
+
+    async def reload(self) -> bool:
+        """Re-read the config file and apply it atomically (what SIGHUP does).
+
+        The new file is validated completely (config and policies) before anything changes;
+        if it does not validate, the old configuration stays in force, the error is logged and
+        systemd's ``STATUS=`` says so. Queued and running requests are kept either way.
+        Returns whether the new configuration was applied.
+        """
+        assert self.pipeline is not None, "the daemon is not running"
+        await self.notifier.reloading()
+        try:
+            config = load_config(self.config_path).with_overrides(**self.overrides)
+            policies = self.registry.build(config, self.preset)
+        except (ConfigError, PluginError) as exc:
+            self.reload_error = str(exc)
+            log.error("reload refused, the running configuration stays: %s", exc,
+                      extra={"event": "reload_failed"})
+            await self.notifier.ready(status=f"{self.status_text()} reload_failed")
+            return False
+        changes = self.pipeline.reconfigure(config, policies)
+        self.config, self.policies, self.reload_error = self.pipeline.config, policies, None
+        log.info("reloaded %s: %s", self.config_path or "<defaults>", "; ".join(changes) or "no change",
+                 extra={"event": "reload"})
+        await self.notifier.ready(status=self.status_text())
+        return True
+
+    def status_text(self) -> str:
+        """The one-line state systemd shows (``STATUS=``): queue depth, governor state, ..."""
+        assert self.pipeline is not None, "the daemon is not running"
+        return status_line(self.pipeline.health(), len(self.pipeline.ledger.outstanding))
+
+    @staticmethod
+    def _watchdog_probe(pipeline: Pipeline) -> Callable[[], bool]:
+        """The watchdog's ``is_alive``, called every WatchdogSec/2 by a root-nursery task.
+
+        That the task runs at all proves the event loop is not blocked (a policy stuck in
+        synchronous code stops the pings by itself). A dispatcher that waits for ever although it owes a decision is caught
+        by the scheduler's heartbeat (``decisions``) standing still while ``dispatch_owed()``.
+        """
+        return ProgressProbe(lambda: pipeline.scheduler.decisions, pipeline.scheduler.dispatch_owed)
 
     async def _serve_http(self, pipeline: Pipeline, stop: trio.Event, done: trio.Event,
                           *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
@@ -127,8 +195,8 @@ class Daemon:
             task_status.started()
             async for signum in signals:
                 name = signal.Signals(signum).name
-                if signum == signal.SIGHUP:  # caught so it cannot kill the daemon mid-request
-                    log.warning("received SIGHUP: configuration reload is not supported yet; ignored")
+                if signum == signal.SIGHUP:
+                    await self.reload()
                     continue
                 log.info("received %s%s", name, " again: grace period ends now" if self._stop.is_set() else "")
                 self.request_shutdown()

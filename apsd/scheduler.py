@@ -68,6 +68,8 @@ class Scheduler:
     _waiting_until: float | None = attrs.field(default=None, init=False)
     #: Requests answered while queued that the queue still holds (skipped when popped).
     _answered_in_queue: int = attrs.field(default=0, init=False)
+    #: Decisions the dispatcher has made: a heartbeat (the systemd watchdog reads it).
+    decisions: int = attrs.field(default=0, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._use_queue(self.policies.aging)
@@ -243,9 +245,20 @@ class Scheduler:
                 batch = await self.wait_next_batch()
                 await batches.send(batch)
 
+    def dispatch_owed(self) -> bool:
+        """Whether the dispatcher owes a decision now: an executor asked for a batch and either
+        the window it waits out has passed, or it waits for work although requests are queued."""
+        waiting_until = self._waiting_until
+        if waiting_until is None:
+            return False
+        if waiting_until == float("inf"):
+            return self.ledger.queued_total > 0
+        return self.clock.reached(waiting_until)
+
     async def wait_next_batch(self) -> Batch:
         """Wait until the queue has a batch to cut (full, or its window elapsed), then cut it."""
         while True:
+            self.decisions += 1
             try:
                 decision = self._decide(self.clock.now())
             except PolicyFailure as failure:  # a policy raised, or returned something unusable

@@ -94,7 +94,7 @@ async def test_shipped_config_serves_and_sigterm_answers_in_flight_requests():
                 for tenant in ("tenant_a", "tenant_b", "tenant_c"):
                     nursery.start_soon(one, tenant)
                 with trio.fail_after(10):
-                    while (await client.get("/metrics")).json()["requests"]["in_flight"] < 3:
+                    while (await client.get("/metrics.json")).json()["requests"]["in_flight"] < 3:
                         await trio.sleep(0.02)
                 process.send_signal(signal.SIGTERM)
                 await trio.sleep(0.1)
@@ -139,7 +139,7 @@ async def test_sighup_is_ignored_and_a_second_sigterm_ends_the_grace_period(tmp_
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(long_one)
                 with trio.fail_after(10):
-                    while (await client.get("/metrics")).json()["requests"]["running"] < 1:
+                    while (await client.get("/metrics.json")).json()["requests"]["running"] < 1:
                         await trio.sleep(0.02)
                 process.send_signal(signal.SIGHUP)
                 await trio.sleep(0.2)
@@ -154,3 +154,50 @@ async def test_sighup_is_ignored_and_a_second_sigterm_ends_the_grace_period(tmp_
         if process.returncode is None:
             process.kill()
     assert [(a.status_code, a.json()["error"]) for a in answers] == [(503, "shutting_down")]
+
+
+async def test_sighup_reloads_under_load_and_refuses_a_bad_config(tmp_path):
+    config = tmp_path / "apsd.toml"
+    base = "[gpu]\ntime_scale = 0.05\n[tenants.t]\nrate = 1e6\nburst = 1000000\n"
+    config.write_text(base)
+    process, url, seen = await start_apsd(str(config), "--port", "0")
+    answers: list[httpx.Response] = []
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            async def one() -> None:
+                answers.append(await client.post("/infer", json={"tenant_id": "t", "prompt": "",
+                                                                  "tokens_requested": 300, "priority_bid": 3}))
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(20):
+                    nursery.start_soon(one)
+                with trio.fail_after(10):
+                    while (await client.get("/metrics.json")).json()["requests"]["in_flight"] < 20:
+                        await trio.sleep(0.01)
+                config.write_text(base + '[tenants.u]\nrate = 50.0\nburst = 500\n[policy]\npreset = "static"\n')
+                process.send_signal(signal.SIGHUP)
+                with trio.fail_after(10):
+                    while (await client.get("/tenants/u/status")).status_code != 200:
+                        await trio.sleep(0.02)
+                assert (await client.get("/health")).json()["policy"]["aging"] == "static"
+            assert [a.status_code for a in answers] == [200] * 20          # nothing in flight was lost
+
+            config.write_text(base + "[tenants.u]\nrate = -1\nburst = 5\n")  # does not validate
+            process.send_signal(signal.SIGHUP)
+            await trio.sleep(0.5)
+            assert (await client.get("/tenants/u/status")).json()["rate"] == 50.0   # the old config stays
+            ok = await client.post("/infer", json={"tenant_id": "u", "prompt": "", "tokens_requested": 5,
+                                                   "priority_bid": 1})
+            assert ok.status_code == 200
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(30):
+            assert await process.wait() == 0
+        while chunk := await process.stderr.receive_some():
+            seen.append(chunk)
+    finally:
+        if process.returncode is None:
+            process.kill()
+    log = b"".join(seen).decode()
+    assert "reloaded" in log and "tenant u added" in log and "policies: preset=static" in log
+    assert "reload refused, the running configuration stays" in log and "tenants.u.rate" in log
+    assert "Traceback" not in log

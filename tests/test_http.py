@@ -17,6 +17,10 @@ def body(tenant="tenant_a", prompt="Hello world", tokens=100, bid=5, **extra):
     return {"tenant_id": tenant, "prompt": prompt, "tokens_requested": tokens, "priority_bid": bid, **extra}
 
 
+#: /metrics answers Prometheus text unless the client asks for JSON (tests/test_prometheus.py)
+JSON = {"Accept": "application/json"}
+
+
 async def test_infer_answers_with_every_field(live):
     response = await live.client.post("/infer", json=body(prompt="x" * 40))
     assert response.status_code == 200
@@ -113,7 +117,7 @@ async def test_metrics_health_and_tenant_status(live):
     for tenant in ("tenant_a", "tenant_a", "tenant_b"):
         assert (await live.client.post("/infer", json=body(tenant, tokens=50))).status_code == 200
     await live.client.post("/infer", json=body("nobody"))
-    metrics = (await live.client.get("/metrics")).json()
+    metrics = (await live.client.get("/metrics", headers=JSON)).json()
     assert metrics["requests"] | {"conservation_ok": None} == {
         "admitted": 3, "rejected": 1, "completed": 3, "failed": 0, "cancelled": 0, "queued": 0,
         "running": 0, "in_flight": 0, "conservation_ok": None, "rejected_by_error": {"unknown_tenant": 1}}
@@ -149,7 +153,7 @@ async def send_and_wait_in_flight(nursery: trio.Nursery, client: httpx.AsyncClie
 
     for _ in range(n):
         nursery.start_soon(one)
-    while (await client.get("/metrics")).json()["requests"]["in_flight"] < n:
+    while (await client.get("/metrics", headers=JSON)).json()["requests"]["in_flight"] < n:
         await trio.sleep(0.01)
 
 
@@ -191,7 +195,7 @@ async def test_refusals_before_admission_are_counted_without_growing_per_name_st
     for i in range(50):
         await live.client.post("/infer", json=body(f"stranger-{i}"))
     await live.client.post("/infer", content=b"{")
-    metrics = (await live.client.get("/metrics")).json()
+    metrics = (await live.client.get("/metrics", headers=JSON)).json()
     assert metrics["requests"]["rejected"] == 51
     assert metrics["requests"]["rejected_by_error"] == {"unknown_tenant": 50, "invalid_json": 1}
     assert set(live.daemon.pipeline.ledger.tenants) == {"tenant_a", "tenant_b", "trickle", "big"}
@@ -213,7 +217,7 @@ async def test_client_that_disconnects_while_queued_cancels_and_is_refunded(nurs
         async with trio.open_nursery() as requests:
             answers: list[httpx.Response] = []
             await send_and_wait_in_flight(requests, client, 1, 2000, answers)    # ~0.8 s on the GPU
-            while (await client.get("/metrics")).json()["requests"]["running"] < 1:
+            while (await client.get("/metrics", headers=JSON)).json()["requests"]["running"] < 1:
                 await trio.sleep(0.01)
             with trio.move_on_after(0.2):                                     # gives up while queued
                 await client.post("/infer", json=body("t", prompt="", tokens=5000))
@@ -221,7 +225,7 @@ async def test_client_that_disconnects_while_queued_cancels_and_is_refunded(nurs
                 while (await client.get("/tenants/t/status")).json()["cancelled"] < 1:
                     await trio.sleep(0.01)
         status = (await client.get("/tenants/t/status")).json()
-        metrics = (await client.get("/metrics")).json()["requests"]
+        metrics = (await client.get("/metrics", headers=JSON)).json()["requests"]
     assert [a.status_code for a in answers] == [200]
     assert (status["cancelled"], status["completed"], status["generated_tokens"]) == (1, 1, 2000)
     assert metrics["conservation_ok"] and metrics["in_flight"] == 0

@@ -245,7 +245,7 @@ async def test_a_policy_that_raises_fails_only_affected_requests(nursery):
                                                 "'flaky') raised RuntimeError: heap corrupted")
         after = await client.post("/infer", json={"tenant_id": "tenant_a", **body})
         assert after.status_code == 200           # a fresh queue: the daemon keeps serving
-        counts = (await client.get("/metrics")).json()["requests"]
+        counts = (await client.get("/metrics.json")).json()["requests"]
     assert (counts["completed"], counts["failed"]) == (2, 2) and counts["conservation_ok"]
     daemon.request_shutdown()
 
