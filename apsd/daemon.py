@@ -35,6 +35,7 @@ import pluggy
 import trio
 
 from .api import create_app
+from . import __version__
 from .config import Config, ConfigError, load_config
 from .notify import ProgressProbe, SystemdNotifier, serve_status, serve_watchdog, status_line
 from .pipeline import Pipeline
@@ -97,6 +98,8 @@ class Daemon:
 
     async def run(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until shut down; ``task_status.started`` receives the bound URLs."""
+        log.info("apsd %s starting: config %s", __version__, self.config_path or "<defaults>",
+                 extra={"event": "start"})
         pipeline = self.pipeline = Pipeline.build(self.config, self.policies)
         notifier = self.notifier = SystemdNotifier.from_environ()
         async with trio.open_nursery() as nursery:
@@ -108,7 +111,7 @@ class Daemon:
             binds = await nursery.start(self._serve_http, pipeline, http_stop, http_done)
             log.info("apsd listening on %s policy=%s tenants=%s gpus=%d",
                      ", ".join(binds), "/".join(f"{k}={v}" for k, v in self.policies.names.items()),
-                     ",".join(sorted(self.config.tenants)), self.config.gpu.count)
+                     ",".join(sorted(self.config.tenants)), self.config.gpu.count, extra={"event": "ready"})
             await notifier.ready(status=self.status_text())  # the HTTP socket listens: ready
             if notifier.enabled:
                 nursery.start_soon(serve_status, notifier, self.status_text)
@@ -117,7 +120,8 @@ class Daemon:
 
             await self._stop.wait()
             log.info("apsd shutting down: %d requests in flight, grace %.1f s",
-                     len(pipeline.ledger.outstanding), self.config.server.shutdown_grace_s)
+                     len(pipeline.ledger.outstanding), self.config.server.shutdown_grace_s,
+                     extra={"event": "shutdown"})
             pipeline.close_doors()
             await notifier.stopping(status=self.status_text())
             with trio.move_on_after(self.config.server.shutdown_grace_s):
@@ -130,11 +134,11 @@ class Daemon:
             aborted = pipeline.abort_outstanding()
             pipeline.stop_stages()  # nothing runs, or is billed, after the last answer
             if aborted:
-                log.warning("answered %d unfinished requests with 503", aborted)
+                log.warning("answered %d unfinished requests with 503", aborted, extra={"event": "shutdown"})
             http_stop.set()
             await http_done.wait()
             nursery.cancel_scope.cancel()
-        log.info("apsd stopped")
+        log.info("apsd stopped", extra={"event": "stopped"})
 
     async def reload(self) -> bool:
         """Re-read the config file and apply it atomically (what SIGHUP does).

@@ -41,7 +41,7 @@ async def test_json_logs_one_object_per_line_with_events_and_no_prompt():
     text = await run_and_collect("--log-format", "json", "--log-level", "DEBUG")
     records = [json.loads(line) for line in text.splitlines() if line.strip()]
     events = {r.get("event") for r in records}
-    assert {"reject", "batch", "request"} <= events
+    assert {"start", "ready", "reject", "batch", "request", "shutdown", "stopped"} <= events
     reject = next(r for r in records if r.get("event") == "reject")
     assert (reject["tenant"], reject["status"], reject["error"]) == ("nobody", 404, "unknown_tenant")
     request = next(r for r in records if r.get("event") == "request")
