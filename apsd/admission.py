@@ -107,8 +107,13 @@ class Admission:
         self.buckets = {name: TokenBucket.full(t, now) for name, t in self.tenants.items()}
 
     def rate_limit_headers(self, tenant_id: str) -> dict[str, str]:
-        """IETF RateLimit fields for the tenant's bucket as of now (seconds are wall seconds)."""
-        bucket = self.buckets[tenant_id]
+        """IETF RateLimit fields for the tenant's bucket as of now (seconds are wall seconds).
+
+        None for a tenant a reload removed while its request was in flight: no bucket to describe.
+        """
+        bucket = self.buckets.get(tenant_id)
+        if bucket is None:
+            return {}
         now = self.clock.now()
         remaining = bucket.level(now)
         window = self.clock.wall_seconds(bucket.burst / bucket.rate)

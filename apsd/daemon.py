@@ -69,8 +69,9 @@ class Daemon:
     preset: str | None = None
     config_path: str | None = None
     overrides: dict[str, Any] = attrs.field(factory=dict)
-    #: Why the last reload was refused (None after a successful one).
+    #: Why the last reload was refused (None after a successful one); shown in STATUS= until then.
     reload_error: str | None = None
+    _ready: bool = False
     _stop: trio.Event = attrs.field(factory=trio.Event)
     _hurry: trio.Event = attrs.field(factory=trio.Event)
 
@@ -112,6 +113,7 @@ class Daemon:
             log.info("apsd listening on %s policy=%s tenants=%s gpus=%d",
                      ", ".join(binds), "/".join(f"{k}={v}" for k, v in self.policies.names.items()),
                      ",".join(sorted(self.config.tenants)), self.config.gpu.count, extra={"event": "ready"})
+            self._ready = True
             await notifier.ready(status=self.status_text())  # the HTTP socket listens: ready
             if notifier.enabled:
                 nursery.start_soon(serve_status, notifier, self.status_text)
@@ -149,15 +151,23 @@ class Daemon:
         Returns whether the new configuration was applied.
         """
         assert self.pipeline is not None, "the daemon is not running"
+        if not self._ready or self._stop.is_set():
+            log.warning("SIGHUP ignored: apsd is %s", "shutting down" if self._stop.is_set() else "not ready yet",
+                        extra={"event": "reload_failed"})
+            return False
         await self.notifier.reloading()
         try:
             config = load_config(self.config_path).with_overrides(**self.overrides)
+            if config == attrs.evolve(self.config, source=config.source) and self.reload_error is None:
+                log.info("reloaded %s: no change", self.config_path or "<defaults>", extra={"event": "reload"})
+                await self.notifier.ready(status=self.status_text())
+                return True  # same settings: keep the policies (and their state) as they are
             policies = self.registry.build(config, self.preset)
         except (ConfigError, PluginError) as exc:
             self.reload_error = str(exc)
             log.error("reload refused, the running configuration stays: %s", exc,
                       extra={"event": "reload_failed"})
-            await self.notifier.ready(status=f"{self.status_text()} reload_failed")
+            await self.notifier.ready(status=self.status_text())
             return False
         changes = self.pipeline.reconfigure(config, policies)
         self.config, self.policies, self.reload_error = self.pipeline.config, policies, None
@@ -169,7 +179,8 @@ class Daemon:
     def status_text(self) -> str:
         """The one-line state systemd shows (``STATUS=``): queue depth, governor state, ..."""
         assert self.pipeline is not None, "the daemon is not running"
-        return status_line(self.pipeline.health(), len(self.pipeline.ledger.outstanding))
+        line = status_line(self.pipeline.health(), len(self.pipeline.ledger.outstanding))
+        return f"{line} reload_failed" if self.reload_error else line
 
     @staticmethod
     def _watchdog_probe(pipeline: Pipeline) -> Callable[[], bool]:

@@ -35,6 +35,15 @@ def event_fields(record: logging.LogRecord) -> dict[str, Any]:
     return {k: v for k, v in vars(record).items() if k not in _STANDARD}
 
 
+def _text_value(value: Any) -> str:
+    """A field value for a text line: quoted (JSON-escaped) when it could be mistaken for
+    something else, so a client-chosen tenant name cannot start a forged log line."""
+    text = str(value)
+    if isinstance(value, str) and (not text or not text.isprintable() or any(c in text for c in ' "=')):
+        return json.dumps(text)
+    return text
+
+
 class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -43,7 +52,7 @@ class TextFormatter(logging.Formatter):
         fields = event_fields(record)
         line = super().format(record)
         if fields:
-            line += " " + " ".join(f"{k}={v}" for k, v in fields.items())
+            line += " " + " ".join(f"{k}={_text_value(v)}" for k, v in fields.items())
         return line
 
 

@@ -125,7 +125,7 @@ async def test_port_in_use_is_one_clear_message():
             assert await process.wait() == 0
 
 
-async def test_sighup_is_ignored_and_a_second_sigterm_ends_the_grace_period(tmp_path):
+async def test_sighup_keeps_serving_and_a_second_sigterm_ends_the_grace_period(tmp_path):
     config = tmp_path / "slow.toml"
     config.write_text("[server]\nshutdown_grace_s = 600.0\n[tenants.t]\nrate = 1e6\nburst = 1000000\n")
     process, url, _ = await start_apsd(str(config), "--port", "0")

@@ -52,6 +52,17 @@ async def test_json_logs_one_object_per_line_with_events_and_no_prompt():
 async def test_text_logs_and_prompts_only_when_asked():
     text = await run_and_collect("--log-level", "DEBUG", "--log-prompts")
     assert "event=batch" in text and "event=reject" in text
-    assert f"prompt={SECRET}" in text
+    assert f"prompt=\"{SECRET}\"" in text
     default = await run_and_collect()                      # INFO: batches and rejects, no request lines
     assert "event=batch" in default and "event=request" not in default and SECRET not in default
+
+
+def test_text_fields_are_quoted_so_client_values_cannot_forge_lines():
+    import logging
+
+    from apsd.logs import TextFormatter
+
+    record = logging.LogRecord("apsd.events", logging.INFO, __file__, 1, "request rejected", None, None)
+    record.event, record.tenant = "reject", "x\n2026-01-01 00:00:00 INFO apsd: forged event=ready"
+    line = TextFormatter().format(record)
+    assert "\n" not in line and 'tenant="x\\n2026' in line and "event=reject" in line
