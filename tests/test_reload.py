@@ -49,6 +49,7 @@ async def test_reload_adds_removes_and_rerates_tenants(autojump_clock):
         bucket = pipeline.admission.buckets["keep"]
         assert (bucket.rate, bucket.burst, bucket.level(pipeline.clock.now())) == (20.0, 300.0, 300.0)
         assert isinstance(await queued_for_gone.reply.wait(), Completion)   # accepted work still runs
+        assert pipeline.admission.rate_limit_headers("gone") == {}         # its 200 has no bucket to describe
         late = pipeline.new_request(tenant_id="gone", prompt="", tokens_requested=5, priority_bid=5, prompt_tokens=0)
         pipeline.submit_nowait(late)
         assert (await late.reply.wait()).status == 404
