@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any
 
 import attrs
@@ -31,6 +32,11 @@ MAX_TENANT_ID_CHARS = 256
 #: Far beyond any real request; bounds client integers before any arithmetic or formatting.
 MAX_TOKENS_REQUESTED = 1_000_000_000
 _INFER_FIELDS = {"tenant_id": str, "prompt": str, "tokens_requested": int, "priority_bid": int}
+#: Optional fields. ``timeout_s``: model seconds the request may wait queued, > 0; a value above
+#: ``[queue] timeout_s`` is not refused but clamped to it (only the config's limit applies).
+_OPTIONAL_INFER_FIELDS = ("timeout_s",)
+#: A day, the largest ``[queue] timeout_s``: larger client values are cut to it before any arithmetic.
+MAX_TIMEOUT_S = 86_400.0
 
 
 class BodyError(Exception):
@@ -47,10 +53,10 @@ def parse_infer_body(raw: bytes) -> dict[str, Any]:
         raise BodyError(400, "invalid_json", "the request body is not valid JSON") from None
     if not isinstance(data, dict):
         raise BodyError(400, "invalid_json", "the request body must be a JSON object")
-    unknown = sorted(set(data) - set(_INFER_FIELDS))
+    unknown = sorted(set(data) - set(_INFER_FIELDS) - set(_OPTIONAL_INFER_FIELDS))
     if unknown:
         raise BodyError(422, "unknown_field", f"unknown field {unknown[0]!r} (fields: "
-                        f"{', '.join(_INFER_FIELDS)})", field=unknown[0])
+                        f"{', '.join([*_INFER_FIELDS, *_OPTIONAL_INFER_FIELDS])})", field=unknown[0])
     for name, kind in _INFER_FIELDS.items():
         if name not in data:
             raise BodyError(422, "missing_field", f"{name} is required", field=name)
@@ -68,6 +74,13 @@ def parse_infer_body(raw: bytes) -> dict[str, Any]:
                         field="tokens_requested")
     if not 1 <= data["priority_bid"] <= 10:
         raise BodyError(422, "invalid_field", "priority_bid must be 1-10", field="priority_bid")
+    if "timeout_s" in data:
+        timeout = data["timeout_s"]
+        # (json.loads accepts NaN and Infinity; an int is compared before it becomes a float)
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0 \
+                or isinstance(timeout, float) and not math.isfinite(timeout):
+            raise BodyError(422, "invalid_field", "timeout_s must be a number of seconds > 0", field="timeout_s")
+        data["timeout_s"] = float(min(timeout, MAX_TIMEOUT_S))
     return data
 
 
@@ -94,7 +107,7 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
             return error_response(exc.refusal)
         inference = pipeline.new_request(tenant_id=body["tenant_id"], prompt=body["prompt"],
                                          tokens_requested=body["tokens_requested"],
-                                         priority_bid=body["priority_bid"])
+                                         priority_bid=body["priority_bid"], timeout_s=body.get("timeout_s"))
         refusal = pipeline.submit_nowait(inference)
         try:
             outcome = refusal or await inference.reply.wait()

@@ -42,6 +42,14 @@ def between(low: float, high: float):
     return check
 
 
+def off_or_between(low: float, high: float):
+    """A validator for ``0`` (the feature is off) or ``low <= value <= high``."""
+    def check(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+        if value != 0 and not low <= value <= high:
+            raise ValueError(f"must be 0 (off) or between {low:g} and {high:g}, got {value!r}")
+    return check
+
+
 def non_empty(_inst: object, attribute: attrs.Attribute, value: str) -> None:
     if not value.strip():
         raise ValueError("must not be empty")
@@ -81,6 +89,11 @@ class QueueConfig:
     max_requests_per_tenant: int = attrs.field(default=2_000, validator=between(1, 10**8))
     #: Requests waiting in the ingress channel for the admission task.
     ingress_buffer: int = attrs.field(default=1_024, validator=between(1, 10**7))
+    #: Longest a request may wait in the queue, in model seconds (counted from its arrival);
+    #: one still queued then is answered 504 ``queue_timeout`` and its tokens are refunded.
+    #: A request's own ``timeout_s`` may shorten it, never lengthen it. 0 (the default) is no
+    #: limit: the simulator's overload workloads queue for far longer than any sane timeout.
+    timeout_s: float = attrs.field(default=0.0, validator=off_or_between(0.001, 86_400))
 
 
 @attrs.frozen
@@ -105,6 +118,12 @@ class GpuConfig:
     #: Wall seconds per model second: 1.0 is real time, 0.01 runs 100x faster.
     #: Every duration apsd reports is in model seconds, whatever this is.
     time_scale: float = attrs.field(default=1.0, validator=between(1e-6, 1e6))
+    #: Fault injection (see :class:`apsd.executor.FaultInjector`): each batch fails with this
+    #: probability, drawn from a ``random.Random(fault_seed)`` the pipeline owns ...
+    fail_probability: float = attrs.field(default=0.0, validator=between(0, 1))
+    #: ... and every n-th batch the pipeline's GPUs start fails (0: never).
+    fail_every_n_batches: int = attrs.field(default=0, validator=between(0, 10**9))
+    fault_seed: int = attrs.field(default=0, validator=between(0, 2**63 - 1))
 
 
 @attrs.frozen

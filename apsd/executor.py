@@ -10,11 +10,24 @@ over the batch's prompt tokens, then decode of the batch's requested tokens at
 tokens/s for a batch of ``b`` requests. Every request of a batch finishes when
 the batch does. The batch's cost, ``busy seconds * price_per_hour / 3600``, is
 split between its requests in proportion to their tokens (prompt + generated).
+
+Faults (``[gpu] fail_probability``, ``fail_every_n_batches``, ``fault_seed``):
+the pipeline owns one :class:`FaultInjector` that its executors share; it
+decides, as each batch starts, whether the batch will fail. A failing batch
+still takes its full busy time (the GPU worked, then failed) and is booked like
+any other (``Ledger.batch_ran``: busy time, cost, ``batch_finished``), but
+every request in it is answered 502 ``executor_failed`` (``kind="failed"``,
+tokens refunded, nothing billed to the tenant) instead of completing. It is
+not retried: a client may send it again. The executor then asks for the next
+batch as usual, so the daemon keeps serving. The cost of a failed batch is the
+operator's: it is in ``cost_usd`` overall, but in no tenant's.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import random
 
 import attrs
 import trio
@@ -22,9 +35,11 @@ import trio
 from .clock import ModelClock
 from .config import GpuConfig
 from .ledger import Ledger
-from .models import Batch, Completion
+from .models import Batch, Completion, Refusal
 
-__all__ = ["GpuModel", "SimulatedExecutor"]
+__all__ = ["FaultInjector", "GpuModel", "SimulatedExecutor"]
+
+log = logging.getLogger("apsd.executor")
 
 
 @attrs.frozen
@@ -48,11 +63,48 @@ class GpuModel:
 
 
 @attrs.define(eq=False)
+class FaultInjector:
+    """Which batches fail; one per pipeline, shared by its executors (the pipeline owns it).
+
+    Batches are counted in the order they start, across all executors; the n-th fails if
+    ``n`` is a multiple of ``fail_every_n_batches`` (when that is set), or if a draw from
+    its own ``random.Random(fault_seed)`` (never the global generator) falls below
+    ``fail_probability``. One draw per batch, and only while the probability is above 0, so
+    the same seed and the same batch order fail the same batches, and with the defaults
+    nothing is drawn and nothing fails.
+    """
+
+    gpu: GpuConfig
+    #: Batches started so far.
+    batches: int = attrs.field(default=0, init=False)
+    _rng: random.Random = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._rng = random.Random(self.gpu.fault_seed)
+
+    def configure(self, gpu: GpuConfig) -> None:
+        """Take new settings (a reload); the batch count goes on, the generator is reseeded
+        only if ``fault_seed`` changed."""
+        if gpu.fault_seed != self.gpu.fault_seed:
+            self._rng = random.Random(gpu.fault_seed)
+        self.gpu = gpu
+
+    def batch_fails(self) -> bool:
+        """Count one more batch started; whether it is to fail."""
+        self.batches += 1
+        drawn = self.gpu.fail_probability > 0 and self._rng.random() < self.gpu.fail_probability
+        every = self.gpu.fail_every_n_batches
+        return drawn or (every > 0 and self.batches % every == 0)
+
+
+@attrs.define(eq=False)
 class SimulatedExecutor:
     executor_id: int
     model: GpuModel
     ledger: Ledger
     clock: ModelClock
+    #: Shared with the pipeline's other executors; None: this executor never fails.
+    faults: FaultInjector | None = None
     busy: bool = False
 
     async def serve_executor(
@@ -74,6 +126,7 @@ class SimulatedExecutor:
         prefill_s = self.model.prefill_s(batch)
         decode_s = self.model.decode_s(batch)
         busy_s = prefill_s + decode_s
+        fails = self.faults is not None and self.faults.batch_fails()
         self.ledger.batch_started(batch, self.executor_id)
         self.busy = True
         try:
@@ -83,6 +136,9 @@ class SimulatedExecutor:
         end = self.clock.now()
         cost = self.model.cost_usd(busy_s)
         self.ledger.batch_ran(batch, self.executor_id, busy_s, cost)
+        if fails:
+            self._fail_batch(batch)
+            return
         batch_tokens = sum(r.cost_tokens for r in batch.requests)
         for request in batch.requests:
             assert request.dispatched_at is not None and request.effective_priority is not None
@@ -100,3 +156,13 @@ class SimulatedExecutor:
                 effective_priority=request.effective_priority,
                 cost_usd=cost * request.cost_tokens / batch_tokens if batch_tokens else 0.0,
             ))
+
+    def _fail_batch(self, batch: Batch) -> None:
+        """Answer every request of a failed batch 502 ``executor_failed`` (the ledger refunds them)."""
+        log.warning("simulated GPU %d failed running batch %d (%d requests)",
+                    self.executor_id, batch.batch_id, len(batch.requests))
+        refusal = Refusal(502, "executor_failed",
+                          f"simulated GPU {self.executor_id} failed running batch {batch.batch_id}",
+                          kind="failed")
+        for request in batch.requests:
+            self.ledger.finish(request, refusal)

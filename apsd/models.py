@@ -91,6 +91,9 @@ class InferenceRequest:
     ``arrival`` and ``seq`` are stamped by admission (model seconds, and a
     strictly increasing admission number used to break ties); the scheduler
     stamps ``dispatched_at`` and ``effective_priority`` when it cuts a batch.
+    ``timeout_s`` is the client's own queue timeout (None: the config's); the
+    scheduler stamps ``deadline`` when it queues the request (see
+    :meth:`apsd.scheduler.Scheduler.enqueue`).
     """
 
     request_id: str
@@ -108,6 +111,11 @@ class InferenceRequest:
     submitted: bool = False
     #: Its client left before admission decided it: admission refuses it.
     abandoned: bool = False
+    #: Model seconds the client lets it wait in the queue (> 0; None: ``[queue] timeout_s``).
+    timeout_s: float | None = None
+    #: Model time at which it leaves the queue with 504 ``queue_timeout`` if still queued
+    #: (``arrival`` + the shorter of ``timeout_s`` and ``[queue] timeout_s``); None: never.
+    deadline: float | None = None
 
     @property
     def answered(self) -> bool:

@@ -7,6 +7,10 @@ its root nursery) opens one for them that :meth:`stop_stages` cancels, and
 :meth:`cancel`, the simulator through :meth:`admit_now`; both read the views
 (:meth:`metrics`, :meth:`tenant_status`, :meth:`health`).
 
+It also owns the :class:`~apsd.executor.FaultInjector` its executors share
+(``[gpu]`` fault injection, with its own seeded random generator) and starts the
+scheduler's queue-timeout task (:meth:`Scheduler.serve_timeouts`).
+
 Channels (buffer sizes are deliberate)::
 
     ingress   queue.ingress_buffer   submitters never block: a full ingress is a 503
@@ -29,7 +33,7 @@ from .admission import Admission
 from .clock import ModelClock
 from .config import Config
 from .events import EventBus
-from .executor import GpuModel, SimulatedExecutor
+from .executor import FaultInjector, GpuModel, SimulatedExecutor
 from .ledger import Ledger
 from .models import Batch, InferenceRequest, Refusal
 from .policy import PolicySet
@@ -47,6 +51,7 @@ class Pipeline:
     admission: Admission
     scheduler: Scheduler
     executors: list[SimulatedExecutor]
+    faults: FaultInjector
     request_id_prefix: str
     _ingress_send: trio.MemorySendChannel[InferenceRequest]
     _ingress_receive: trio.MemoryReceiveChannel[InferenceRequest]
@@ -64,14 +69,16 @@ class Pipeline:
         admission = Admission(tenants=dict(config.tenants), batching=policies.batching, ledger=ledger,
                               clock=clock, max_queued=config.queue.max_requests,
                               max_queued_per_tenant=config.queue.max_requests_per_tenant)
-        scheduler = Scheduler(policies=policies, ledger=ledger, clock=clock)
+        scheduler = Scheduler(policies=policies, ledger=ledger, clock=clock,
+                              queue_timeout_s=config.queue.timeout_s)
         ledger.on_finish = scheduler.policy_finished
         ledger.on_refund = admission.refund
         model = GpuModel(config.gpu)
-        executors = [SimulatedExecutor(i, model, ledger, clock) for i in range(config.gpu.count)]
+        faults = FaultInjector(config.gpu)
+        executors = [SimulatedExecutor(i, model, ledger, clock, faults) for i in range(config.gpu.count)]
         send, receive = trio.open_memory_channel[InferenceRequest](config.queue.ingress_buffer)
         return cls(config=config, policies=policies, clock=clock, ledger=ledger, admission=admission,
-                   scheduler=scheduler, executors=executors,
+                   scheduler=scheduler, executors=executors, faults=faults,
                    request_id_prefix=request_id_prefix if request_id_prefix is not None else secrets.token_hex(4),
                    ingress_send=send, ingress_receive=receive)
 
@@ -88,7 +95,8 @@ class Pipeline:
             self._stages_scope.cancel()
 
     def start_stages(self, nursery: trio.Nursery) -> None:
-        """Start admission, the scheduler's two loops and every executor in ``nursery``."""
+        """Start admission, the scheduler's loops (intake, dispatch, queue timeouts) and every
+        executor in ``nursery``."""
         admitted_send, admitted_receive = trio.open_memory_channel[InferenceRequest](0)
         demand_send, demand_receive = trio.open_memory_channel[int](len(self.executors))
         batch_send, batch_receive = trio.open_memory_channel[Batch](0)
@@ -98,6 +106,7 @@ class Pipeline:
         with demand_send, batch_receive:
             for executor in self.executors:
                 nursery.start_soon(executor.serve_executor, demand_send.clone(), batch_receive.clone())
+        nursery.start_soon(self.scheduler.serve_timeouts)
 
     # -- the way in ------------------------------------------------------------------------
     def estimate_prompt_tokens(self, prompt: str) -> int:
@@ -105,7 +114,11 @@ class Pipeline:
         return math.ceil(len(prompt) / self.config.admission.chars_per_token)
 
     def new_request(self, *, tenant_id: str, prompt: str, tokens_requested: int, priority_bid: int,
-                    prompt_tokens: int | None = None) -> InferenceRequest:
+                    prompt_tokens: int | None = None, timeout_s: float | None = None) -> InferenceRequest:
+        """A request ready to submit; ``timeout_s`` (model seconds, > 0) may shorten ``[queue] timeout_s``
+        for it (a longer one is clamped to the config's when it is queued)."""
+        if timeout_s is not None and not 0 < timeout_s < math.inf:
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self._next_request += 1
         return InferenceRequest(
             request_id=f"{self.request_id_prefix}-{self._next_request}",
@@ -114,6 +127,7 @@ class Pipeline:
             tokens_requested=tokens_requested,
             priority_bid=priority_bid,
             prompt=prompt,
+            timeout_s=timeout_s,
         )
 
     @property
@@ -204,7 +218,9 @@ class Pipeline:
 
         Synchronous, so no request is handled half under the old and half under the new
         settings. Queued and running requests are kept and finish: queued ones move into the
-        new queue in admission order. Tenants are added (full bucket), removed (new requests
+        new queue in admission order, keeping their deadlines (a new ``queue.timeout_s`` applies
+        to requests queued from then on). Fault injection takes its new settings at the next
+        batch; its batch count goes on. Tenants are added (full bucket), removed (new requests
         get 404; their queued ones still run) or re-rated (current tokens kept, capped at the
         new burst). What cannot change while running (``[server]``, ``gpu.count``,
         ``gpu.time_scale``) keeps its old value and is reported as needing a restart.
@@ -223,10 +239,17 @@ class Pipeline:
         if policies.names != self.policies.names or config.policy.params != old.policy.params:
             changes.append("policies: " + ", ".join(f"{k}={v}" for k, v in policies.names.items()))
         self.scheduler.use_policies(policies)
+        if config.queue.timeout_s != old.queue.timeout_s:  # admission reports the other queue keys
+            changes.append(f"queue.timeout_s {config.queue.timeout_s:g} (for requests queued from now on)")
+        self.scheduler.queue_timeout_s = config.queue.timeout_s
         model = GpuModel(config.gpu)
         for executor in self.executors:
             executor.model = model
-        if config.gpu != old.gpu:
+        self.faults.configure(config.gpu)
+        faults = ("fail_probability", "fail_every_n_batches", "fault_seed")
+        if any(getattr(config.gpu, k) != getattr(old.gpu, k) for k in faults):
+            changes.append("gpu fault injection: " + ", ".join(f"{k}={getattr(config.gpu, k)}" for k in faults))
+        if attrs.evolve(config.gpu, **{k: getattr(old.gpu, k) for k in faults}) != old.gpu:
             changes.append("gpu model constants")
         if config.admission != old.admission:
             changes.append("admission.chars_per_token")

@@ -23,12 +23,24 @@ exception came while deciding or cutting a batch (governor reading, batching
 batch can be trusted to come out of the queue: every queued request is failed
 and the aging policy is replaced by a fresh one (its state is lost), so the
 scheduler cannot spin on a queue it cannot empty.
-Requests answered while still queued (failed, or cancelled at shutdown) are
+Requests answered while still queued (failed, timed out, or cancelled) are
 skipped when they come out of the queue.
+
+Queue timeouts: :meth:`Scheduler.enqueue` stamps each request's ``deadline``
+(its arrival plus the shorter of ``queue_timeout_s`` and the request's own
+``timeout_s``; none if both are unset) and pushes ``(deadline, seq, request)``
+on one heap. One task, :meth:`Scheduler.serve_timeouts`, sleeps until the
+earliest deadline (woken early when a push makes an earlier one) and answers
+every due request that is still queued with 504 ``queue_timeout`` through the
+ledger (which refunds its tokens). Requests already dispatched or answered are
+dropped from the heap when they reach its top, or when it is compacted; a
+running request is never timed out. O(log N) per request, no task per request,
+and in virtual time the expiry happens exactly at the deadline.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 from collections.abc import Callable, Iterable
@@ -56,6 +68,8 @@ class Scheduler:
     policies: PolicySet
     ledger: Ledger
     clock: ModelClock
+    #: ``[queue] timeout_s``: the longest a request may wait queued, in model seconds (0: no limit).
+    queue_timeout_s: float = 0.0
     queue: OrderingPolicy = attrs.field(init=False)
     _changed: trio.Event = attrs.field(factory=trio.Event, init=False)
     _backlog_since: float | None = attrs.field(default=None, init=False)
@@ -70,6 +84,13 @@ class Scheduler:
     _answered_in_queue: int = attrs.field(default=0, init=False)
     #: Decisions the dispatcher has made: a heartbeat (the systemd watchdog reads it).
     decisions: int = attrs.field(default=0, init=False)
+    #: (deadline, seq, request) of every queued request with a deadline (and of some that have
+    #: left the queue since: dropped lazily). Only enqueue pushes, only serve_timeouts pops.
+    _deadlines: list[tuple[float, int, InferenceRequest]] = attrs.field(factory=list, init=False)
+    #: Set when a push makes an earlier deadline the heap's first (serve_timeouts waits on it).
+    _earlier_deadline: trio.Event = attrs.field(factory=trio.Event, init=False)
+    #: Heap size at which requests no longer queued are swept out of it.
+    _compact_deadlines_at: int = attrs.field(default=1024, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._use_queue(self.policies.aging)
@@ -177,8 +198,50 @@ class Scheduler:
             return
         if self._backlog_since is None:
             self._backlog_since = request.arrival
+        self._set_deadline(request)
         if self._arrival_matters():
             self._wake()
+
+    def _set_deadline(self, request: InferenceRequest) -> None:
+        """Stamp ``request.deadline`` (the shorter of the two timeouts, from its arrival) and
+        remember it for :meth:`serve_timeouts`. A timeout longer than the config's is clamped."""
+        config, own = self.queue_timeout_s, request.timeout_s
+        if not (config or own):  # the default: no limit, nothing to remember
+            return
+        request.deadline = request.arrival + (min(config, own) if config and own else config or own)
+        heap = self._deadlines
+        if len(heap) >= self._compact_deadlines_at:  # amortised O(1): sweep out who left the queue
+            heap[:] = [entry for entry in heap if self._still_queued(entry[2])]
+            heapq.heapify(heap)
+            self._compact_deadlines_at = max(1024, 2 * len(heap))
+        heapq.heappush(heap, (request.deadline, request.seq, request))
+        if heap[0][2] is request:
+            self._earlier_deadline.set()
+
+    @staticmethod
+    def _still_queued(request: InferenceRequest) -> bool:
+        return not request.answered and request.dispatched_at is None
+
+    async def serve_timeouts(self) -> None:
+        """Answer queued requests that reach their deadline with 504 ``queue_timeout``; runs until cancelled."""
+        heap = self._deadlines
+        while True:
+            while heap and (not self._still_queued(heap[0][2]) or self.clock.reached(heap[0][0])):
+                _, _, request = heapq.heappop(heap)
+                if self._still_queued(request):
+                    self._expire(request)
+            self._earlier_deadline = trio.Event()
+            with trio.move_on_at(self.clock.deadline(heap[0][0]) if heap else math.inf):
+                await self._earlier_deadline.wait()
+
+    def _expire(self, request: InferenceRequest) -> None:
+        waited = self.clock.now() - request.arrival
+        assert request.deadline is not None
+        timeout = request.deadline - request.arrival
+        self.ledger.finish(request, Refusal(
+            504, "queue_timeout", f"waited {waited:.3f} s in the queue (timeout {timeout:g} s)", kind="cancelled"))
+        request.prompt = ""  # the queue may hold it a while longer: keep only what ordering needs
+        self.note_answered_in_queue()
 
     def _arrival_matters(self) -> bool:
         """Whether the dispatcher, as it waits now, could decide differently after this arrival.
