@@ -223,15 +223,19 @@ class Pipeline:
         batch; its batch count goes on. Tenants are added (full bucket), removed (new requests
         get 404; their queued ones still run) or re-rated (current tokens kept, capped at the
         new burst). What cannot change while running (``[server]``, ``gpu.count``,
-        ``gpu.time_scale``) keeps its old value and is reported as needing a restart.
+        ``gpu.time_scale``, ``queue.ingress_buffer``) keeps its old value and is reported as
+        needing a restart.
         """
         old = self.config
-        fixed = {"server": old.server, "gpu": attrs.evolve(config.gpu, count=old.gpu.count,
-                                                             time_scale=old.gpu.time_scale)}
+        fixed = {"server": old.server,
+                 "gpu": attrs.evolve(config.gpu, count=old.gpu.count, time_scale=old.gpu.time_scale),
+                 "queue": attrs.evolve(config.queue, ingress_buffer=old.queue.ingress_buffer)}
         changes = [f"{name} needs a restart to change (kept as before)"
                    for name, now, then in (("[server]", config.server, old.server),
                                            ("gpu.count", config.gpu.count, old.gpu.count),
-                                           ("gpu.time_scale", config.gpu.time_scale, old.gpu.time_scale))
+                                           ("gpu.time_scale", config.gpu.time_scale, old.gpu.time_scale),
+                                           ("queue.ingress_buffer", config.queue.ingress_buffer,
+                                            old.queue.ingress_buffer))
                    if now != then]
         config = attrs.evolve(config, **fixed)
         changes += self.admission.reconfigure(config.tenants, policies.batching, config.queue)
