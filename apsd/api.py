@@ -165,7 +165,10 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
         if code == 413:
             pipeline.ledger.count_refusal(None, "body_too_large")
             message = f"request body exceeds {pipeline.config.server.max_body_bytes} bytes (server.max_body_bytes)"
-        return error_response(Refusal(code, names.get(code, exc.name.lower().replace(" ", "_")), message))
+        # keep werkzeug's own headers (a 405's Allow, RFC 9110 15.5.6), not its HTML content type
+        headers = {k: v for k, v in exc.get_headers() if k.lower() != "content-type"}
+        return error_response(Refusal(code, names.get(code, exc.name.lower().replace(" ", "_")), message,
+                                      headers=headers))
 
     @app.errorhandler(Exception)
     async def internal_error(exc: Exception) -> Response:

@@ -231,3 +231,9 @@ async def test_client_that_disconnects_while_queued_cancels_and_is_refunded(nurs
     assert metrics["conservation_ok"] and metrics["in_flight"] == 0
     assert status["tokens_available"] > 10**6 - 2000 - 100         # the cancelled 5000 came back
     running.daemon.request_shutdown()
+
+
+async def test_405_names_the_allowed_methods(live):
+    response = await live.client.get("/infer")
+    assert response.status_code == 405 and "POST" in response.headers["Allow"]
+    assert response.headers["content-type"] == "application/json"
