@@ -66,12 +66,16 @@ async def start_apsd(*args: str) -> tuple[trio.Process, str, list[bytes]]:
     process = await trio.lowlevel.open_process([APSD, *args], stderr=subprocess.PIPE,
                                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     seen: list[bytes] = []
-    with trio.fail_after(30):
-        while not (match := LISTENING.search(b"".join(seen))):
-            chunk = await process.stderr.receive_some()
-            if not chunk:
-                raise AssertionError(f"apsd exited before listening: {b''.join(seen).decode()}")
-            seen.append(chunk)
+    try:
+        with trio.fail_after(30):
+            while not (match := LISTENING.search(b"".join(seen))):
+                chunk = await process.stderr.receive_some()
+                if not chunk:
+                    raise AssertionError(f"apsd exited before listening: {b''.join(seen).decode()}")
+                seen.append(chunk)
+    except BaseException:  # never leave a daemon behind
+        process.kill()
+        raise
     return process, match.group(1).decode(), seen
 
 
