@@ -12,7 +12,8 @@ Checks, in order (the first that fails answers):
 3. can never be admitted    -> 413 (cost above the tenant's burst, or above
                                what one batch can hold — the batching policy says)
 4. tenant's queue share full -> 429 ``tenant_queue_full`` with ``Retry-After``
-   queue full               -> 503 ``queue_full`` with ``Retry-After``
+   queue full               -> 503 ``queue_full`` with ``Retry-After`` (``max_requests``
+                               requests queued, or this one would pass ``max_tokens``)
 5. bucket short of tokens   -> 429 ``rate_limited`` with ``Retry-After`` and
                                the IETF ``RateLimit``/``RateLimit-Policy`` fields
 
@@ -98,6 +99,8 @@ class Admission:
     clock: ModelClock
     max_queued: int
     max_queued_per_tenant: int
+    #: Most tokens (prompt + requested) the queue may hold; None: unbounded.
+    max_queued_tokens: int | None = None
     buckets: dict[str, TokenBucket] = attrs.field(init=False)
     accepting: bool = True
     _next_seq: int = 0
@@ -156,6 +159,11 @@ class Admission:
             return Refusal(503, "queue_full",
                            f"the queue holds its maximum of {self.max_queued} requests; retry later",
                            headers={"Retry-After": "1"})
+        if self.max_queued_tokens is not None and self.ledger.queued_tokens + cost > self.max_queued_tokens:
+            return Refusal(503, "queue_full",
+                           f"the queue holds {self.ledger.queued_tokens} tokens and this request's {cost} would "
+                           f"pass its maximum of {self.max_queued_tokens} (queue.max_tokens); retry later",
+                           headers={"Retry-After": "1"})
         now = self.clock.now()
         bucket = self.buckets[request.tenant_id]
         if not bucket.try_take(cost, now):
@@ -189,10 +197,12 @@ class Admission:
                 self.buckets[name] = TokenBucket(rate=tenant.rate, burst=float(tenant.burst),
                                                  tokens=min(level, float(tenant.burst)), updated=now)
                 changes.append(f"tenant {name} re-rated (rate {tenant.rate:g}, burst {tenant.burst})")
-        if (queue.max_requests, queue.max_requests_per_tenant) != (self.max_queued, self.max_queued_per_tenant):
-            changes.append(f"queue limits {queue.max_requests}/{queue.max_requests_per_tenant} per tenant")
+        limits = (queue.max_requests, queue.max_requests_per_tenant, queue.max_tokens)
+        if limits != (self.max_queued, self.max_queued_per_tenant, self.max_queued_tokens):
+            changes.append(f"queue limits {queue.max_requests} requests, {queue.max_requests_per_tenant} per tenant, "
+                           f"{queue.max_tokens} tokens")
         self.tenants, self.batching = dict(tenants), batching
-        self.max_queued, self.max_queued_per_tenant = queue.max_requests, queue.max_requests_per_tenant
+        self.max_queued, self.max_queued_per_tenant, self.max_queued_tokens = limits
         return changes
 
     def refund(self, request: InferenceRequest) -> None:

@@ -6,6 +6,12 @@ daemon's nursery, serves it.
 
 Every error answer is JSON ``{"error": code, "message": text[, "field": name]}``;
 nothing a client sends produces a 500 or a traceback.
+
+Access (:mod:`apsd.auth`): with API keys configured, ``POST /infer`` needs a
+tenant's key and runs as that tenant; ``/tenants/<id>/status`` needs that
+tenant's key or the admin key; ``/metrics`` needs the admin key; ``/health`` is
+open (liveness probes carry no credentials; it names no tenant). The key is
+checked before the body is read. Without keys (loopback only) everything is open.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from .auth import Caller, KeyRing
+from .config import Config
 from .models import Completion, Refusal
 from .pipeline import Pipeline
 from .prometheus import exporter_for, negotiate
@@ -45,8 +53,11 @@ class BodyError(Exception):
         self.refusal = Refusal(status, error, message, field=field)
 
 
-def parse_infer_body(raw: bytes) -> dict[str, Any]:
-    """Validate a ``POST /infer`` body; BodyError names the field and the rule."""
+def parse_infer_body(raw: bytes, *, tenant_required: bool = True) -> dict[str, Any]:
+    """Validate a ``POST /infer`` body; BodyError names the field and the rule.
+
+    ``tenant_required=False`` (API keys on: the key names the tenant) makes ``tenant_id`` optional.
+    """
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError):
@@ -58,6 +69,8 @@ def parse_infer_body(raw: bytes) -> dict[str, Any]:
         raise BodyError(422, "unknown_field", f"unknown field {unknown[0]!r} (fields: "
                         f"{', '.join([*_INFER_FIELDS, *_OPTIONAL_INFER_FIELDS])})", field=unknown[0])
     for name, kind in _INFER_FIELDS.items():
+        if name == "tenant_id" and name not in data and not tenant_required:
+            continue
         if name not in data:
             raise BodyError(422, "missing_field", f"{name} is required", field=name)
         value = data[name]
@@ -65,7 +78,7 @@ def parse_infer_body(raw: bytes) -> dict[str, Any]:
             expected = "an integer" if kind is int else "a string"
             raise BodyError(422, "invalid_field", f"{name} must be {expected}, got {json.dumps(value)[:40]}",
                             field=name)
-    if not data["tenant_id"].strip() or len(data["tenant_id"]) > MAX_TENANT_ID_CHARS:
+    if "tenant_id" in data and (not data["tenant_id"].strip() or len(data["tenant_id"]) > MAX_TENANT_ID_CHARS):
         raise BodyError(422, "invalid_field", f"tenant_id must be 1-{MAX_TENANT_ID_CHARS} characters",
                         field="tenant_id")
     # (never format a client's integer before bounding it: a 5000-digit int cannot be printed)
@@ -84,6 +97,30 @@ def parse_infer_body(raw: bytes) -> dict[str, Any]:
     return data
 
 
+def check_prompt_length(prompt: str, pipeline: Pipeline) -> None:
+    """413 ``prompt_too_long`` beyond ``[admission] max_prompt_tokens`` (estimated tokens)."""
+    limit = pipeline.config.admission.max_prompt_tokens
+    tokens = pipeline.estimate_prompt_tokens(prompt)
+    if tokens > limit:
+        raise BodyError(413, "prompt_too_long",
+                        f"the prompt is about {tokens} tokens ({len(prompt)} characters at "
+                        f"{pipeline.config.admission.chars_per_token:g} per token); the limit is {limit} "
+                        "(admission.max_prompt_tokens)", field="prompt")
+
+
+class _KeyRingCache:
+    """The KeyRing of the pipeline's current config (a reload replaces the config, and so the keys)."""
+
+    def __init__(self) -> None:
+        self._config: Config | None = None
+        self._keyring = KeyRing()
+
+    def get(self, config: Config) -> KeyRing:
+        if config is not self._config:
+            self._keyring, self._config = KeyRing.from_config(config), config
+        return self._keyring
+
+
 def error_response(refusal: Refusal) -> Response:
     body: dict[str, Any] = {"error": refusal.error, "message": refusal.message}
     if refusal.field is not None:
@@ -97,15 +134,48 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
     app = QuartTrio("apsd")
     app.config["MAX_CONTENT_LENGTH"] = pipeline.config.server.max_body_bytes
     app.json.sort_keys = False  # type: ignore[attr-defined]
+    app.url_map.merge_slashes = False  # "//" is a 404 like any unknown path, not an HTML 308 redirect
+    keyring = _KeyRingCache()
+
+    def authenticate(*, admin: bool = False) -> Caller | Response:
+        """The caller, or the 401/403 answer (counted as a refusal). ``admin``: operator-only endpoint."""
+        caller = keyring.get(pipeline.config).identify(request.headers.get("Authorization"))
+        if isinstance(caller, Caller) and admin and not caller.admin:
+            caller = Refusal(403, "admin_only", "this endpoint needs the admin key")
+        if isinstance(caller, Refusal):
+            pipeline.ledger.count_refusal(None, caller.error)
+            return error_response(caller)
+        return caller
+
+    @app.after_request
+    async def close_when_unread_or_draining(response: Response) -> Response:
+        """``Connection: close`` when the body was not read (answered before it arrived: a 401,
+        404, 405 or 413) or apsd is draining: a client then opens a new connection instead of
+        waiting on one hypercorn will not read again (or will drop at the end of the drain)."""
+        if not request.body._complete.is_set() or not pipeline.accepting:  # quart's Body: no public flag
+            response.headers["Connection"] = "close"
+        return response
 
     @app.post("/infer")
     async def infer() -> Response:
+        caller = authenticate()
+        if isinstance(caller, Response):
+            return caller
+        if not caller.anonymous and caller.tenant is None:
+            pipeline.ledger.count_refusal(None, "admin_cannot_submit")
+            return error_response(Refusal(403, "admin_cannot_submit",
+                                          "the admin key cannot submit requests; use the tenant's own key"))
         try:
-            body = parse_infer_body(await request.get_data(cache=False))
+            body = parse_infer_body(await request.get_data(cache=False), tenant_required=caller.anonymous)
+            tenant_id = body.get("tenant_id", caller.tenant)
+            if not caller.anonymous and tenant_id != caller.tenant:
+                raise BodyError(403, "tenant_mismatch", "tenant_id names another tenant than the API key's "
+                                "(leave it out, or name the key's own tenant)", field="tenant_id")
+            check_prompt_length(body["prompt"], pipeline)
         except BodyError as exc:
             pipeline.ledger.count_refusal(None, exc.refusal.error)
             return error_response(exc.refusal)
-        inference = pipeline.new_request(tenant_id=body["tenant_id"], prompt=body["prompt"],
+        inference = pipeline.new_request(tenant_id=tenant_id, prompt=body["prompt"],
                                          tokens_requested=body["tokens_requested"],
                                          priority_bid=body["priority_bid"], timeout_s=body.get("timeout_s"))
         refusal = pipeline.submit_nowait(inference)
@@ -136,6 +206,9 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
         Prometheus text in every other case: no Accept header, a scraper's, wildcards only
         (curl's ``*/*``), a browser's, or a tie. See :func:`apsd.prometheus.negotiate`.
         """
+        caller = authenticate(admin=True)
+        if isinstance(caller, Response):
+            return caller
         view = negotiate(request.args.get("format"), request.headers.get("Accept"))
         if view is None:
             return error_response(Refusal(400, "invalid_format", "format must be json or prometheus",
@@ -148,10 +221,19 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
     @app.get("/metrics.json")
     async def metrics_json() -> dict:
         """The JSON view of ``/metrics``, whatever the Accept header."""
+        caller = authenticate(admin=True)
+        if isinstance(caller, Response):
+            return caller
         return pipeline.metrics()
 
     @app.get("/tenants/<tenant_id>/status")
     async def tenant_status(tenant_id: str) -> Any:
+        caller = authenticate()
+        if isinstance(caller, Response):
+            return caller
+        if not caller.may_read_tenant(tenant_id):  # (whether that tenant exists is not revealed)
+            pipeline.ledger.count_refusal(None, "forbidden")
+            return error_response(Refusal(403, "forbidden", "an API key reads only its own tenant's status"))
         status = pipeline.tenant_status(tenant_id)
         if status is None:
             return error_response(Refusal(404, "unknown_tenant", f"no tenant named {tenant_id!r}"))

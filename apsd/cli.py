@@ -2,6 +2,7 @@
 
 * ``apsd [--policy P] [--host H] [--port N] [CONFIG]`` runs the daemon.
 * ``apsd plugins [--json]`` lists every registered plugin and what it provides.
+* ``apsd hash-key [--new]`` makes an API key's hash for the config (:mod:`apsd.auth`).
 * ``apsd simulate --workload W [--policy P ...]`` compares policies on one workload in
   virtual time and writes a report (:mod:`apsd.simulate`, :mod:`apsd.report`).
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import getpass
 import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -45,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="apsd",
         description="Multi-tenant inference scheduler daemon (Adaptive Priority Scheduling).",
         epilog="Without CONFIG, apsd runs on its embedded defaults (the same as config/apsd.toml). "
-        "'apsd plugins' lists the installed policy plugins (APSD_PLUGINS=name,... limits which load); "
+        "'apsd hash-key --new' makes an API key and its hash; 'apsd plugins' lists the installed policy plugins (APSD_PLUGINS=name,... limits which load); "
         "'apsd simulate --help' compares policies in virtual time; 'apsd research' regenerates "
         "docs/research.md.",
     )
@@ -84,6 +86,35 @@ def plugins_main(argv: Sequence[str]) -> int:
         if observes:
             provides = "; ".join(filter(None, [provides, f"observes: {', '.join(observes)}"]))
         print(f"{plugin['name']}  [{origin}]  {provides or '(nothing)'}")
+    return 0
+
+
+def hash_key_main(argv: Sequence[str]) -> int:
+    from .auth import MIN_KEY_CHARS, hash_key, is_usable_key, new_key
+
+    parser = argparse.ArgumentParser(
+        prog="apsd hash-key",
+        description="Print the hash of an API key, for a tenant's api_key_hashes or [auth] admin_key_hashes. "
+                    "The key is read from standard input (or a prompt), never from the command line, "
+                    "so it stays out of shell history and the process list.",
+        epilog="Example: apsd hash-key --new   (prints a new random key, then its hash)")
+    parser.add_argument("--new", action="store_true", help="make a new random key and print it, then its hash")
+    args = parser.parse_args(argv)
+    if args.new:
+        key = new_key()
+        print(f"key:  {key}")
+        print(f"hash: {hash_key(key)}")
+        print("Give the key to its owner and put the hash in the config; apsd keeps no copy of the key.",
+              file=sys.stderr)
+        return 0
+    if sys.stdin.isatty():
+        key = getpass.getpass("API key (not echoed): ")
+    else:
+        key = sys.stdin.readline().rstrip("\r\n")
+    if not is_usable_key(key):
+        parser.exit(2, f"apsd hash-key: error: a key must be at least {MIN_KEY_CHARS} characters of "
+                       "A-Z a-z 0-9 - . _ ~ + / (a Bearer token); use 'apsd hash-key --new' for a random one\n")
+    print(hash_key(key))
     return 0
 
 
@@ -218,6 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return plugins_main(argv[1:])
     if argv[:1] == ["simulate"]:
         return simulate_main(argv[1:])
+    if argv[:1] == ["hash-key"]:
+        return hash_key_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_format, prompts=args.log_prompts)

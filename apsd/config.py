@@ -9,6 +9,7 @@ Errors are :class:`ConfigError` with one message naming the file and the key
 from __future__ import annotations
 
 import math
+import re
 import tomllib
 import types
 import typing
@@ -18,6 +19,7 @@ from typing import Any
 import attrs
 
 __all__ = [
+    "AuthConfig",
     "Config",
     "ConfigError",
     "GpuConfig",
@@ -55,6 +57,20 @@ def non_empty(_inst: object, attribute: attrs.Attribute, value: str) -> None:
         raise ValueError("must not be empty")
 
 
+#: What a stored API key hash looks like: ``sha256:`` and 64 lower-case hex digits (see apsd.auth).
+KEY_HASH_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def key_hashes(_inst: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+    for item in value:
+        if not KEY_HASH_PATTERN.fullmatch(item):
+            shown = item if len(item) <= 16 else item[:12] + "..."  # (a pasted key must not be echoed whole)
+            raise ValueError(f"each entry must be 'sha256:' and 64 hex digits, as 'apsd hash-key' prints; "
+                             f"got {shown!r}")
+    if len(set(value)) != len(value):
+        raise ValueError("the same key hash is listed twice")
+
+
 def port_number(_inst: object, attribute: attrs.Attribute, value: int) -> None:
     if not 0 <= value <= 65535:
         raise ValueError(f"must be a port number 0-65535, got {value!r}")
@@ -78,6 +94,18 @@ class TenantConfig:
 
     rate: float = attrs.field(validator=between(1e-6, 1e12))
     burst: int = attrs.field(validator=between(1, 10**12))
+    #: Hashes of this tenant's API keys (several, so a key can be rotated without downtime).
+    api_key_hashes: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=key_hashes)
+
+
+@attrs.frozen
+class AuthConfig:
+    """Operator access: keys for the operator-only endpoints (``/metrics``, any tenant's status).
+
+    Authentication is on as soon as any key (a tenant's or an admin's) is configured.
+    """
+
+    admin_key_hashes: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=key_hashes)
 
 
 @attrs.frozen
@@ -87,6 +115,9 @@ class QueueConfig:
     max_requests: int = attrs.field(default=10_000, validator=between(1, 10**8))
     #: One tenant's share of the queue: beyond it that tenant gets 429 (the others are unaffected).
     max_requests_per_tenant: int = attrs.field(default=2_000, validator=between(1, 10**8))
+    #: Most tokens (prompt + requested, summed) the queue may hold: bounds the prompt text kept in
+    #: memory too (about ``max_tokens * chars_per_token`` characters at worst). Beyond it, 503.
+    max_tokens: int = attrs.field(default=10_000_000, validator=between(1, 10**15))
     #: Requests waiting in the ingress channel for the admission task.
     ingress_buffer: int = attrs.field(default=1_024, validator=between(1, 10**7))
     #: Longest a request may wait in the queue, in model seconds (counted from its arrival);
@@ -101,6 +132,8 @@ class AdmissionConfig:
     """How a prompt's token count is estimated (there is no tokenizer)."""
 
     chars_per_token: float = attrs.field(default=4.0, validator=between(0.1, 1000))
+    #: Longest prompt, in estimated tokens: a longer one gets 413 ``prompt_too_long``.
+    max_prompt_tokens: int = attrs.field(default=32_768, validator=between(1, 10**9))
 
 
 @attrs.frozen
@@ -155,6 +188,7 @@ class Config:
     """The whole configuration; ``Config()`` is the embedded default."""
 
     server: ServerConfig = ServerConfig()
+    auth: AuthConfig = AuthConfig()
     policy: PolicyConfig = PolicyConfig()
     queue: QueueConfig = QueueConfig()
     admission: AdmissionConfig = AdmissionConfig()
@@ -183,6 +217,11 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: must be a table, got {type(value).__name__}")
         return {name: _check_value(v, value_type, f"{key}.{name}") for name, v in value.items()}
+    if origin is tuple:  # tuple[X, ...]: a TOML array
+        item_type = typing.get_args(tp)[0]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: must be an array, got {value!r}")
+        return tuple(_check_value(v, item_type, f"{key}[{i}]") for i, v in enumerate(value))
     if tp is typing.Any:
         return value
     if attrs.has(tp):
@@ -248,12 +287,26 @@ def parse_config(data: dict[str, Any], source: str = "<string>") -> Config:
             if not parsed:
                 raise ConfigError("tenants: at least one tenant is required")
             config = attrs.evolve(config, tenants=parsed)
+        _check_keys_unique(config)
         if config.gpu.decode_batch_base + config.gpu.decode_batch_sqrt <= 0:
             raise ConfigError("gpu.decode_batch_sqrt: decode_batch_base + decode_batch_sqrt must be > 0 "
                               "(else nothing ever decodes)")
         return attrs.evolve(config, policy=policy, source=source)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def _check_keys_unique(config: Config) -> None:
+    """One key, one identity: a hash may appear once across every tenant and the admin."""
+    seen: dict[str, str] = {}
+    places = [(f"tenants.{name}.api_key_hashes", h) for name, t in config.tenants.items()
+              for h in t.api_key_hashes]
+    places += [("auth.admin_key_hashes", h) for h in config.auth.admin_key_hashes]
+    for place, value in places:
+        if value in seen and seen[value] != place:
+            raise ConfigError(f"{place}: the same key hash is also in {seen[value]}; "
+                              "each key must identify one tenant or the admin")
+        seen[value] = place
 
 
 def read_text(path: Path, what: str, error: type[Exception], encoding: str = "utf-8") -> str:

@@ -36,6 +36,7 @@ import trio
 
 from .api import create_app
 from . import __version__
+from .auth import KeyRing, check_exposure
 from .config import Config, ConfigError, load_config
 from .notify import ProgressProbe, SystemdNotifier, serve_status, serve_watchdog, status_line
 from .pipeline import Pipeline
@@ -82,8 +83,9 @@ class Daemon:
         """Load plugins and build the configured policies; raises ConfigError or PluginError.
 
         ``config_path`` and ``overrides`` (command-line ``host``/``port``) are what a reload
-        re-reads and re-applies.
+        re-reads and re-applies. Listening beyond loopback without API keys is a ConfigError.
         """
+        check_exposure(config)
         pm = plugin_manager or make_plugin_manager()
         registry = load_policy_registry(pm)
         policies = registry.build(config, preset)
@@ -101,6 +103,7 @@ class Daemon:
         """Serve until shut down; ``task_status.started`` receives the bound URLs."""
         log.info("apsd %s starting: config %s", __version__, self.config_path or "<defaults>",
                  extra={"event": "start"})
+        self._log_access(self.config)
         pipeline = self.pipeline = Pipeline.build(self.config, self.policies)
         notifier = self.notifier = SystemdNotifier.from_environ()
         async with trio.open_nursery() as nursery:
@@ -158,6 +161,8 @@ class Daemon:
         await self.notifier.reloading()
         try:
             config = load_config(self.config_path).with_overrides(**self.overrides)
+            check_exposure(config)  # (what a restart would do) and what runs now: [server] needs a restart
+            check_exposure(attrs.evolve(config, server=self.config.server))
             if config == attrs.evolve(self.config, source=config.source) and self.reload_error is None:
                 log.info("reloaded %s: no change", self.config_path or "<defaults>", extra={"event": "reload"})
                 await self.notifier.ready(status=self.status_text())
@@ -169,12 +174,25 @@ class Daemon:
                       extra={"event": "reload_failed"})
             await self.notifier.ready(status=self.status_text())
             return False
+        self._log_access(config)
         changes = self.pipeline.reconfigure(config, policies)
         self.config, self.policies, self.reload_error = self.pipeline.config, policies, None
         log.info("reloaded %s: %s", self.config_path or "<defaults>", "; ".join(changes) or "no change",
                  extra={"event": "reload"})
         await self.notifier.ready(status=self.status_text())
         return True
+
+    @staticmethod
+    def _log_access(config: Config) -> None:
+        """Say whether API keys are required, and which tenants no key can reach (never a key or hash)."""
+        if not KeyRing.from_config(config).enabled:
+            log.warning("no API keys configured: anyone who can reach %s may act as any tenant (fine on "
+                        "loopback; see the README's Security section)", config.server.host)
+            return
+        keyless = sorted(name for name, tenant in config.tenants.items() if not tenant.api_key_hashes)
+        if keyless:
+            log.warning("API keys are required, and tenants %s have none: nobody can submit as them",
+                        ", ".join(keyless))
 
     def status_text(self) -> str:
         """The one-line state systemd shows (``STATUS=``): queue depth, governor state, ..."""

@@ -76,6 +76,8 @@ class Ledger:
     unattributed: TenantStats = attrs.field(factory=TenantStats, init=False)
     #: Admitted requests without an outcome yet, by identity, in admission order.
     outstanding: dict[InferenceRequest, None] = attrs.field(factory=dict)
+    #: Tokens (prompt + requested) of the queued requests: what ``[queue] max_tokens`` bounds.
+    queued_tokens: int = 0
     batches: int = 0
     gpu_busy_s: float = 0.0
     cost_usd: float = 0.0
@@ -123,6 +125,7 @@ class Ledger:
         stats = self._stats(request.tenant_id)
         stats.admitted += 1
         stats.queued += 1
+        self.queued_tokens += request.cost_tokens
         if not self.outstanding:
             self._idle = trio.Event()
         self.outstanding[request] = None
@@ -133,6 +136,7 @@ class Ledger:
             stats = self._stats(request.tenant_id)
             stats.queued -= 1
             stats.running += 1
+            self.queued_tokens -= request.cost_tokens
             assert request.dispatched_at is not None
             self.queue_waits_s.append(request.dispatched_at - request.arrival)
         if self.events.wants("request_dispatched"):
@@ -156,6 +160,7 @@ class Ledger:
         stats = self._stats(request.tenant_id)
         if request.dispatched_at is None:
             stats.queued -= 1
+            self.queued_tokens -= request.cost_tokens
         else:
             stats.running -= 1
         if isinstance(outcome, Completion):
@@ -225,7 +230,7 @@ class Ledger:
                 "conservation_ok": totals.admitted
                 == totals.completed + totals.failed + totals.cancelled + totals.in_flight,
             },
-            "tokens": {"prompt": totals.prompt_tokens, "generated": generated},
+            "tokens": {"prompt": totals.prompt_tokens, "generated": generated, "queued": self.queued_tokens},
             "batches": self.batches,
             "elapsed_s": elapsed_s,
             "throughput_tokens_per_s": generated / elapsed_s if elapsed_s > 0 else 0.0,

@@ -68,7 +68,8 @@ class Pipeline:
         ledger = Ledger(tenant_names=config.tenants, clock=clock, events=events)
         admission = Admission(tenants=dict(config.tenants), batching=policies.batching, ledger=ledger,
                               clock=clock, max_queued=config.queue.max_requests,
-                              max_queued_per_tenant=config.queue.max_requests_per_tenant)
+                              max_queued_per_tenant=config.queue.max_requests_per_tenant,
+                              max_queued_tokens=config.queue.max_tokens)
         scheduler = Scheduler(policies=policies, ledger=ledger, clock=clock,
                               queue_timeout_s=config.queue.timeout_s)
         ledger.on_finish = scheduler.policy_finished

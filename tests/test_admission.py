@@ -116,3 +116,23 @@ async def test_one_tenant_cannot_fill_the_shared_queue(autojump_clock):
             admission.ledger.admit(r)
         answers.append((tenant, refusal and (refusal.status, refusal.error)))
     assert answers == [("hog", None)] * 3 + [("hog", (429, "tenant_queue_full"))] * 2 + [("other", None)] * 3
+
+
+async def test_queued_tokens_are_bounded_and_given_back(autojump_clock):
+    """[queue] max_tokens: 503 queue_full once admitting would pass it; room returns as requests leave."""
+    from apsd.models import Refusal
+
+    admission = make_admission(ModelClock())
+    admission.max_queued_tokens = 250
+    first, second = request(prompt=10, tokens=90), request(prompt=10, tokens=90)   # 100 tokens each
+    for r in (first, second):
+        assert admission.decide(r) is None
+        admission.ledger.admit(r)
+    assert admission.ledger.queued_tokens == 200
+    full = admission.decide(request(prompt=10, tokens=60))                        # 270 > 250
+    assert (full.status, full.error, full.headers["Retry-After"]) == (503, "queue_full", "1")
+    assert "queue.max_tokens" in full.message and "200 tokens" in full.message
+    assert admission.decide(request(prompt=10, tokens=40)) is None               # 250: exactly fits
+    admission.ledger.finish(first, Refusal(503, "shutting_down", "gone"))        # leaves the queue
+    assert admission.ledger.queued_tokens == 100
+    assert admission.decide(request(prompt=10, tokens=140)) is None

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import httpx
 import pytest
 import trio
 
-from apsd.config import GpuConfig, ServerConfig, TenantConfig
+from apsd.config import AdmissionConfig, GpuConfig, ServerConfig, TenantConfig
 
 from .conftest import make_config, start_daemon
 
@@ -105,6 +106,19 @@ async def test_malformed_body_is_400(live, raw):
     assert response.json()["error"] == "invalid_json"
 
 
+async def test_a_prompt_over_the_limit_is_413(live):
+    # max_prompt_tokens defaults to 32768: 131072 characters at 4 per token fit, one more does not
+    # (tenant "big" can afford it; the body limit of this daemon is 64 KiB, so the limit is lowered)
+    live.daemon.pipeline.config = attrs.evolve(live.daemon.pipeline.config, admission=AdmissionConfig(
+        max_prompt_tokens=1000))
+    fits = await live.client.post("/infer", json=body("big", prompt="x" * 4000, tokens=1))
+    assert fits.status_code == 200
+    too_long = await live.client.post("/infer", json=body("big", prompt="x" * 4001, tokens=1))
+    assert (too_long.status_code, too_long.json()["error"], too_long.json()["field"]) == (413, "prompt_too_long", "prompt")
+    assert "admission.max_prompt_tokens" in too_long.json()["message"] and "1001 tokens" in too_long.json()["message"]
+    assert "Retry-After" not in too_long.headers
+
+
 async def test_http_errors_are_json(live):
     # (small enough to sit in socket buffers: httpx sends the whole body before reading the answer)
     too_big = await live.client.post("/infer", content=b"x" * (65_536 + 1))
@@ -122,7 +136,7 @@ async def test_metrics_health_and_tenant_status(live):
         "admitted": 3, "rejected": 1, "completed": 3, "failed": 0, "cancelled": 0, "queued": 0,
         "running": 0, "in_flight": 0, "conservation_ok": None, "rejected_by_error": {"unknown_tenant": 1}}
     assert metrics["requests"]["conservation_ok"] is True
-    assert metrics["tokens"]["generated"] == 150
+    assert metrics["tokens"]["generated"] == 150 and metrics["tokens"]["queued"] == 0
     assert 0 < metrics["gpu_utilization"] <= 1
     assert metrics["cost_per_1m_tokens_usd"] == pytest.approx(metrics["cost_usd"] / 150 * 1e6)
     assert 0 < metrics["fairness"]["jain_index"] <= 1 and "rate" in metrics["fairness"]["definition"]
@@ -170,6 +184,10 @@ async def test_shutdown_finishes_accepted_work_and_refuses_new(nursery):
             assert "Retry-After" in late.headers
             assert (await client.get("/health")).json()["status"] == "draining"
     assert [a.status_code for a in answers] == [200] * 20
+    # while draining, every answer tells the client not to reuse its connection: hypercorn would
+    # otherwise hold a next request on it unanswered until the connection is dropped at the end
+    assert late.headers["connection"] == "close"
+    assert all(a.headers["connection"] == "close" for a in answers)
 
 
 async def test_shutdown_after_grace_answers_the_rest_with_503(nursery):

@@ -1,0 +1,139 @@
+"""API keys: who is calling, decided from ``Authorization: Bearer <key>``.
+
+Ownership: a :class:`KeyRing` is built from a validated :class:`~apsd.config.Config`
+(tenants' ``api_key_hashes`` and ``[auth] admin_key_hashes``) and is immutable;
+the pipeline holds the current one and a reload replaces it. The HTTP layer asks
+:meth:`KeyRing.identify` before it reads a request's body.
+
+The rules (docs/security.md says them for operators):
+
+* The config stores only ``sha256:<hex>`` hashes of keys. Keys are random
+  (``apsd hash-key --new`` makes one with 256 bits of entropy), so one unsalted
+  SHA-256 is enough: there is nothing to guess a dictionary for.
+* A presented key is hashed and compared with **every** stored hash using
+  :func:`hmac.compare_digest`, without stopping at a match: the time taken does not
+  depend on which key, or how much of one, matched.
+* No key is configured at all: authentication is off and every caller is
+  :data:`OPEN_ACCESS` (the quick start on 127.0.0.1). Then the body's ``tenant_id``
+  says who the request is for. :func:`check_exposure` refuses to listen beyond
+  loopback in that state.
+* Keys and hashes never appear in logs or in answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import re
+import secrets
+
+import attrs
+
+from .config import KEY_HASH_PATTERN, Config, ConfigError
+from .models import Refusal
+
+__all__ = ["Caller", "KeyRing", "OPEN_ACCESS", "check_exposure", "hash_key", "is_loopback", "is_usable_key", "new_key",
+           "KEY_HASH_PATTERN", "MIN_KEY_CHARS"]
+
+#: Shortest key ``apsd hash-key`` accepts: a key is a secret token, not a password.
+MIN_KEY_CHARS = 24
+#: The bearer token grammar of RFC 6750 section 2.1 (b64token): what a key may consist of.
+_TOKEN = r"[A-Za-z0-9\-._~+/]+=*"
+_BEARER = re.compile(rf"[Bb][Ee][Aa][Rr][Ee][Rr] +({_TOKEN}) *")
+_CHALLENGE = 'Bearer realm="apsd"'
+
+
+def hash_key(key: str) -> str:
+    """The ``sha256:<hex>`` form the config stores for ``key``."""
+    return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def is_usable_key(key: str) -> bool:
+    """Whether ``key`` can be an API key: a bearer token of at least :data:`MIN_KEY_CHARS` characters."""
+    return len(key) >= MIN_KEY_CHARS and re.fullmatch(_TOKEN, key) is not None
+
+
+def new_key() -> str:
+    """A fresh random key (256 bits, URL-safe; the ``apsd_`` prefix makes leaked keys easy to grep for)."""
+    return "apsd_" + secrets.token_urlsafe(32)
+
+
+@attrs.frozen
+class Caller:
+    """Who a request comes from: a tenant (by key), the operator (admin key), or anyone (keys off)."""
+
+    tenant: str | None
+    admin: bool = False
+    #: Authentication is off: the caller is whoever the request says (loopback only).
+    anonymous: bool = False
+
+    def may_read_tenant(self, tenant_id: str) -> bool:
+        return self.admin or self.anonymous or self.tenant == tenant_id
+
+
+#: The caller when no key is configured: may do everything, as whichever tenant the body names.
+OPEN_ACCESS = Caller(tenant=None, admin=True, anonymous=True)
+
+
+def _unauthorized(error: str, message: str, challenge: str = _CHALLENGE) -> Refusal:
+    return Refusal(401, error, message, headers={"WWW-Authenticate": challenge})
+
+
+@attrs.frozen
+class KeyRing:
+    """The configured keys, as SHA-256 digests, each with its owner (a tenant, or None for admin)."""
+
+    entries: tuple[tuple[bytes, str | None], ...] = ()
+
+    @classmethod
+    def from_config(cls, config: Config) -> KeyRing:
+        entries = [(bytes.fromhex(h.removeprefix("sha256:")), name)
+                   for name, tenant in sorted(config.tenants.items()) for h in tenant.api_key_hashes]
+        entries += [(bytes.fromhex(h.removeprefix("sha256:")), None) for h in config.auth.admin_key_hashes]
+        return cls(tuple(entries))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.entries)
+
+    def identify(self, authorization: str | None) -> Caller | Refusal:
+        """The caller an ``Authorization`` header value proves, or the 401 to answer."""
+        if not self.enabled:
+            return OPEN_ACCESS
+        if not authorization:
+            return _unauthorized("missing_api_key", "this endpoint needs an API key: "
+                                 "send 'Authorization: Bearer <key>'")
+        match = _BEARER.fullmatch(authorization)
+        if match is None:
+            return _unauthorized("invalid_authorization", "the Authorization header must be 'Bearer <key>'",
+                                 f'{_CHALLENGE}, error="invalid_request"')
+        digest = hashlib.sha256(match.group(1).encode("ascii")).digest()
+        found: Caller | None = None
+        for stored, tenant in self.entries:  # every entry, every time: no early exit
+            if hmac.compare_digest(stored, digest):
+                found = Caller(tenant=tenant, admin=tenant is None)
+        if found is None:
+            return _unauthorized("invalid_api_key", "the API key is not valid",
+                                 f'{_CHALLENGE}, error="invalid_token"')
+        return found
+
+
+def is_loopback(host: str) -> bool:
+    """Whether listening on ``host`` is reachable only from this machine."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost: it may resolve to anything
+
+
+def check_exposure(config: Config) -> None:
+    """Refuse (ConfigError) to listen beyond loopback when no API key is configured."""
+    if is_loopback(config.server.host) or KeyRing.from_config(config).enabled:
+        return
+    raise ConfigError(
+        f"{config.source}: server.host: refusing to listen on {config.server.host!r} without API keys: "
+        "anyone who can reach it could use any tenant's quota. Give each tenant "
+        "api_key_hashes (make a key with 'apsd hash-key --new'), or listen on 127.0.0.1")
