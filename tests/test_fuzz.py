@@ -19,6 +19,10 @@ for ``/metrics``. What must hold for every answer:
 * afterwards the daemon still answers ``/health``, ``/metrics.json`` shows ``conservation_ok``,
   nothing in flight, no ``internal_error``, and its log holds no traceback.
 
+A second daemon has API keys and listens on every address: callers with each key, no key, a
+mutated key, a garbage ``Authorization`` or the wrong scheme get exactly the status their key
+allows on every endpoint, and no key ever appears in an answer or in its DEBUG log.
+
 Defects this file found are each pinned by a deterministic test at its end (an early answer that
 left a keep-alive connection dead; an HTML redirect for "//" in a path): both are fixed.
 
@@ -28,6 +32,7 @@ Run: ``/tmp/venv/bin/pytest -q -p no:cacheprovider tests/test_fuzz.py`` (about 1
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -77,7 +82,7 @@ burst = {TENANTS["ünï cødé"]}
 """
 
 #: (504 queue_timeout: a body's own timeout_s can expire in the queue; 502 needs fault injection, off here)
-ALLOWED_STATUSES = {200, 400, 404, 405, 413, 422, 429, 503, 504}
+ALLOWED_STATUSES = {200, 400, 401, 403, 404, 405, 413, 422, 429, 503, 504}
 FIELDS = {"tenant_id": str, "prompt": str, "tokens_requested": int, "priority_bid": int}
 OPTIONAL_FIELDS = {"timeout_s"}
 COMPLETION_KEYS = {"request_id", "tenant_id", "prompt_tokens", "tokens_generated", "queue_ms", "prefill_ms",
@@ -98,15 +103,16 @@ class Apsd:
         return self.log_path.read_text(encoding="utf-8", errors="replace")
 
 
-@pytest.fixture(scope="module")
-def apsd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apsd]:
-    directory = tmp_path_factory.mktemp("fuzz")
+@contextlib.contextmanager
+def launch(directory: Path, config_text: str) -> Iterator[Apsd]:
+    """The installed apsd on 127.0.0.1:0 with ``config_text``; SIGTERM at the end must exit 0, no traceback."""
     config = directory / "apsd.toml"
-    config.write_text(CONFIG, encoding="utf-8")
+    config.write_text(config_text, encoding="utf-8")
     log_path = directory / "apsd.log"
     with open(log_path, "wb") as log_file:
-        process = subprocess.Popen([APSD, str(config), "--port", "0"], stdout=subprocess.DEVNULL,
-                                   stderr=log_file, env={**os.environ, "APSD_PLUGINS": "", "PYTHONUNBUFFERED": "1"})
+        process = subprocess.Popen([APSD, str(config), "--port", "0", "--log-level", "DEBUG"],
+                                   stdout=subprocess.DEVNULL, stderr=log_file,
+                                   env={**os.environ, "APSD_PLUGINS": "", "PYTHONUNBUFFERED": "1"})
     try:
         deadline = time.monotonic() + 30
         while not (match := LISTENING.search(log_path.read_text(encoding="utf-8", errors="replace"))):
@@ -123,6 +129,12 @@ def apsd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apsd]:
         if process.poll() is None:
             process.kill()
             process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def apsd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apsd]:
+    with launch(tmp_path_factory.mktemp("fuzz"), CONFIG) as running:
+        yield running
 
 
 # -- strategies ---------------------------------------------------------------------------------
@@ -485,6 +497,96 @@ def test_405_names_the_allowed_methods(apsd):
     response = apsd.client.get("/infer")
     assert response.status_code == 405 and response.json()["error"] == "method_not_allowed"
     assert "POST" in response.headers.get("Allow", "")
+
+
+# -- with API keys ---------------------------------------------------------------------------------
+
+KEYS = {"alpha": "apsd_" + "A1" * 20, "beta": "apsd_" + "B2" * 20, "admin": "apsd_" + "C3" * 20}
+
+
+def sha256_hash(key: str) -> str:
+    import hashlib
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+KEYED_CONFIG = f"""
+[server]
+host = "0.0.0.0"
+[auth]
+admin_key_hashes = ["{sha256_hash(KEYS['admin'])}"]
+[gpu]
+time_scale = 0.0001
+[tenants.alpha]
+rate = 1e9
+burst = 1000000
+api_key_hashes = ["{sha256_hash(KEYS['alpha'])}"]
+[tenants.beta]
+rate = 1e9
+burst = 1000000
+api_key_hashes = ["{sha256_hash(KEYS['beta'])}"]
+"""
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apsd]:
+    """apsd with API keys, listening on every address (allowed: keys are configured)."""
+    with launch(tmp_path_factory.mktemp("keyed"), KEYED_CONFIG) as running:
+        running.client.base_url = running.url.replace("0.0.0.0", "127.0.0.1")
+        yield running
+    log = running.log()
+    assert not any(key in log for key in KEYS.values())
+
+
+def mutate(key: str, data: st.DataObject) -> str:
+    i = data.draw(st.integers(0, len(key) - 1))
+    return key[:i] + data.draw(st.sampled_from("xyz09-_")) + key[i + 1:]
+
+
+@FUZZ
+@given(who=st.sampled_from(["alpha", "beta", "admin", None, "mutated", "garbage", "scheme"]),
+       path=st.sampled_from(["/infer", "/metrics", "/metrics.json", "/tenants/alpha/status",
+                             "/tenants/beta/status", "/tenants/nobody/status", "/health"]),
+       named=st.sampled_from([None, "alpha", "beta", "nobody"]), data=st.data())
+def test_every_caller_gets_exactly_what_its_key_allows(keyed, who, path, named, data):
+    """The key, not the body, says who calls: 401 without a valid key, 403 beyond its rights."""
+    headers = {}
+    if who in KEYS:
+        headers["Authorization"] = f"Bearer {KEYS[who]}"
+    elif who == "mutated":
+        headers["Authorization"] = f"Bearer {mutate(data.draw(st.sampled_from(list(KEYS.values()))), data)}"
+    elif who == "garbage":
+        headers["Authorization"] = data.draw(header_values)
+    elif who == "scheme":
+        headers["Authorization"] = f"{data.draw(st.sampled_from(['Basic', 'Token', 'bearer', 'Bearer:']))} " \
+                                   f"{KEYS['alpha']}"
+    valid = who in KEYS or (who == "scheme" and headers["Authorization"].lower().startswith("bearer "))
+    caller = who if who in KEYS else "alpha" if valid else None
+    if path == "/infer":
+        fields = {"prompt": "hi", "tokens_requested": 3, "priority_bid": 5}
+        if named is not None:
+            fields["tenant_id"] = named
+        response = keyed.client.post(path, json=fields, headers=headers)
+    else:
+        response = keyed.client.get(path, headers=headers)
+    data_ = check_json_answer(response) if response.headers.get("content-type", "").startswith(
+        "application/json") else None
+    if path == "/health":
+        expected = 200
+    elif caller is None:
+        expected = 401
+        assert response.headers["WWW-Authenticate"].startswith('Bearer realm="apsd"')
+    elif path == "/infer":
+        expected = 403 if caller == "admin" or named not in (None, caller) else 200
+    elif path.startswith("/metrics"):
+        expected = 200 if caller == "admin" else 403
+    else:
+        tenant = path.split("/")[2]
+        expected = (404 if tenant == "nobody" else 200) if caller == "admin" else 200 if tenant == caller else 403
+    assert response.status_code == expected, (who, path, named, response.status_code, response.text)
+    if expected == 200 and path == "/infer":
+        assert data_["tenant_id"] == caller
+    for key in KEYS.values():
+        assert key not in response.text
 
 
 # -- defects found here, fixed: each test reproduces one deterministically ----------------------------
