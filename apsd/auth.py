@@ -5,7 +5,7 @@ Ownership: a :class:`KeyRing` is built from a validated :class:`~apsd.config.Con
 the pipeline holds the current one and a reload replaces it. The HTTP layer asks
 :meth:`KeyRing.identify` before it reads a request's body.
 
-The rules (docs/security.md says them for operators):
+The rules (the README's "API keys" section says them for operators):
 
 * The config stores only ``sha256:<hex>`` hashes of keys. Keys are random
   (``apsd hash-key --new`` makes one with 256 bits of entropy), so one unsalted

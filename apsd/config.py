@@ -8,7 +8,6 @@ Errors are :class:`ConfigError` with one message naming the file and the key
 
 from __future__ import annotations
 
-import math
 import re
 import tomllib
 import types
