@@ -52,7 +52,8 @@ def level(pipeline: Pipeline, tenant: str = "a") -> float:
 
 
 class Books:
-    """Checks ``conservation_ok`` every 50 model ms while the test runs (and counts the checks)."""
+    """Checks ``conservation_ok``, and that ``queued_tokens`` (what ``[queue] max_tokens`` bounds) is the
+    sum over the requests still waiting, every 50 model ms while the test runs (and counts the checks)."""
 
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline, self.checks = pipeline, 0
@@ -65,6 +66,9 @@ class Books:
     def check(self) -> None:
         requests = self.pipeline.metrics()["requests"]
         assert requests["conservation_ok"], requests
+        ledger = self.pipeline.ledger
+        waiting = [r for r in ledger.outstanding if r.dispatched_at is None]
+        assert ledger.queued_tokens == sum(r.cost_tokens for r in waiting), (ledger.queued_tokens, len(waiting))
         self.checks += 1
 
 
