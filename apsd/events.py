@@ -36,7 +36,10 @@ class EventBus:
         return name in self._listeners
 
     def emit(self, name: str, **kwargs: Any) -> None:
-        for plugin, function, argnames in self._listeners.get(name, ()):
+        listeners = self._listeners.get(name)
+        if not listeners:
+            return
+        for plugin, function, argnames in listeners:
             try:
                 function(*[kwargs[a] for a in argnames])
             except Exception:

@@ -14,7 +14,8 @@ scheduler's queue-timeout task (:meth:`Scheduler.serve_timeouts`).
 Channels (buffer sizes are deliberate)::
 
     ingress   queue.ingress_buffer   submitters never block: a full ingress is a 503
-    admitted  0                      admission hands over straight to the scheduler's intake
+    (admitted)                       no channel: admission queues each admitted request itself,
+                                     through Scheduler.intake() (no task switch per request)
     demand    gpu.count              each executor has at most one outstanding ask
     batches   0                      executors pull: a batch is cut only when one is idle
 """
@@ -96,13 +97,12 @@ class Pipeline:
             self._stages_scope.cancel()
 
     def start_stages(self, nursery: trio.Nursery) -> None:
-        """Start admission, the scheduler's loops (intake, dispatch, queue timeouts) and every
-        executor in ``nursery``."""
-        admitted_send, admitted_receive = trio.open_memory_channel[InferenceRequest](0)
+        """Start admission (which also queues what it admits), the scheduler's loops (dispatch,
+        queue timeouts) and every executor in ``nursery``."""
         demand_send, demand_receive = trio.open_memory_channel[int](len(self.executors))
         batch_send, batch_receive = trio.open_memory_channel[Batch](0)
-        nursery.start_soon(self.admission.serve_admission, self._ingress_receive.clone(), admitted_send)
-        nursery.start_soon(self.scheduler.serve_intake, admitted_receive)
+        # admission queues what it admits itself, in its own task (see Scheduler.intake)
+        nursery.start_soon(self.admission.serve_admission, self._ingress_receive.clone(), self.scheduler.intake())
         nursery.start_soon(self.scheduler.serve_dispatch, demand_receive, batch_send)
         with demand_send, batch_receive:
             for executor in self.executors:

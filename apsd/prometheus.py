@@ -150,18 +150,34 @@ class HistogramObserver:
 
 
 class _TeeBus(EventBus):
-    """The pipeline's own bus first, then the exporter's: everything the ledger emits reaches both."""
+    """The pipeline's own bus first, then the exporter's: everything the ledger emits reaches both.
+
+    When both are plain buses (an :class:`EventBus`, or a ``_TeeBus`` of plain buses) their
+    listeners are fixed: the tee keeps them in one table, first's then second's, so one emit
+    calls them all in that order. A bus of any other class keeps its own ``emit``, called as is.
+    """
 
     def __init__(self, first: EventBus, second: EventBus) -> None:
         super().__init__()
         self.first, self.second = first, second
+        if _plain(first) and _plain(second):
+            for name in {*first._listeners, *second._listeners}:
+                self._listeners[name] = [*first._listeners.get(name, ()), *second._listeners.get(name, ())]
+        else:
+            self.wants = self._tee_wants  # type: ignore[method-assign]
+            self.emit = self._tee_emit  # type: ignore[method-assign]
 
-    def wants(self, name: str) -> bool:
+    def _tee_wants(self, name: str) -> bool:
         return self.first.wants(name) or self.second.wants(name)
 
-    def emit(self, name: str, **kwargs: object) -> None:
+    def _tee_emit(self, name: str, **kwargs: object) -> None:
         self.first.emit(name, **kwargs)
         self.second.emit(name, **kwargs)
+
+
+def _plain(bus: EventBus) -> bool:
+    """Whether ``bus`` is an EventBus whose ``emit`` is exactly its listener table's."""
+    return type(bus) is EventBus or (type(bus) is _TeeBus and "emit" not in vars(bus))
 
 
 def _observer_bus(observer: HistogramObserver) -> EventBus:

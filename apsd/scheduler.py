@@ -263,6 +263,11 @@ class Scheduler:
         except Exception:  # the dispatcher will meet (and handle) the same failure
             return True
 
+    def intake(self) -> _Intake:
+        """A stand-in for the send end of the admitted channel: :meth:`enqueue` at once, in the
+        sender's task (the admission stage), so an admitted request is queued without a task switch."""
+        return _Intake(self)
+
     async def serve_intake(self, admitted: trio.MemoryReceiveChannel[InferenceRequest]) -> None:
         """Move admitted requests into the queue until the channel closes."""
         async with admitted:
@@ -410,3 +415,24 @@ class Scheduler:
                 self._fail(requests, self._failure(kind, exc))
                 return None
         return batch
+
+
+class _Intake:
+    """What :meth:`Scheduler.intake` returns: ``await send(request)`` queues ``request`` at once."""
+
+    __slots__ = ("_scheduler",)
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+
+    async def send(self, request: InferenceRequest) -> None:
+        self._scheduler.enqueue(request)
+
+    async def aclose(self) -> None:
+        pass
+
+    async def __aenter__(self) -> _Intake:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        pass
