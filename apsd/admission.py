@@ -9,8 +9,9 @@ Checks, in order (the first that fails answers):
 
 1. shutting down            -> 503 ``shutting_down`` with ``Retry-After``
 2. unknown tenant           -> 404 ``unknown_tenant``
-3. can never be admitted    -> 413 (cost above the tenant's burst, or above
-                               what one batch can hold — the batching policy says)
+3. can never be admitted    -> 413 (cost above the tenant's burst, above what one
+                               batch can hold — the batching policy says — or above
+                               the queue's ``max_tokens``)
 4. tenant's queue share full -> 429 ``tenant_queue_full`` with ``Retry-After``
    queue full               -> 503 ``queue_full`` with ``Retry-After`` (``max_requests``
                                requests queued, or this one would pass ``max_tokens``)
@@ -150,6 +151,10 @@ class Admission:
                            f"batching policy raised {type(exc).__name__} in refuse_reason: {exc}")
         if never is not None:
             return Refusal(413, "exceeds_batch_capacity", never)
+        if self.max_queued_tokens is not None and cost > self.max_queued_tokens:
+            return Refusal(413, "exceeds_queue_capacity",
+                           f"request costs {cost} tokens but the whole queue holds at most {self.max_queued_tokens} "
+                           "(queue.max_tokens); it could never be admitted")
         if self.ledger.tenants[request.tenant_id].queued >= self.max_queued_per_tenant:
             return Refusal(429, "tenant_queue_full",
                            f"tenant {request.tenant_id!r} already has {self.max_queued_per_tenant} requests queued "

@@ -22,6 +22,7 @@ import math
 from typing import Any
 
 import attrs
+import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -108,6 +109,30 @@ def check_prompt_length(prompt: str, pipeline: Pipeline) -> None:
                         "(admission.max_prompt_tokens)", field="prompt")
 
 
+#: Wall seconds an answer waits for the rest of a body it did not need (see :func:`_read_unread_body`).
+UNREAD_BODY_WAIT_S = 1.0
+
+
+async def _read_unread_body() -> bool:
+    """Read and drop the rest of a body the answer did not need (a 401, a routing 404/405); False
+    when it cannot be (over ``max_body_bytes``, or not all there within UNREAD_BODY_WAIT_S).
+
+    An answer sent before its request's body has arrived leaves hypercorn 0.18 with a keep-alive
+    connection it never reads again; reading the body first avoids that. When it cannot be read the
+    answer says ``Connection: close`` instead. A request without a body has nothing unread.
+    """
+    announced = request.content_length or "chunked" in request.headers.get("Transfer-Encoding", "").lower()
+    if not announced or request.body._complete.is_set():  # (quart's Body has no public flag)
+        return True
+    with trio.move_on_after(UNREAD_BODY_WAIT_S):
+        try:
+            await request.body
+        except HTTPException:  # RequestEntityTooLarge: the 413 case
+            return False
+        return True
+    return False
+
+
 class _KeyRingCache:
     """The KeyRing of the pipeline's current config (a reload replaces the config, and so the keys)."""
 
@@ -139,7 +164,7 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
 
     def authenticate(*, admin: bool = False) -> Caller | Response:
         """The caller, or the 401/403 answer (counted as a refusal). ``admin``: operator-only endpoint."""
-        caller = keyring.get(pipeline.config).identify(request.headers.get("Authorization"))
+        caller = keyring.get(pipeline.config).identify_headers(request.headers.getlist("Authorization"))
         if isinstance(caller, Caller) and admin and not caller.admin:
             caller = Refusal(403, "admin_only", "this endpoint needs the admin key")
         if isinstance(caller, Refusal):
@@ -149,10 +174,10 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
 
     @app.after_request
     async def close_when_unread_or_draining(response: Response) -> Response:
-        """``Connection: close`` when the body was not read (answered before it arrived: a 401,
-        404, 405 or 413) or apsd is draining: a client then opens a new connection instead of
-        waiting on one hypercorn will not read again (or will drop at the end of the drain)."""
-        if not request.body._complete.is_set() or not pipeline.accepting:  # quart's Body: no public flag
+        """``Connection: close`` when a body the answer did not need cannot be read (a 413) or apsd
+        is draining: a client then opens a new connection instead of waiting on one hypercorn will
+        not read again (or will drop at the end of the drain)."""
+        if not pipeline.accepting or not await _read_unread_body():
             response.headers["Connection"] = "close"
         return response
 

@@ -97,6 +97,14 @@ class KeyRing:
     def enabled(self) -> bool:
         return bool(self.entries)
 
+    def identify_headers(self, values: list[str]) -> Caller | Refusal:
+        """:meth:`identify` for every ``Authorization`` header of a request: more than one is refused
+        (a proxy that appends one, or picks the last, must not change who the caller is)."""
+        if len(values) > 1 and self.enabled:
+            return _unauthorized("invalid_authorization", "more than one Authorization header",
+                                 f'{_CHALLENGE}, error="invalid_request"')
+        return self.identify(values[0] if values else None)
+
     def identify(self, authorization: str | None) -> Caller | Refusal:
         """The caller an ``Authorization`` header value proves, or the 401 to answer."""
         if not self.enabled:

@@ -60,14 +60,20 @@ def non_empty(_inst: object, attribute: attrs.Attribute, value: str) -> None:
 KEY_HASH_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
 
 
+_KEY_HASHES_RULE = "must be an array of 'sha256:<64 hex digits>' strings, as 'apsd hash-key' prints"
+
+
 def key_hashes(_inst: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
-    for item in value:
+    # (never echo the value: a key pasted where its hash belongs must not reach a terminal or the log)
+    for i, item in enumerate(value):
         if not KEY_HASH_PATTERN.fullmatch(item):
-            shown = item if len(item) <= 16 else item[:12] + "..."  # (a pasted key must not be echoed whole)
-            raise ValueError(f"each entry must be 'sha256:' and 64 hex digits, as 'apsd hash-key' prints; "
-                             f"got {shown!r}")
+            raise ValueError(f"{_KEY_HASHES_RULE}; entry [{i}] ({len(item)} characters, not shown) is not one")
     if len(set(value)) != len(value):
         raise ValueError("the same key hash is listed twice")
+
+
+#: Field metadata for values that may hold a secret by mistake: errors never show them.
+SECRET = {"secret": True}
 
 
 def port_number(_inst: object, attribute: attrs.Attribute, value: int) -> None:
@@ -94,7 +100,8 @@ class TenantConfig:
     rate: float = attrs.field(validator=between(1e-6, 1e12))
     burst: int = attrs.field(validator=between(1, 10**12))
     #: Hashes of this tenant's API keys (several, so a key can be rotated without downtime).
-    api_key_hashes: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=key_hashes)
+    api_key_hashes: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=key_hashes,
+                                                  metadata=SECRET)
 
 
 @attrs.frozen
@@ -104,7 +111,8 @@ class AuthConfig:
     Authentication is on as soon as any key (a tenant's or an admin's) is configured.
     """
 
-    admin_key_hashes: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=key_hashes)
+    admin_key_hashes: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=key_hashes,
+                                                    metadata=SECRET)
 
 
 @attrs.frozen
@@ -254,7 +262,12 @@ def parse_section(cls: type, table: dict[str, Any], prefix: str = "") -> Any:
             if field.default is attrs.NOTHING:
                 raise ConfigError(f"{key}: required key is missing")
             continue
-        value = _check_value(table[name], field.type, key)
+        try:
+            value = _check_value(table[name], field.type, key)
+        except ConfigError:
+            if field.metadata.get("secret"):  # (the usual message shows the value: not for these)
+                raise ConfigError(f"{key}: {_KEY_HASHES_RULE} (the value given is not shown)") from None
+            raise
         if field.validator is not None:
             try:
                 field.validator(None, field, value)

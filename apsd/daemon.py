@@ -51,6 +51,39 @@ log = logging.getLogger("apsd")
 HTTP_GRACEFUL_TIMEOUT_S = 2.0
 
 
+class ClientTransportErrors(logging.Filter):
+    """Turns hypercorn's "Error in ASGI Framework" tracebacks that are only a client's connection
+    breaking under an answer into one INFO line without the traceback.
+
+    A client that sends more on a connection hypercorn is closing (a pipelined request after a
+    413 ``Connection: close``, then a hang-up) makes hypercorn 0.18 send twice on one socket, and
+    trio raises ``BusyResourceError``; a vanished client gives ``BrokenResourceError``. Nothing in
+    apsd failed and nothing is lost (the request was answered or never read), so an unauthenticated
+    client must not be able to fill the log with ERROR tracebacks. Any other exception is untouched.
+    """
+
+    BENIGN = (trio.BusyResourceError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and _only(error, self.BENIGN):
+            record.msg, record.args = "a client's connection broke while it was being answered (%s)", (
+                type(_first_leaf(error)).__name__,)
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def _only(error: BaseException, kinds: tuple[type[BaseException], ...]) -> bool:
+    if isinstance(error, BaseExceptionGroup):
+        return all(_only(inner, kinds) for inner in error.exceptions)
+    return isinstance(error, kinds)
+
+
+def _first_leaf(error: BaseException) -> BaseException:
+    return _first_leaf(error.exceptions[0]) if isinstance(error, BaseExceptionGroup) else error
+
+
 def _bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -175,7 +208,8 @@ class Daemon:
             await self.notifier.ready(status=self.status_text())
             return False
         self._log_access(config)
-        changes = self.pipeline.reconfigure(config, policies)
+        key_changes = self._key_changes(self.config, config)
+        changes = self.pipeline.reconfigure(config, policies) + key_changes
         self.config, self.policies, self.reload_error = self.pipeline.config, policies, None
         log.info("reloaded %s: %s", self.config_path or "<defaults>", "; ".join(changes) or "no change",
                  extra={"event": "reload"})
@@ -193,6 +227,16 @@ class Daemon:
         if keyless:
             log.warning("API keys are required, and tenants %s have none: nobody can submit as them",
                         ", ".join(keyless))
+
+    @staticmethod
+    def _key_changes(old: Config, new: Config) -> list[str]:
+        """Whose API keys a reload changes, by name only (never a key or a hash)."""
+        owners = sorted(set(old.tenants) | set(new.tenants))
+        changed = [name for name in owners if name in old.tenants and name in new.tenants
+                   and set(old.tenants[name].api_key_hashes) != set(new.tenants[name].api_key_hashes)]
+        if set(old.auth.admin_key_hashes) != set(new.auth.admin_key_hashes):
+            changed.append("the admin")
+        return [f"API keys changed for {', '.join(changed)}"] if changed else []
 
     def status_text(self) -> str:
         """The one-line state systemd shows (``STATUS=``): queue depth, governor state, ..."""
@@ -215,7 +259,10 @@ class Daemon:
         config = hypercorn.config.Config()
         config.bind = [_bind_address(self.config.server.host, self.config.server.port)]
         config.accesslog = None
-        config.errorlog = logging.getLogger("apsd.hypercorn")
+        errorlog = logging.getLogger("apsd.hypercorn")
+        if not any(isinstance(f, ClientTransportErrors) for f in errorlog.filters):
+            errorlog.addFilter(ClientTransportErrors())
+        config.errorlog = errorlog
         config.graceful_timeout = HTTP_GRACEFUL_TIMEOUT_S
         try:
             await hypercorn.trio.serve(create_app(pipeline), config, shutdown_trigger=stop.wait,

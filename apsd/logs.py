@@ -67,12 +67,17 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str = "INFO", fmt: str = "text", *, prompts: bool = False) -> None:
-    """Root logging to stderr in ``fmt`` ("text" or "json") at ``level``."""
+    """Logging to stderr in ``fmt`` ("text" or "json"): apsd's loggers at ``level``, others at INFO or above.
+
+    Other libraries never log at DEBUG: hpack's DEBUG lines hold every decoded HTTP/2 header,
+    ``Authorization`` included, and API keys must never reach a log.
+    """
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level)
+    root.setLevel(max(logging.INFO, logging.getLevelName(level)))
+    logging.getLogger("apsd").setLevel(level)
     _settings["prompts"] = prompts
 
 

@@ -599,14 +599,24 @@ def signals_under_load(directory: Path, label: str, n: int, concurrency: int, gr
     for prompt in finished.keys() - by_prompt.keys():
         problems.append(f"{label}: apsd logged {prompt} as admitted but no client request was recorded")
     at_door = kinds["503 shutting_down (refused at the door)"]
-    if rejected[(503, "shutting_down")] != at_door:
-        problems.append(f"{label}: apsd logged {rejected[(503, 'shutting_down')]} refusals at the door, clients got "
-                        f"{at_door}")
+    # A door refusal can miss its client only as a closed connection at the very end: a request that
+    # arrives on a new connection as hypercorn stops is refused by apsd, but hypercorn's shutdown
+    # closes the connection before the answer is written (its idle-connection closer races the
+    # request; never admitted, nothing lost). Each such refusal must match a client's closed connection.
+    closed_late = sum(count for kind, count in kinds.items() if kind.startswith("client error: connection closed"))
+    logged_at_door = rejected[(503, "shutting_down")]
+    if not at_door <= logged_at_door <= at_door + closed_late:
+        problems.append(f"{label}: apsd logged {logged_at_door} refusals at the door, clients got {at_door} "
+                        f"(and {closed_late} closed connections)")
+
     if set(rejected) - {(503, "shutting_down")}:
         problems.append(f"{label}: unexpected refusals in apsd's log: {dict(rejected)}")
     rows = [[kind, f"{count:,}", f"{min(t[0] for t in timing[kind]):+.2f} .. {max(t[0] for t in timing[kind]):+.2f}",
              f"{max(t[1] for t in timing[kind]) * 1000:,.0f}"]
             for kind, count in sorted(kinds.items(), key=lambda kv: -kv[1])]
+    if logged_at_door > at_door:
+        rows.append(["  of the closed: refused by apsd, answer lost as hypercorn stopped",
+                     f"{logged_at_door - at_door:,}", "", ""])
     rows.append(["not sent (the daemon had stopped)", f"{run.unsent:,}", "", ""])
     return SignalRun(label, figures, marks.get("hup", float("nan")) - run.results[0].sent_at if run.results else 0,
                      marks["term"] - run.results[0].sent_at if run.results else 0, exit_code, exit_after,
@@ -678,13 +688,13 @@ def main(argv: list[str] | None = None) -> int:
               Client errors are requests apsd never saw: its log (every admission and every refusal) has no
               trace of them, checked request by request above.
               - connection refused: sent after apsd closed its listener, on the way out. Nothing to answer.
-              - connection closed before an answer: sent on a keep-alive connection right after the drain
-                ended, when apsd stops hypercorn. hypercorn.trio does not process a request that arrives on
-                an open connection after its shutdown trigger; it holds it until its graceful timeout (apsd
-                sets 2 s: the "longest wait" column) and then closes the connection. The bare quart-trio app
-                does the same when given a shutdown trigger. One per busy connection. The client cannot tell
-                whether a POST that got no answer ran, so such a request must not be retried blindly.
-                Answering with "Connection: close" once draining would close the connections early instead.""")
+              - connection closed before an answer: sent on a new connection as the drain ended and apsd
+                stopped hypercorn, which closes connections that have no request in progress. (While
+                draining every answer says "Connection: close", so no request waits on a kept-alive
+                connection for hypercorn's 2 s graceful timeout as it used to.) Rarely, hypercorn's closer
+                races a request that has just arrived: apsd refuses it (503, logged) but the connection
+                closes before the answer is written; such refusals are counted separately above. Either
+                way the request was never admitted.""")
               .rstrip().replace("\n", "\n  "))
     finally:
         elapsed = time.perf_counter() - started

@@ -136,3 +136,5 @@ async def test_queued_tokens_are_bounded_and_given_back(autojump_clock):
     admission.ledger.finish(first, Refusal(503, "shutting_down", "gone"))        # leaves the queue
     assert admission.ledger.queued_tokens == 100
     assert admission.decide(request(prompt=10, tokens=140)) is None
+    never = admission.decide(request(prompt=10, tokens=241))                     # 251 > 250: never fits
+    assert (never.status, never.error) == (413, "exceeds_queue_capacity") and "Retry-After" not in never.headers
