@@ -1,9 +1,9 @@
 """Admission stage: per-tenant token buckets decide admit or refuse, now.
 
 Ownership: :meth:`Admission.serve_admission` owns the receive end of the
-ingress channel and the send end of the admitted channel. A refused request is
-answered immediately (its slot resolved through the ledger); an admitted one
-is stamped with its arrival time and sequence number and passed on.
+ingress channel. A refused request is answered immediately (its slot resolved
+through the ledger); an admitted one is stamped with its arrival time and
+sequence number and put straight into the scheduler's queue (``enqueue``).
 
 Checks, in order (the first that fails answers):
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
@@ -232,11 +233,12 @@ class Admission:
     async def serve_admission(
         self,
         ingress: trio.MemoryReceiveChannel[InferenceRequest],
-        admitted: trio.MemorySendChannel[InferenceRequest],
+        enqueue: Callable[[InferenceRequest], None],
     ) -> None:
-        """Decide every request from ``ingress``; forward admitted ones. Runs until cancelled
-        or ``ingress`` closes; closes ``admitted`` on the way out."""
-        async with ingress, admitted:
+        """Decide every request from ``ingress`` and ``enqueue`` the admitted ones at once, in this
+        task (``Scheduler.enqueue``: no channel and no task switch between admission and the
+        queue). Runs until cancelled or ``ingress`` closes."""
+        async with ingress:
             async for request in ingress:
                 if self.handle(request):
-                    await admitted.send(request)
+                    enqueue(request)

@@ -65,7 +65,7 @@ class TenantStats:
 _WAIT_SAMPLES = 10_000  # recent queue waits kept for percentiles
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, on_setattr=attrs.setters.NO_OP)  # (counters are set per request: no hooks)
 class Ledger:
     """Counts, outstanding requests, GPU busy time and cost."""
 

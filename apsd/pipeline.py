@@ -14,8 +14,8 @@ scheduler's queue-timeout task (:meth:`Scheduler.serve_timeouts`).
 Channels (buffer sizes are deliberate)::
 
     ingress   queue.ingress_buffer   submitters never block: a full ingress is a 503
-    (admitted)                       no channel: admission queues each admitted request itself,
-                                     through Scheduler.intake() (no task switch per request)
+    (admitted)                       no channel: admission calls Scheduler.enqueue itself
+                                     (no task switch per request)
     demand    gpu.count              each executor has at most one outstanding ask
     batches   0                      executors pull: a batch is cut only when one is idle
 """
@@ -101,8 +101,7 @@ class Pipeline:
         queue timeouts) and every executor in ``nursery``."""
         demand_send, demand_receive = trio.open_memory_channel[int](len(self.executors))
         batch_send, batch_receive = trio.open_memory_channel[Batch](0)
-        # admission queues what it admits itself, in its own task (see Scheduler.intake)
-        nursery.start_soon(self.admission.serve_admission, self._ingress_receive.clone(), self.scheduler.intake())
+        nursery.start_soon(self.admission.serve_admission, self._ingress_receive.clone(), self.scheduler.enqueue)
         nursery.start_soon(self.scheduler.serve_dispatch, demand_receive, batch_send)
         with demand_send, batch_receive:
             for executor in self.executors:

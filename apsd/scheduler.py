@@ -1,8 +1,8 @@
 """Scheduler stage: the waiting queue, the batch window, and cutting batches on demand.
 
-Ownership: the scheduler owns the receive end of the admitted channel
-(:meth:`Scheduler.serve_intake`), the receive end of the demand channel and the
-send end of the batch channel (:meth:`Scheduler.serve_dispatch`). The queue
+Ownership: admission puts admitted requests in through :meth:`Scheduler.enqueue`
+(in its own task); the scheduler owns the receive end of the demand channel and
+the send end of the batch channel (:meth:`Scheduler.serve_dispatch`). The queue
 itself is the aging policy object; the scheduler is its only user, and the only
 caller of the three policies on the hot path.
 
@@ -263,17 +263,6 @@ class Scheduler:
         except Exception:  # the dispatcher will meet (and handle) the same failure
             return True
 
-    def intake(self) -> _Intake:
-        """A stand-in for the send end of the admitted channel: :meth:`enqueue` at once, in the
-        sender's task (the admission stage), so an admitted request is queued without a task switch."""
-        return _Intake(self)
-
-    async def serve_intake(self, admitted: trio.MemoryReceiveChannel[InferenceRequest]) -> None:
-        """Move admitted requests into the queue until the channel closes."""
-        async with admitted:
-            async for request in admitted:
-                self.enqueue(request)
-
     def drop_queued(self) -> list[InferenceRequest]:
         """Empty the queue (shutdown): the caller answers the requests it gets back."""
         now = self.clock.now()
@@ -416,23 +405,3 @@ class Scheduler:
                 return None
         return batch
 
-
-class _Intake:
-    """What :meth:`Scheduler.intake` returns: ``await send(request)`` queues ``request`` at once."""
-
-    __slots__ = ("_scheduler",)
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self._scheduler = scheduler
-
-    async def send(self, request: InferenceRequest) -> None:
-        self._scheduler.enqueue(request)
-
-    async def aclose(self) -> None:
-        pass
-
-    async def __aenter__(self) -> _Intake:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        pass
