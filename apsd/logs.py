@@ -2,7 +2,7 @@
 
 Ownership: :func:`configure_logging` (called by the CLI) sets the root handler's
 level and format; this module is also a built-in plugin whose observation hooks
-log rejections and batches (INFO) and finished requests (DEBUG). Lifecycle events
+log rejections (INFO), batches and finished requests (DEBUG). Lifecycle events
 (start, ready, reload, shutdown) are logged by the daemon with the same
 ``event`` field. Request lines never carry prompt text unless
 ``--log-prompts`` asked for it.
@@ -91,8 +91,10 @@ def request_rejected(request: Any, refusal: Any) -> None:
 
 @hookimpl
 def batch_finished(batch: Any, executor_id: int, busy_s: float, cost_usd: float) -> None:
-    if log.isEnabledFor(logging.INFO):
-        log.info("batch finished", extra={"event": "batch", "batch_id": batch.batch_id, "executor": executor_id,
+    # DEBUG, not INFO: one line per batch is a flood on a busy daemon (and a few percent of its CPU
+    # under the HTTP benchmark); the batch figures are in /metrics
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("batch finished", extra={"event": "batch", "batch_id": batch.batch_id, "executor": executor_id,
                                           "size": len(batch.requests), "kv_tokens": batch.kv_tokens,
                                           "busy_s": round(busy_s, 6), "cost_usd": round(cost_usd, 8)})
 

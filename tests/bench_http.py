@@ -651,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
           f"time limit {time_limit:g} s per run{' (quick)' if args.quick else ''}")
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} (other work on this machine skews "
           f"the figures; apsd and bare are loaded in alternating rounds so it skews both alike)")
-    print(f"POST /infer, 16 tokens; apsd: gpu.time_scale 1e-6, tenant rate/burst 1e12, INFO logs; bare: quart-trio + "
+    print(f"POST /infer, 16 tokens; apsd: gpu.time_scale 1e-6, tenant rate/burst 1e12, INFO logs (no line per batch); bare: quart-trio + "
           f"hypercorn.trio; {rounds} rounds each; warm-up of max(2*C, 200) requests per server not counted\n")
     try:
         comparisons = []

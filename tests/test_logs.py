@@ -53,8 +53,9 @@ async def test_text_logs_and_prompts_only_when_asked():
     text = await run_and_collect("--log-level", "DEBUG", "--log-prompts")
     assert "event=batch" in text and "event=reject" in text
     assert f"prompt=\"{SECRET}\"" in text
-    default = await run_and_collect()                      # INFO: batches and rejects, no request lines
-    assert "event=batch" in default and "event=request" not in default and SECRET not in default
+    default = await run_and_collect()                      # INFO: rejects; no batch or request lines
+    assert "event=reject" in default and SECRET not in default
+    assert "event=batch" not in default and "event=request" not in default
 
 
 def test_text_fields_are_quoted_so_client_values_cannot_forge_lines():
