@@ -539,7 +539,8 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apsd]:
 
 def mutate(key: str, data: st.DataObject) -> str:
     i = data.draw(st.integers(0, len(key) - 1))
-    return key[:i] + data.draw(st.sampled_from("xyz09-_")) + key[i + 1:]
+    other = data.draw(st.sampled_from([c for c in "xyz09-_" if c != key[i]]))  # (always a different key)
+    return key[:i] + other + key[i + 1:]
 
 
 @FUZZ
