@@ -255,8 +255,9 @@ class Pipeline:
             changes.append("gpu fault injection: " + ", ".join(f"{k}={getattr(config.gpu, k)}" for k in faults))
         if attrs.evolve(config.gpu, **{k: getattr(old.gpu, k) for k in faults}) != old.gpu:
             changes.append("gpu model constants")
-        if config.admission != old.admission:
-            changes.append("admission.chars_per_token")
+        changes += [f"admission.{field.name} {getattr(config.admission, field.name)}"
+                    for field in attrs.fields(type(config.admission))
+                    if getattr(config.admission, field.name) != getattr(old.admission, field.name)]
         self.config, self.policies = config, policies
         return changes
 

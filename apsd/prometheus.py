@@ -26,6 +26,7 @@ Metrics (``tenant`` is a configured tenant's name)::
     apsd_gpu_busy_ratio                       gauge    busy / (gpus * elapsed), since start
     apsd_gpus                                 gauge
     apsd_queue_depth                          gauge    requests waiting for dispatch
+    apsd_queue_tokens                         gauge    their prompt + requested tokens (queue.max_tokens)
     apsd_queue_wait_seconds{tenant}           histogram arrival to dispatch, per dispatched request
     apsd_batch_size                           histogram requests per batch that ran
     apsd_batch_window_seconds                 gauge    the governor's current batch window
@@ -284,6 +285,8 @@ class PrometheusExporter:
         yield GaugeMetricFamily("apsd_gpus", "Simulated GPUs (executors)", value=figures["gpus"])
         yield GaugeMetricFamily("apsd_queue_depth", "Requests waiting for dispatch",
                                 value=figures["queue_depth"])
+        yield GaugeMetricFamily("apsd_queue_tokens", "Prompt + requested tokens of the requests waiting "
+                                "for dispatch (bounded by queue.max_tokens)", value=figures["tokens"]["queued"])
 
         queue_wait = HistogramMetricFamily(
             "apsd_queue_wait_seconds", "Model seconds from admission to dispatch, per dispatched request",

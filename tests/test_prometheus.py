@@ -110,7 +110,7 @@ async def test_counters_per_tenant_and_outcome(live):
     assert m.value("apsd_gpu_busy_seconds_total") > 0
     assert 0 < m.value("apsd_gpu_busy_ratio") <= 1
     assert m.value("apsd_gpus") == data["gpus"] == 1
-    assert m.value("apsd_queue_depth") == 0
+    assert m.value("apsd_queue_depth") == 0 and m.value("apsd_queue_tokens") == 0
     assert m.value("apsd_conservation_ok") == 1
     assert m.value("apsd_accepting") == 1
     assert m.value("apsd_fairness_jain") == pytest.approx(data["fairness"]["jain_index"])

@@ -71,3 +71,15 @@ async def test_settings_that_need_a_restart_keep_their_old_values(autojump_clock
         assert (pipeline.config.server.port, pipeline.config.gpu.count, pipeline.config.gpu.time_scale) == (
             config.server.port, 1, 1.0)
         assert pipeline.config.gpu.price_per_hour_usd == 6.0 == pipeline.executors[0].model.gpu.price_per_hour_usd
+
+
+async def test_reload_applies_the_new_limits_and_names_them(autojump_clock):
+    config = make_config(tenants={"a": BIG})
+    async with open_pipeline(config, build_policies(config)) as pipeline:
+        new = make_config({"queue": {"max_tokens": 50}, "admission": {"max_prompt_tokens": 10}}, tenants={"a": BIG})
+        changes = pipeline.reconfigure(new, build_policies(new))
+        assert "admission.max_prompt_tokens 10" in changes and "admission.chars_per_token 4.0" not in changes
+        assert any("50 tokens" in c for c in changes)
+        r = pipeline.new_request(tenant_id="a", prompt="", tokens_requested=51, priority_bid=5, prompt_tokens=0)
+        pipeline.submit_nowait(r)
+        assert (await r.reply.wait()).error == "exceeds_queue_capacity"
