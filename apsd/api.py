@@ -196,7 +196,7 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
             body = parse_infer_body(await request.get_data(cache=False), tenant_required=caller.anonymous)
             tenant_id = body.get("tenant_id", caller.tenant)
             if not caller.anonymous and tenant_id != caller.tenant:
-                raise BodyError(403, "tenant_mismatch", "tenant_id names another tenant than the API key's "
+                raise BodyError(403, "tenant_mismatch", "tenant_id names a tenant other than the API key's "
                                 "(leave it out, or name the key's own tenant)", field="tenant_id")
             check_prompt_length(body["prompt"], pipeline)
         except BodyError as exc:
