@@ -11,7 +11,7 @@ Access (:mod:`apsd.auth`): with API keys configured, ``POST /infer`` needs a
 tenant's key and runs as that tenant; ``/tenants/<id>/status`` needs that
 tenant's key or the admin key; ``/metrics`` needs the admin key; ``/health`` is
 open (liveness probes carry no credentials; it names no tenant). The key is
-checked before the body is read. Without keys (loopback only) everything is open.
+checked before the body is parsed. Without keys (loopback only) everything is open.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
     app = QuartTrio("apsd")
     app.config["MAX_CONTENT_LENGTH"] = pipeline.config.server.max_body_bytes
     app.json.sort_keys = False  # type: ignore[attr-defined]
-    app.url_map.merge_slashes = False  # "//" is a 404 like any unknown path, not an HTML 308 redirect
+    app.url_map.merge_slashes = False  # an empty path segment ("a//b") is a 404, not an HTML 308 redirect
     keyring = _KeyRingCache()
 
     def authenticate(*, admin: bool = False) -> Caller | Response:

@@ -10,7 +10,6 @@ import subprocess
 import attrs
 import httpx
 import pytest
-import trio
 
 from apsd import auth
 from apsd.auth import Caller, KeyRing, check_exposure, hash_key, is_loopback, new_key
@@ -19,7 +18,7 @@ from apsd.daemon import Daemon
 from apsd.plugins import make_plugin_manager
 
 from .conftest import FAST_GPU, make_config, start_daemon
-from .test_cli import APSD, run_cli, start_apsd
+from .test_cli import APSD, run_cli, start_apsd, stop_apsd
 
 KEY_A, KEY_A2, KEY_B, ADMIN = (new_key() for _ in range(4))
 
@@ -316,10 +315,8 @@ async def test_an_operator_sets_up_keys_with_the_command(tmp_path):
         async with httpx.AsyncClient(base_url=url, timeout=30, http1=False, http2=True) as client:
             answer = await client.post("/infer", json=job(), headers=bearer(key))
             assert (answer.status_code, answer.http_version) == (200, "HTTP/2")
-        process.terminate()
-        with trio.fail_after(30):
-            assert await process.wait() == 0
+        log = await stop_apsd(process, seen)
     finally:
-        process.kill()
-    log = b"".join(seen).decode() + (await process.stderr.receive_some()).decode(errors="replace")
+        if process.returncode is None:
+            process.kill()
     assert key not in log and hashed[7:] not in log

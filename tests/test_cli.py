@@ -79,6 +79,16 @@ async def start_apsd(*args: str) -> tuple[trio.Process, str, list[bytes]]:
     return process, match.group(1).decode(), seen
 
 
+async def stop_apsd(process: trio.Process, seen: list[bytes]) -> str:
+    """SIGTERM apsd, require exit status 0, and return its whole stderr (``seen`` plus the rest)."""
+    process.send_signal(signal.SIGTERM)
+    with trio.fail_after(30):
+        assert await process.wait() == 0
+    while chunk := await process.stderr.receive_some():
+        seen.append(chunk)
+    return b"".join(seen).decode(errors="replace")
+
+
 async def test_shipped_config_serves_and_sigterm_answers_in_flight_requests():
     process, url, seen = await start_apsd(str(ROOT / "config" / "apsd.toml"), "--port", "0")
     log = b"".join(seen).decode()
@@ -193,15 +203,10 @@ async def test_sighup_reloads_under_load_and_refuses_a_bad_config(tmp_path):
             ok = await client.post("/infer", json={"tenant_id": "u", "prompt": "", "tokens_requested": 5,
                                                    "priority_bid": 1})
             assert ok.status_code == 200
-        process.send_signal(signal.SIGTERM)
-        with trio.fail_after(30):
-            assert await process.wait() == 0
-        while chunk := await process.stderr.receive_some():
-            seen.append(chunk)
+        log = await stop_apsd(process, seen)
     finally:
         if process.returncode is None:
             process.kill()
-    log = b"".join(seen).decode()
     assert "reloaded" in log and "tenant u added" in log and "policies: preset=static" in log
     assert "reload refused, the running configuration stays" in log and "tenants.u.rate" in log
     assert "Traceback" not in log

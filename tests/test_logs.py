@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import httpx
-import trio
 
-from .test_cli import start_apsd
+from .test_cli import start_apsd, stop_apsd
 
 SECRET = "the secret prompt text"
 
@@ -26,15 +20,10 @@ async def run_and_collect(*args: str) -> str:
             assert ok.status_code == 200
             assert (await client.post("/infer", json={"tenant_id": "nobody", "prompt": SECRET,
                                                       "tokens_requested": 2, "priority_bid": 5})).status_code == 404
-        process.send_signal(signal.SIGTERM)
-        with trio.fail_after(30):
-            assert await process.wait() == 0
-        while chunk := await process.stderr.receive_some():
-            seen.append(chunk)
+        return await stop_apsd(process, seen)
     finally:
         if process.returncode is None:
             process.kill()
-    return b"".join(seen).decode()
 
 
 async def test_json_logs_one_object_per_line_with_events_and_no_prompt():
