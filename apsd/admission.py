@@ -114,7 +114,7 @@ class Admission:
     def rate_limit_headers(self, tenant_id: str) -> dict[str, str]:
         """IETF RateLimit fields for the tenant's bucket as of now (seconds are wall seconds).
 
-        None for a tenant a reload removed while its request was in flight: no bucket to describe.
+        Empty for a tenant a reload removed while its request was in flight: no bucket to describe.
         """
         bucket = self.buckets.get(tenant_id)
         if bucket is None:
@@ -173,9 +173,8 @@ class Admission:
         now = self.clock.now()
         bucket = self.buckets[request.tenant_id]
         if not bucket.try_take(cost, now):
-            wait = bucket.seconds_until(cost, now)
-            headers = {"Retry-After": _retry_after(self.clock.wall_seconds(wait)),
-                       **self.rate_limit_headers(request.tenant_id)}
+            wait = self.clock.wall_seconds(bucket.seconds_until(cost, now))  # what the client waits
+            headers = {"Retry-After": _retry_after(wait), **self.rate_limit_headers(request.tenant_id)}
             return Refusal(429, "rate_limited",
                            f"tenant {request.tenant_id!r} has {int(bucket.tokens)} of the {cost} tokens this "
                            f"request costs; enough accrue in {wait:.2f} s",

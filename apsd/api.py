@@ -27,6 +27,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from . import strictjson
 from .auth import Caller, KeyRing
 from .config import Config
 from .models import Completion, Refusal
@@ -56,17 +57,31 @@ class BodyError(Exception):
         self.refusal = Refusal(status, error, message, field=field)
 
 
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; BodyError 400 unless it is exactly one.
+
+    A key repeated in any object of the document is refused (``duplicate_key``, naming it):
+    parsers disagree on which value wins, so a proxy and apsd could read different requests.
+    """
+    try:
+        data = strictjson.loads(raw)
+    except strictjson.DuplicateKeyError as exc:
+        key = exc.key if len(exc.key) <= 64 else exc.key[:64] + "..."
+        raise BodyError(400, "duplicate_key", f"the request body repeats the key {key!r}; "
+                        "each key may appear once per object", field=exc.key[:256]) from None
+    except (ValueError, RecursionError):
+        raise BodyError(400, "invalid_json", "the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise BodyError(400, "invalid_json", "the request body must be a JSON object")
+    return data
+
+
 def parse_infer_body(raw: bytes, *, tenant_required: bool = True) -> dict[str, Any]:
     """Validate a ``POST /infer`` body; BodyError names the field and the rule.
 
     ``tenant_required=False`` (API keys on: the key names the tenant) makes ``tenant_id`` optional.
     """
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise BodyError(400, "invalid_json", "the request body is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise BodyError(400, "invalid_json", "the request body must be a JSON object")
+    data = parse_json_object(raw)
     unknown = sorted(set(data) - set(_INFER_FIELDS) - set(_OPTIONAL_INFER_FIELDS))
     if unknown:
         raise BodyError(422, "unknown_field", f"unknown field {unknown[0]!r} (fields: "
@@ -84,12 +99,12 @@ def parse_infer_body(raw: bytes, *, tenant_required: bool = True) -> dict[str, A
     if "tenant_id" in data and (not data["tenant_id"].strip() or len(data["tenant_id"]) > MAX_TENANT_ID_CHARS):
         raise BodyError(422, "invalid_field", f"tenant_id must be 1-{MAX_TENANT_ID_CHARS} characters",
                         field="tenant_id")
-    # (never format a client's integer before bounding it: a 5000-digit int cannot be printed)
     if not 1 <= data["tokens_requested"] <= MAX_TOKENS_REQUESTED:
-        raise BodyError(422, "invalid_field", f"tokens_requested must be 1-{MAX_TOKENS_REQUESTED}",
-                        field="tokens_requested")
+        raise BodyError(422, "invalid_field", f"tokens_requested must be 1-{MAX_TOKENS_REQUESTED}, "
+                        f"got {_shown(data['tokens_requested'])}", field="tokens_requested")
     if not 1 <= data["priority_bid"] <= 10:
-        raise BodyError(422, "invalid_field", "priority_bid must be 1-10", field="priority_bid")
+        raise BodyError(422, "invalid_field", f"priority_bid must be 1-10, got {_shown(data['priority_bid'])}",
+                        field="priority_bid")
     if "timeout_s" in data:
         timeout = data["timeout_s"]
         # (json.loads accepts NaN and Infinity; an int is compared before it becomes a float)
@@ -98,6 +113,12 @@ def parse_infer_body(raw: bytes, *, tenant_required: bool = True) -> dict[str, A
             raise BodyError(422, "invalid_field", "timeout_s must be a number of seconds > 0", field="timeout_s")
         data["timeout_s"] = float(min(timeout, MAX_TIMEOUT_S))
     return data
+
+
+def _shown(number: int) -> str:
+    """A client's integer for a message: never formatted in full beyond 18 digits (a 5000-digit
+    int cannot even be printed)."""
+    return str(number) if -10**18 < number < 10**18 else "an integer of more than 18 digits"
 
 
 def check_prompt_length(prompt: str, pipeline: Pipeline) -> None:
@@ -148,6 +169,34 @@ class _KeyRingCache:
         return self._keyring
 
 
+def rounded(value: Any, key: str = "") -> Any:
+    """``value`` with every float rounded for an answer: milliseconds (keys ending ``_ms``) to the
+    microsecond, US dollars (``_usd``) to the nano-dollar, anything else to 6 significant digits.
+
+    Binary floats print as ``0.00042480468749999994``; no client needs those digits, and the
+    figures are model estimates anyway. Non-finite floats become null (JSON has no NaN).
+    """
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return None
+        if key.endswith("_ms"):
+            return round(value, 3)
+        if key.endswith("_usd"):
+            return round(value, 9)
+        return float(f"{value:.6g}")
+    if isinstance(value, dict):
+        return {k: rounded(v, k if isinstance(k, str) else key) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [rounded(v, key) for v in value]
+    return value
+
+
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """A JSON answer, floats :func:`rounded`."""
+    return Response(json.dumps(rounded(data)), status=status, headers=headers or {},
+                    content_type="application/json")
+
+
 def error_response(refusal: Refusal) -> Response:
     body: dict[str, Any] = {"error": refusal.error, "message": refusal.message}
     if refusal.field is not None:
@@ -156,12 +205,43 @@ def error_response(refusal: Refusal) -> Response:
                     content_type="application/json")
 
 
+class ShieldResponseEnd:
+    """ASGI middleware: the last message of a response is sent shielded from cancellation.
+
+    Sending it makes hypercorn (0.18) close the request's stream and then, in the same call,
+    either close the connection (its client still owes body, or asked to close) or restart the
+    keep-alive timer. Meanwhile that stream's ``http.disconnect`` reaches quart-trio, which
+    cancels the request's task group, the very task still inside that call: the close or the
+    timer restart is cut off at its first checkpoint, and the connection stays open, idle and
+    untimed, until the client leaves (a slow-body client got its 408 and kept its socket).
+    Shielding that one ``send`` lets hypercorn finish its bookkeeping.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_last_shielded(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
+        await self.app(scope, receive, send_last_shielded)
+
+
 def create_app(pipeline: Pipeline) -> QuartTrio:
     """The API over ``pipeline``; the app is cheap, make one per pipeline."""
     app = QuartTrio("apsd")
     app.config["MAX_CONTENT_LENGTH"] = pipeline.config.server.max_body_bytes
+    app.config["BODY_TIMEOUT"] = pipeline.config.server.body_timeout_s  # then 408 request_timeout
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.url_map.merge_slashes = False  # an empty path segment ("a//b") is a 404, not an HTML 308 redirect
+    app.asgi_app = ShieldResponseEnd(app.asgi_app)  # type: ignore[method-assign]
     keyring = _KeyRingCache()
 
     def authenticate(*, admin: bool = False) -> Caller | Response:
@@ -179,6 +259,8 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
         """``Connection: close`` when a body the answer did not need cannot be read (a 413) or apsd
         is draining: a client then opens a new connection instead of waiting on one hypercorn will
         not read again (or will drop at the end of the drain)."""
+        if response.headers.get("Connection") == "close":  # (a 408: nothing more to read)
+            return response
         if not pipeline.accepting or not await _read_unread_body():
             response.headers["Connection"] = "close"
         return response
@@ -213,13 +295,12 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
                 pipeline.cancel(inference)
         if isinstance(outcome, Completion):
             headers = pipeline.admission.rate_limit_headers(outcome.tenant_id)
-            return Response(json.dumps({name: getattr(outcome, name) for name in _COMPLETION_FIELDS}), status=200,
-                            headers=headers, content_type="application/json")
+            return json_response({name: getattr(outcome, name) for name in _COMPLETION_FIELDS}, headers=headers)
         return error_response(outcome)
 
     @app.get("/health")
-    async def health() -> dict:
-        return pipeline.health()
+    async def health() -> Response:
+        return json_response(pipeline.health())
 
     exporter = exporter_for(pipeline)  # before serving: its histograms see every dispatch
 
@@ -241,17 +322,17 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
             return error_response(Refusal(400, "invalid_format", "format must be json or prometheus",
                                           field="format"))
         if view == "json":
-            return pipeline.metrics(), 200, {"Vary": "Accept"}
+            return json_response(pipeline.metrics(), headers={"Vary": "Accept"})
         return Response(exporter.exposition(), status=200, content_type=exporter.content_type,
                         headers={"Vary": "Accept"})
 
     @app.get("/metrics.json")
-    async def metrics_json() -> dict:
+    async def metrics_json() -> Any:
         """The JSON view of ``/metrics``, whatever the Accept header."""
         caller = authenticate(admin=True)
         if isinstance(caller, Response):
             return caller
-        return pipeline.metrics()
+        return json_response(pipeline.metrics())
 
     @app.get("/tenants/<tenant_id>/status")
     async def tenant_status(tenant_id: str) -> Any:
@@ -264,18 +345,23 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
         status = pipeline.tenant_status(tenant_id)
         if status is None:
             return error_response(Refusal(404, "unknown_tenant", f"no tenant named {tenant_id!r}"))
-        return status
+        return json_response(status)
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
         code = exc.code or 500
         names = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
         message = exc.description or exc.name
+        # keep werkzeug's own headers (a 405's Allow, RFC 9110 15.5.6), not its HTML content type
+        headers = {k: v for k, v in exc.get_headers() if k.lower() != "content-type"}
         if code == 413:
             pipeline.ledger.count_refusal(None, "body_too_large")
             message = f"request body exceeds {pipeline.config.server.max_body_bytes} bytes (server.max_body_bytes)"
-        # keep werkzeug's own headers (a 405's Allow, RFC 9110 15.5.6), not its HTML content type
-        headers = {k: v for k, v in exc.get_headers() if k.lower() != "content-type"}
+        elif code == 408:
+            pipeline.ledger.count_refusal(None, "request_timeout")
+            message = (f"the request body did not arrive within {pipeline.config.server.body_timeout_s:g} s "
+                       "(server.body_timeout_s)")
+            headers["Connection"] = "close"  # the rest of that body is not worth waiting for
         return error_response(Refusal(code, names.get(code, exc.name.lower().replace(" ", "_")), message,
                                       headers=headers))
 

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import getpass
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -227,21 +228,48 @@ def research_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="apsd research",
         description="Regenerate the research report: policies "
-                    f"{', '.join(POLICIES)} on workloads {', '.join(WORKLOADS)}, in virtual time.")
+                    f"{', '.join(POLICIES)}, then the presets of installed plugins (APSD_PLUGINS applies), "
+                    f"on workloads {', '.join(WORKLOADS)}, in virtual time.")
     parser.add_argument("--out", default="docs", metavar="DIR", help="where research.md and research/ go "
                         "(default docs)")
     parser.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     _require_plotting(parser)
-    pm = make_plugin_manager(load_entry_points=False)  # built-in policies only: reproducible anywhere
-    with _progress(0, args.quiet) as advance:
-        path = write_research(Path(args.out), seed=args.seed, progress=advance, plugin_manager=pm)
+    try:
+        # Installed plugins too, as the daemon loads them: research.md names them and their versions.
+        pm = make_plugin_manager()
+        with _progress(0, args.quiet) as advance:
+            path = write_research(Path(args.out), seed=args.seed, progress=advance, plugin_manager=pm)
+    except PluginError as exc:
+        parser.exit(1, f"apsd research: plugin error: {exc}\n")
     print(f"wrote {path}")
     return 0
 
 
+#: Exit status after the reader of standard output went away (128 + SIGPIPE, as a shell reports it).
+EXIT_CLOSED_PIPE = 128 + 13
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``apsd`` command; returns its exit status.
+
+    Output to a pipe whose reader has gone (``apsd plugins --json | head -c 100``) ends the
+    command quietly with status 141, as a Unix tool killed by SIGPIPE would, instead of a
+    BrokenPipeError traceback.
+    """
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # (a closed pipe may only show here)
+        return status
+    except BrokenPipeError:
+        # Python would try to flush stdout again at exit and fail loudly: point it at /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_CLOSED_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["research"]:
         return research_main(argv[1:])

@@ -91,6 +91,15 @@ class ServerConfig:
     shutdown_grace_s: float = attrs.field(default=30.0, validator=between(0, 86_400))
     #: Largest accepted request body; larger bodies get 413.
     max_body_bytes: int = attrs.field(default=1_048_576, validator=between(1, 1 << 30))
+    #: Wall seconds a connection may sit idle (before its first request, or between two) before
+    #: apsd closes it: idle clients must not hold file descriptors others need.
+    keep_alive_timeout_s: float = attrs.field(default=5.0, validator=between(0.01, 3600))
+    #: Wall seconds a request body has to arrive in full once its headers have; a slower one is
+    #: answered 408 ``request_timeout`` and its connection closed.
+    body_timeout_s: float = attrs.field(default=10.0, validator=between(0.01, 3600))
+    #: Connections the kernel queues for apsd to accept (the listen backlog; the kernel caps it
+    #: at ``net.core.somaxconn``).
+    backlog: int = attrs.field(default=2048, validator=between(1, 65535))
 
 
 @attrs.frozen

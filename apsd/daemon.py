@@ -84,6 +84,23 @@ def _first_leaf(error: BaseException) -> BaseException:
     return _first_leaf(error.exceptions[0]) if isinstance(error, BaseExceptionGroup) else error
 
 
+def raise_open_file_limit() -> None:
+    """Raise the soft limit on open files to the hard limit (each connection holds one).
+
+    The usual soft limit, 1024, lets a thousand idle or slow clients lock everyone else out;
+    the hard limit (systemd's ``LimitNOFILE=``, the unit sets 65536) is what the operator allows.
+    """
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = 1 << 20 if hard == resource.RLIM_INFINITY else hard  # (an unlimited hard limit)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            log.info("open-file limit raised from %d to %d", soft, wanted)
+    except (ImportError, ValueError, OSError) as exc:  # not POSIX, or not allowed: keep what we have
+        log.warning("could not raise the open-file limit: %s", exc)
+
+
 def _bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -136,6 +153,7 @@ class Daemon:
         """Serve until shut down; ``task_status.started`` receives the bound URLs."""
         log.info("apsd %s starting: config %s", __version__, self.config_path or "<defaults>",
                  extra={"event": "start"})
+        raise_open_file_limit()
         self._log_access(self.config)
         pipeline = self.pipeline = Pipeline.build(self.config, self.policies)
         notifier = self.notifier = SystemdNotifier.from_environ()
@@ -264,6 +282,8 @@ class Daemon:
             errorlog.addFilter(ClientTransportErrors())
         config.errorlog = errorlog
         config.graceful_timeout = HTTP_GRACEFUL_TIMEOUT_S
+        config.keep_alive_timeout = self.config.server.keep_alive_timeout_s
+        config.backlog = self.config.server.backlog
         try:
             await hypercorn.trio.serve(create_app(pipeline), config, shutdown_trigger=stop.wait,
                                        task_status=task_status)

@@ -105,7 +105,6 @@ class SimulatedExecutor:
     clock: ModelClock
     #: Shared with the pipeline's other executors; None: this executor never fails.
     faults: FaultInjector | None = None
-    busy: bool = False
 
     async def serve_executor(
         self,
@@ -128,12 +127,11 @@ class SimulatedExecutor:
         busy_s = prefill_s + decode_s
         fails = self.faults is not None and self.faults.batch_fails()
         self.ledger.batch_started(batch, self.executor_id)
-        self.busy = True
-        try:
-            await self.clock.sleep(busy_s)
-        finally:
-            self.busy = False
-        end = self.clock.now()
+        # The batch runs from the moment it was cut for this (idle) executor and ends when the model
+        # says, whatever the host's task-switch and wake-up latency: with gpu.time_scale < 1 that
+        # latency would otherwise be magnified into model time.
+        end = batch.formed_at + busy_s
+        await self.clock.sleep_until(end)
         cost = self.model.cost_usd(busy_s)
         self.ledger.batch_ran(batch, self.executor_id, busy_s, cost)
         if fails:

@@ -77,11 +77,20 @@ class GovernorReading:
 
 @runtime_checkable
 class Governor(Protocol):
+    """Sets the batch window from what it observes.
+
+    A governor may also have a ``states`` attribute: every state name its readings can
+    report, so that ``apsd_governor_state`` exports a series for each from the first scrape
+    (without it, a state appears once it has been reported).
+    """
+
     def observe_arrival(self, now: float) -> None:
         """Called once per admitted request, in arrival order."""
 
     def reading(self, now: float) -> GovernorReading:
-        """The current window and state; called once per batch and by ``/health``."""
+        """The current window and state as of ``now`` (never earlier than a previous call's);
+        called at every dispatch decision, by ``/health``, ``/metrics`` and systemd's status
+        line, also while nothing arrives: a reading that depends on recent arrivals must age."""
 
 
 @runtime_checkable

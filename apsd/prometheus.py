@@ -32,8 +32,9 @@ Metrics (``tenant`` is a configured tenant's name)::
     apsd_batch_window_seconds                 gauge    the governor's current batch window
     apsd_governor_entropy                     gauge    bits (no sample when the governor has none;
                                                        not ..._bits: promtool wants bytes)
-    apsd_governor_state{state}                gauge    1 for the current state, 0 for states seen
-                                                       before (ERROR when the governor raised)
+    apsd_governor_state{state}                gauge    1 for the current state, 0 for every other
+                                                       state the governor declares (``states``) or
+                                                       reported before (ERROR when it raised)
     apsd_fairness_jain                        gauge    (no sample while there is nothing to compare)
     apsd_conservation_ok                      gauge    1 when admitted == completed + failed +
                                                        cancelled + queued + running, else 0
@@ -300,7 +301,8 @@ class PrometheusExporter:
         batch_size.add_metric([], self.observer.batch_size.buckets(), self.observer.batch_size.sum)
         yield batch_size
 
-        yield from self._governor(figures["governor"])
+        declared = getattr(pipeline.scheduler.policies.governor, "states", ())
+        yield from self._governor(figures["governor"], declared if isinstance(declared, (tuple, list)) else ())
         jain = figures["fairness"]["jain_index"]
         fairness = GaugeMetricFamily(
             "apsd_fairness_jain", "Jain's index over tenants with admitted work of output tokens / rate "
@@ -320,10 +322,11 @@ class PrometheusExporter:
         info.add_metric(list(policy.values()), 1)
         yield info
 
-    def _governor(self, view: dict) -> Iterator[Metric]:
+    def _governor(self, view: dict, declared: Iterable[str]) -> Iterator[Metric]:
         state = str(view["state"])
-        if state not in self._states_seen and len(self._states_seen) < _MAX_GOVERNOR_STATES:
-            self._states_seen[state] = None
+        for name in (*declared, state):
+            if name not in self._states_seen and len(self._states_seen) < _MAX_GOVERNOR_STATES:
+                self._states_seen[name] = None
         states = GaugeMetricFamily("apsd_governor_state",
                                    "1 for the governor's current state (ERROR: it raised), 0 for earlier ones",
                                    labels=["state"])

@@ -38,6 +38,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from . import strictjson
 from .config import TenantConfig, read_text, read_toml
 from .records import Arrival, Workload
 
@@ -535,7 +536,9 @@ def read_jsonl(path: Path, text: str) -> Iterator[TraceRow]:
         if not raw.strip():
             continue
         try:
-            values = json.loads(raw)
+            values = strictjson.loads(raw)
+        except strictjson.DuplicateKeyError as exc:
+            raise WorkloadError(f"{path}:{line}: the field {exc.key!r} appears twice") from None
         except json.JSONDecodeError as exc:
             raise WorkloadError(f"{path}:{line}: invalid JSON: {exc.msg} (column {exc.colno})") from None
         if not isinstance(values, dict):

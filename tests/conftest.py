@@ -1,65 +1,26 @@
-"""Shared fixtures: configs, a policy registry without third-party plugins, a live daemon on port 0."""
+"""Fixtures: a policy registry without third-party plugins, a live daemon on port 0, and pipelines
+in virtual time. Helpers are in ``tests/helpers.py``."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import attrs
-import httpx
 import pytest
 import trio
 
-from apsd.config import Config, GpuConfig, ServerConfig, TenantConfig, parse_config
-from apsd.daemon import Daemon
-from apsd.models import InferenceRequest
-from apsd.pipeline import Pipeline
+from apsd.config import Config, ServerConfig, TenantConfig
+from apsd.pipeline import Pipeline, open_pipeline
 from apsd.plugins import load_policy_registry, make_plugin_manager
-from apsd.policy import PolicyRegistry, PolicySet
+from apsd.policy import PolicyRegistry
+
+from .helpers import FAST_GPU, LiveDaemon, build_policies, make_config, start_daemon
 
 
 @pytest.fixture
 def registry() -> PolicyRegistry:
     return load_policy_registry(make_plugin_manager(load_entry_points=False))
-
-
-def make_config(toml_data: dict[str, Any] | None = None, **sections: Any) -> Config:
-    """A Config from TOML-shaped data, then attrs sections replaced wholesale."""
-    config = parse_config(toml_data or {}, "<test>")
-    return attrs.evolve(config, **sections)
-
-
-def build_policies(config: Config, preset: str | None = None) -> PolicySet:
-    return load_policy_registry(make_plugin_manager(load_entry_points=False)).build(config, preset)
-
-
-async def submit_at(pipeline: Pipeline, at: float, *, tenant: str, prompt_tokens: int, tokens: int,
-                    bid: int) -> InferenceRequest:
-    """Submit a request at model time ``at`` (virtual time friendly); returns it."""
-    await pipeline.clock.sleep_until(at)
-    request = pipeline.new_request(tenant_id=tenant, prompt="", tokens_requested=tokens, priority_bid=bid,
-                                   prompt_tokens=prompt_tokens)
-    refusal = pipeline.submit_nowait(request)
-    assert refusal is None, refusal
-    return request
-
-
-FAST_GPU = GpuConfig(time_scale=0.001)
-
-
-@attrs.define
-class LiveDaemon:
-    daemon: Daemon
-    url: str
-    client: httpx.AsyncClient
-
-
-async def _start_daemon(nursery: trio.Nursery, config: Config, preset: str | None = None) -> LiveDaemon:
-    daemon = Daemon.from_config(config, preset=preset, handle_signals=False,
-                                plugin_manager=make_plugin_manager(load_entry_points=False))
-    binds = await nursery.start(daemon.run)
-    url = binds[0]
-    return LiveDaemon(daemon, url, httpx.AsyncClient(base_url=url, timeout=30))
 
 
 @pytest.fixture
@@ -76,10 +37,21 @@ async def live(nursery: trio.Nursery) -> AsyncIterator[LiveDaemon]:
             "big": TenantConfig(rate=1e6, burst=100_000),
         },
     )
-    running = await _start_daemon(nursery, config)
+    running = await start_daemon(nursery, config)
     async with running.client:
         yield running
     running.daemon.request_shutdown()
 
 
-start_daemon = _start_daemon
+@pytest.fixture
+async def virtual_pipeline(autojump_clock: Any) -> AsyncIterator[Callable[..., Awaitable[Pipeline]]]:
+    """Start pipelines (no HTTP) in virtual time: ``pipeline = await virtual_pipeline(config, preset)``.
+
+    Built-in policies only; every pipeline started is stopped at the end of the test (requests
+    still unfinished then are answered 503).
+    """
+    async with contextlib.AsyncExitStack() as stack:
+        async def start(config: Config | None = None, preset: str | None = None, **kwargs: Any) -> Pipeline:
+            config = config or make_config()
+            return await stack.enter_async_context(open_pipeline(config, build_policies(config, preset), **kwargs))
+        yield start

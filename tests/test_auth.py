@@ -17,8 +17,8 @@ from apsd.config import AuthConfig, ConfigError, ServerConfig, TenantConfig, loa
 from apsd.daemon import Daemon
 from apsd.plugins import make_plugin_manager
 
-from .conftest import FAST_GPU, make_config, start_daemon
-from .test_cli import APSD, run_cli, start_apsd, stop_apsd
+from .helpers import FAST_GPU, make_config, start_daemon
+from .helpers import APSD, run_cli, start_apsd, stop_apsd
 
 KEY_A, KEY_A2, KEY_B, ADMIN = (new_key() for _ in range(4))
 

@@ -6,23 +6,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
 
-ROOT = Path(__file__).resolve().parents[1]
-APSD = str(Path(sys.executable).with_name("apsd"))
-LISTENING = re.compile(rb"apsd listening on (http://\S+)")
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run apsd with only the built-in plugins (whatever else is installed)."""
-    return subprocess.run([APSD, *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "APSD_PLUGINS": ""})
-
+from .helpers import APSD, ROOT, run_cli, start_apsd, stop_apsd
 
 def test_version_and_help():
     version = run_cli("--version")
@@ -59,34 +49,6 @@ def test_bad_config_exits_2_with_one_message(tmp_path, text, args, fragment):
 def test_bad_port_option():
     result = run_cli("--port", "99999")
     assert result.returncode == 2 and "port must be 0-65535" in result.stderr
-
-
-async def start_apsd(*args: str) -> tuple[trio.Process, str, list[bytes]]:
-    """Start apsd; return the process, its URL and the stderr read so far (kept filling)."""
-    process = await trio.lowlevel.open_process([APSD, *args], stderr=subprocess.PIPE,
-                                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    seen: list[bytes] = []
-    try:
-        with trio.fail_after(30):
-            while not (match := LISTENING.search(b"".join(seen))):
-                chunk = await process.stderr.receive_some()
-                if not chunk:
-                    raise AssertionError(f"apsd exited before listening: {b''.join(seen).decode()}")
-                seen.append(chunk)
-    except BaseException:  # never leave a daemon behind
-        process.kill()
-        raise
-    return process, match.group(1).decode(), seen
-
-
-async def stop_apsd(process: trio.Process, seen: list[bytes]) -> str:
-    """SIGTERM apsd, require exit status 0, and return its whole stderr (``seen`` plus the rest)."""
-    process.send_signal(signal.SIGTERM)
-    with trio.fail_after(30):
-        assert await process.wait() == 0
-    while chunk := await process.stderr.receive_some():
-        seen.append(chunk)
-    return b"".join(seen).decode(errors="replace")
 
 
 async def test_shipped_config_serves_and_sigterm_answers_in_flight_requests():
@@ -210,3 +172,39 @@ async def test_sighup_reloads_under_load_and_refuses_a_bad_config(tmp_path):
     assert "reloaded" in log and "tenant u added" in log and "policies: preset=static" in log
     assert "reload refused, the running configuration stays" in log and "tenants.u.rate" in log
     assert "Traceback" not in log
+
+
+@pytest.mark.parametrize("args", [["plugins", "--json"], ["plugins"], ["simulate", "--list"], ["hash-key", "--new"]])
+def test_output_to_a_closed_pipe_ends_quietly_like_a_unix_tool(args):
+    """Issue 11.4: ``apsd plugins --json | head -c 100`` must not print a BrokenPipeError traceback."""
+    reader, writer = os.pipe()
+    os.close(reader)  # the reader is gone before apsd writes anything
+    try:
+        result = subprocess.run([APSD, *args], stdout=writer, stderr=subprocess.PIPE, text=True, timeout=60,
+                                env={**os.environ, "APSD_PLUGINS": ""})
+    finally:
+        os.close(writer)
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
+    assert result.returncode == 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
+
+
+async def test_the_daemon_raises_its_open_file_limit_to_the_hard_limit():
+    """Issue 11.7: one descriptor per connection; the usual soft limit of 1024 locks clients out."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"the hard open-file limit here is only {hard}")
+
+    def low_soft_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+
+    process, _url, seen = await start_apsd("--port", "0", preexec_fn=low_soft_limit)
+    try:
+        limits = Path(f"/proc/{process.pid}/limits").read_text()
+        line = next(line for line in limits.splitlines() if line.startswith("Max open files"))
+        expected = str(1 << 20 if hard == resource.RLIM_INFINITY else hard)
+        assert line.split()[3] == expected  # the soft limit
+    finally:
+        log = await stop_apsd(process, seen)
+    assert "open-file limit raised from 256" in log

@@ -5,7 +5,7 @@ import pytest
 
 from apsd.config import Config, ConfigError, load_config
 
-from .conftest import build_policies, make_config
+from .helpers import build_policies, make_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

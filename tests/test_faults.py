@@ -20,7 +20,8 @@ from apsd.executor import FaultInjector
 from apsd.models import Completion, InferenceRequest, Refusal
 from apsd.pipeline import Pipeline, open_pipeline
 
-from .conftest import build_policies, make_config
+from . import helpers
+from .helpers import build_policies, make_config, submit
 
 #: Burst 100 000 and a rate so low that the buckets do not refill during a test: what is missing
 #: from a bucket at the end is exactly what the requests that were served took.
@@ -32,17 +33,9 @@ def config_with(*, queue_timeout_s: float = 0.0, **gpu: object):
     return make_config(queue=QueueConfig(timeout_s=queue_timeout_s), gpu=GpuConfig(**gpu), tenants=SLOW_REFILL)
 
 
-def submit(pipeline: Pipeline, *, tenant: str = "a", tokens: int, timeout_s: float | None = None) -> InferenceRequest:
-    request = pipeline.new_request(tenant_id=tenant, prompt="", tokens_requested=tokens, priority_bid=5,
-                                   prompt_tokens=0, timeout_s=timeout_s)
-    assert pipeline.submit_nowait(request) is None
-    return request
-
-
 async def submit_at(pipeline: Pipeline, at: float, **kwargs) -> InferenceRequest:
     """Submit at model time ``at`` and let admission and the scheduler take it in."""
-    await pipeline.clock.sleep_until(at)
-    request = submit(pipeline, **kwargs)
+    request = await helpers.submit_at(pipeline, at, **kwargs)
     await trio.testing.wait_all_tasks_blocked()
     return request
 

@@ -71,3 +71,44 @@ def test_incremental_entropy_equals_the_batch_formula_on_random_gaps():
         governor.observe_arrival(t)
         expected = shannon_entropy_bits(gaps[-50:], 0.001)
         assert governor.reading(t).entropy_bits == pytest.approx(expected, abs=1e-9)
+
+
+def test_gaps_are_forgotten_with_time_so_an_idle_governor_reads_stable():
+    """Issue 11.1: the view ages with time, not only with arrivals."""
+    governor = EntropyGovernor(EntropyParams(forget_after_s=10.0))
+    burst = feed(governor, [i + 0.5 for i in range(8)] * 5)  # 40 gaps over ~0.16 s
+    assert burst.state == "CRITICAL_BURST"
+    last = 0.16
+    assert governor.reading(last + 9.0).state == "CRITICAL_BURST"     # still remembered
+    idle = governor.reading(last + 10.5)                               # every gap older than 10 s
+    assert (idle.state, idle.entropy_bits) == ("STABLE", 0.0)
+    assert idle.window_s == pytest.approx(0.010)
+
+
+def test_forgetting_drops_only_the_gaps_older_than_the_memory():
+    governor = EntropyGovernor(EntropyParams(forget_after_s=1.0))
+    t = 0.0
+    governor.observe_arrival(t)
+    for gap_ms in [i + 0.5 for i in range(8)] * 4:    # 32 varied gaps, ending near t = 0.13 s
+        t += gap_ms / 1000
+        governor.observe_arrival(t)
+    t = 2.0                                           # a second later: a periodic stream starts
+    for _ in range(20):
+        t += 0.005
+        governor.observe_arrival(t)
+    # the varied gaps closed more than 1 s ago are gone; what is left is the 5 ms gaps and the one
+    # long gap (0.13 s -> 2.005 s) that opened the stream: two bins, 1 against 19
+    reading = governor.reading(t)
+    assert reading.entropy_bits == pytest.approx(shannon_entropy_bits([1.875] + [0.005] * 19, 0.001))
+    assert reading.state == "STABLE"
+
+
+def test_forget_after_zero_never_forgets():
+    governor = EntropyGovernor(EntropyParams(forget_after_s=0.0))
+    feed(governor, [i + 0.5 for i in range(8)] * 5)
+    assert governor.reading(1e6).state == "CRITICAL_BURST"
+
+
+def test_governors_declare_their_states():
+    assert EntropyGovernor(EntropyParams()).states == ("STABLE", "TRANSITIONAL", "CRITICAL_BURST")
+    assert FixedGovernor(0.01).states == ("FIXED",)

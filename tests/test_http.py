@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import json
+import math
+import random
+import re
 
 import attrs
 import httpx
@@ -11,7 +13,7 @@ import trio
 
 from apsd.config import AdmissionConfig, GpuConfig, ServerConfig, TenantConfig
 
-from .conftest import make_config, start_daemon
+from .helpers import make_config, start_daemon
 
 
 def body(tenant="tenant_a", prompt="Hello world", tokens=100, bid=5, **extra):
@@ -33,7 +35,9 @@ async def test_infer_answers_with_every_field(live):
     assert data["prompt_tokens"] == 10                      # 40 characters at 4 per token
     assert data["tokens_generated"] == 100
     assert data["decode_ms"] == pytest.approx(100 / 128 * 1000)
-    assert data["latency_ms"] >= data["queue_ms"] + data["prefill_ms"] + data["decode_ms"] - 1e-6
+    # model work in model time: at time_scale 0.001 a 1 ms wake-up delay would add 1000 model ms
+    assert data["latency_ms"] == pytest.approx(data["queue_ms"] + data["prefill_ms"] + data["decode_ms"],
+                                               abs=0.002)
     assert data["effective_priority"] >= 5
     assert data["cost_usd"] > 0
     assert response.headers["RateLimit-Policy"] == '"tokens";q=5000;w=1'   # 10 model s = 0.01 wall s
@@ -48,6 +52,9 @@ async def test_rate_limited_gets_429_with_retry_after(live):
     assert limited.json()["error"] == "rate_limited"
     # 20 tokens short at 0.001 tokens per model second = 20000 model s = 20 wall s at time_scale 0.001
     assert int(limited.headers["Retry-After"]) in (19, 20)
+    # one clock for the client: the message's seconds are the header's (wall seconds), not model ones
+    waited = float(limited.json()["message"].rsplit("enough accrue in ", 1)[1].removesuffix(" s"))
+    assert 19 < waited <= 20 and math.ceil(waited) == int(limited.headers["Retry-After"])
     assert limited.headers["RateLimit-Policy"] == '"tokens";q=100;w=100'
     assert limited.headers["RateLimit"].startswith('"tokens";r=40;')
     status = (await live.client.get("/tenants/trickle/status")).json()
@@ -255,3 +262,142 @@ async def test_405_names_the_allowed_methods(live):
     response = await live.client.get("/infer")
     assert response.status_code == 405 and "POST" in response.headers["Allow"]
     assert response.headers["content-type"] == "application/json"
+
+
+async def test_a_repeated_json_key_is_400_naming_it(live):
+    raw = b'{"tenant_id": "tenant_a", "prompt": "", "tokens_requested": 5, "priority_bid": 99, "priority_bid": 5}'
+    response = await live.client.post("/infer", content=raw, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"] == "duplicate_key" and response.json()["field"] == "priority_bid"
+    assert "'priority_bid'" in response.json()["message"]
+    nested = b'{"tenant_id": "tenant_a", "prompt": "", "tokens_requested": 5, "priority_bid": 5, "x": {"a": 1, "a": 2}}'
+    response = await live.client.post("/infer", content=nested)
+    assert (response.status_code, response.json()["error"], response.json()["field"]) == (400, "duplicate_key", "a")
+
+
+def decimals(value: float) -> int:
+    text = repr(value)
+    return 0 if "e" in text or "." not in text else len(text.split(".")[1].rstrip("0"))
+
+
+def floats(data, key=""):
+    """Every (key, float) in a JSON document."""
+    if isinstance(data, float):
+        yield key, data
+    elif isinstance(data, dict):
+        for k, v in data.items():
+            yield from floats(v, k)
+    elif isinstance(data, list):
+        for v in data:
+            yield from floats(v, key)
+
+
+async def test_answers_round_milliseconds_money_and_ratios(live):
+    for tokens in (7, 13, 29):
+        assert (await live.client.post("/infer", json=body(prompt="x" * 37, tokens=tokens))).status_code == 200
+    answer = (await live.client.post("/infer", json=body(prompt="y" * 41, tokens=31))).json()
+    assert answer["cost_usd"] > 0 and decimals(answer["cost_usd"]) <= 9
+    documents = [answer, (await live.client.get("/metrics.json")).json(), (await live.client.get("/health")).json(),
+                 (await live.client.get("/tenants/tenant_a/status")).json()]
+    seen = 0
+    for document in documents:
+        for key, value in floats(document):
+            seen += 1
+            if key.endswith("_ms"):
+                assert decimals(value) <= 3, (key, value)
+            elif key.endswith("_usd"):
+                assert decimals(value) <= 9, (key, value)
+            else:
+                assert len(re.sub(r"[^0-9]", "", f"{value!r}".split("e")[0]).strip("0")) <= 6, (key, value)
+    assert seen > 20
+
+
+async def test_429_seconds_are_wall_seconds_at_any_time_scale(nursery):
+    """Retry-After and the message agree, in wall seconds, with the model clock 100x faster."""
+    config = make_config(server=ServerConfig(host="127.0.0.1", port=0), gpu=GpuConfig(time_scale=0.01),
+                         tenants={"t": TenantConfig(rate=10.0, burst=1000)})
+    running = await start_daemon(nursery, config)
+    async with running.client as client:
+        assert (await client.post("/infer", json=body("t", prompt="", tokens=900))).status_code == 200
+        limited = await client.post("/infer", json=body("t", prompt="", tokens=900))
+        assert limited.status_code == 429
+        # ~800 tokens short at 10 tokens per model second = ~80 model s = ~0.8 wall s
+        waited = float(limited.json()["message"].rsplit("enough accrue in ", 1)[1].removesuffix(" s"))
+        assert 0.5 < waited <= 0.9 and limited.headers["Retry-After"] == "1"
+    running.daemon.request_shutdown()
+
+
+async def test_latencies_are_model_time_when_the_clock_is_scaled(nursery):
+    """At time_scale 0.01, host overhead is not multiplied into the model's prefill and decode."""
+    config = make_config(server=ServerConfig(host="127.0.0.1", port=0), gpu=GpuConfig(time_scale=0.01))
+    running = await start_daemon(nursery, config)
+    async with running.client as client:
+        for _ in range(5):
+            data = (await client.post("/infer", json=body("tenant_c", prompt="", tokens=5))).json()
+            assert data["decode_ms"] == pytest.approx(5 / 128 * 1000, abs=0.001)
+            assert data["latency_ms"] == pytest.approx(data["queue_ms"] + data["prefill_ms"] + data["decode_ms"],
+                                                       abs=0.002)
+    running.daemon.request_shutdown()
+
+
+async def test_an_idle_daemon_forgets_the_burst(nursery):
+    """Issue 11.1: after a jittered burst, /health, /metrics and systemd's status line drift back to
+    STABLE once the burst's gaps are older than policy.entropy.forget_after_s."""
+    config = make_config({"policy": {"entropy": {"forget_after_s": 1.0}}},
+                         server=ServerConfig(host="127.0.0.1", port=0))
+    running = await start_daemon(nursery, config)
+    rng = random.Random(11)
+    async with running.client as client:
+        async def one(delay: float) -> None:
+            await trio.sleep(delay)
+            assert (await client.post("/infer", json=body("tenant_c", prompt="", tokens=1))).status_code == 200
+
+        async with trio.open_nursery() as burst:
+            for i in range(60):
+                burst.start_soon(one, i * 0.004 + rng.random() * 0.004)
+        assert (await client.get("/health")).json()["governor"]["state"] == "CRITICAL_BURST"
+        await trio.sleep(1.2)
+        health = (await client.get("/health")).json()
+        assert (health["queue_depth"], health["governor"]["state"]) == (0, "STABLE")
+        assert "governor=STABLE" in running.daemon.status_text()
+        metrics = (await client.get("/metrics")).text
+        assert 'apsd_governor_state{state="STABLE"} 1.0' in metrics
+        assert 'apsd_governor_state{state="CRITICAL_BURST"} 0.0' in metrics
+    running.daemon.request_shutdown()
+
+
+async def read_until_closed(stream: trio.SocketStream, limit_s: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection; and how long that took."""
+    start, data = trio.current_time(), b""
+    with trio.fail_after(limit_s):
+        while chunk := await stream.receive_some(65536):
+            data += chunk
+    return data, trio.current_time() - start
+
+
+async def test_idle_and_slow_connections_are_closed_and_the_backlog_is_configurable(nursery):
+    """Issue 11.7: server.keep_alive_timeout_s, server.body_timeout_s and server.backlog."""
+    config = make_config(server=ServerConfig(host="127.0.0.1", port=0, keep_alive_timeout_s=0.3,
+                                             body_timeout_s=0.3, backlog=777))
+    running = await start_daemon(nursery, config)
+    port = int(running.url.rsplit(":", 1)[1])
+    # never sends a request: closed after the keep-alive timeout (hypercorn's default was 5 s)
+    idle = await trio.open_tcp_stream("127.0.0.1", port)
+    data, took = await read_until_closed(idle, 3.0)
+    assert data == b"" and 0.2 < took < 2.5
+    # a body that never arrives in full: 408 request_timeout, connection closed (Quart's default was 60 s)
+    slow = await trio.open_tcp_stream("127.0.0.1", port)
+    await slow.send_all(b"POST /infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 100\r\n\r\n{")
+    data, took = await read_until_closed(slow, 3.0)
+    assert data.startswith(b"HTTP/1.1 408") and b"request_timeout" in data and b"body_timeout_s" in data
+    assert took < 2.5
+    # idle after an answered request: closed too
+    used = await trio.open_tcp_stream("127.0.0.1", port)
+    await used.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    data, took = await read_until_closed(used, 3.0)
+    assert data.startswith(b"HTTP/1.1 200") and took < 2.5
+    listening = await trio.run_process(["ss", "-ltnH", f"sport = :{port}"], capture_stdout=True)
+    assert listening.stdout.split()[2] == b"777"  # Send-Q of a listening socket: its backlog
+    await running.client.aclose()
+    running.daemon.request_shutdown()

@@ -6,7 +6,7 @@ import json
 
 import httpx
 
-from .test_cli import start_apsd, stop_apsd
+from .helpers import start_apsd, stop_apsd
 
 SECRET = "the secret prompt text"
 

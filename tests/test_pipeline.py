@@ -11,7 +11,7 @@ from apsd.config import GpuConfig, TenantConfig
 from apsd.models import Completion
 from apsd.pipeline import open_pipeline
 
-from .conftest import build_policies, make_config
+from .helpers import build_policies, make_config
 
 UNLIMITED = {"vip": TenantConfig(rate=1e9, burst=10**9), "free": TenantConfig(rate=1e9, burst=10**9)}
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import trio
 
 import apsd
 from apsd import hookspecs
@@ -23,7 +22,7 @@ from apsd.pipeline import open_pipeline
 from apsd.plugins import PluginError, load_policy_registry, make_plugin_manager
 from apsd.policies.aging import ApsQueue
 
-from .conftest import make_config
+from .helpers import make_config
 
 ROOT = Path(__file__).resolve().parents[1]
 APSD = str(Path(sys.executable).with_name("apsd"))

@@ -12,13 +12,13 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from apsd.api import create_app
-from apsd.config import TenantConfig
+from apsd.config import ServerConfig, TenantConfig
 from apsd.events import EventBus
 from apsd.pipeline import open_pipeline
 from apsd.prometheus import exporter_for, negotiate
 from apsd.scheduler import Scheduler
 
-from .conftest import build_policies, make_config
+from .helpers import build_policies, make_config, start_daemon
 
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
                      "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")   # what Prometheus 2.x/3.x sends
@@ -105,7 +105,7 @@ async def test_counters_per_tenant_and_outcome(live):
             data["requests"][outcome]
     assert m.value("apsd_batches_total") == data["batches"] >= 1
     assert m.value("apsd_cost_usd_total") > 0
-    assert m.value("apsd_cost_usd_total") == pytest.approx(data["cost_usd"])
+    assert m.value("apsd_cost_usd_total") == pytest.approx(data["cost_usd"], abs=1e-9)
     assert m.value("apsd_cost_usd_total") == pytest.approx(sum(c["cost_usd"] for c in completions))
     assert m.value("apsd_gpu_busy_seconds_total") > 0
     assert 0 < m.value("apsd_gpu_busy_ratio") <= 1
@@ -113,9 +113,9 @@ async def test_counters_per_tenant_and_outcome(live):
     assert m.value("apsd_queue_depth") == 0 and m.value("apsd_queue_tokens") == 0
     assert m.value("apsd_conservation_ok") == 1
     assert m.value("apsd_accepting") == 1
-    assert m.value("apsd_fairness_jain") == pytest.approx(data["fairness"]["jain_index"])
-    assert m.value("apsd_batch_window_seconds") == pytest.approx(data["governor"]["window_ms"] / 1000)
-    assert m.value("apsd_governor_entropy") == pytest.approx(data["governor"]["entropy_bits"])
+    assert m.value("apsd_fairness_jain") == pytest.approx(data["fairness"]["jain_index"], rel=1e-5)
+    assert m.value("apsd_batch_window_seconds") == pytest.approx(data["governor"]["window_ms"] / 1000, rel=1e-5)
+    assert m.value("apsd_governor_entropy") == pytest.approx(data["governor"]["entropy_bits"], rel=1e-5)
     assert [(labels, v) for labels, v in m.values("apsd_governor_state") if v == 1] == [
         ({"state": data["governor"]["state"]}, 1)]
     assert m.value("apsd_policy_info", aging="aps", governor="entropy", batching="micro", preset="aps") == 1
@@ -300,7 +300,25 @@ async def test_a_governor_that_raises_is_state_error_without_window_or_entropy(a
 
         monkeypatch.setattr(Scheduler, "governor_reading", broken)
         m = Scrape(exporter.exposition().decode())
-        assert sorted(m.values("apsd_governor_state"), key=lambda s: s[0]["state"]) == sorted(
-            [({"state": "ERROR"}, 1), ({"state": state}, 0)], key=lambda s: s[0]["state"])
+        assert state == "STABLE"
+        assert sorted(m.values("apsd_governor_state"), key=lambda s: s[0]["state"]) == [
+            ({"state": "CRITICAL_BURST"}, 0), ({"state": "ERROR"}, 1), ({"state": "STABLE"}, 0),
+            ({"state": "TRANSITIONAL"}, 0)]
         assert not m.values("apsd_batch_window_seconds") and not m.values("apsd_governor_entropy")
         assert "apsd_batch_window_seconds" in m.families
+
+
+@pytest.mark.parametrize(("preset", "states"), [("aps", {"STABLE", "TRANSITIONAL", "CRITICAL_BURST"}),
+                                                ("fifo", {"FIXED"})])
+async def test_the_first_scrape_has_a_series_for_every_governor_state(preset, states):
+    """Before any request, every state the governor can report is there, the current one at 1."""
+    config = make_config(server=ServerConfig(host="127.0.0.1", port=0))
+    async with trio.open_nursery() as nursery:
+        running = await start_daemon(nursery, config, preset)
+        async with running.client as client:
+            m = Scrape((await client.get("/metrics")).text)
+            series = dict((labels["state"], v) for labels, v in m.values("apsd_governor_state"))
+            assert set(series) == states
+            current = (await client.get("/health")).json()["governor"]["state"]
+            assert series == {state: 1 if state == current else 0 for state in states}
+        running.daemon.request_shutdown()

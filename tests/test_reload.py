@@ -8,7 +8,7 @@ from apsd.config import GpuConfig, ServerConfig, TenantConfig
 from apsd.models import Completion
 from apsd.pipeline import open_pipeline
 
-from .conftest import build_policies, make_config
+from .helpers import build_policies, make_config
 
 BIG = TenantConfig(rate=1e6, burst=10**6)
 

@@ -31,7 +31,7 @@ from apsd.notify import ProgressProbe, SystemdNotifier, serve_status, serve_watc
 from apsd.pipeline import open_pipeline
 from apsd.scheduler import Scheduler
 
-from .conftest import build_policies, make_config
+from .helpers import build_policies, make_config
 
 ROOT = Path(__file__).resolve().parents[1]
 UNIT = ROOT / "systemd" / "apsd.service"
@@ -355,6 +355,7 @@ def test_unit_file_settings():
                        ("CapabilityBoundingSet", ""), ("MemoryDenyWriteExecute", "yes"),
                        ("RestrictAddressFamilies", "AF_UNIX AF_INET AF_INET6"), ("UMask", "0077")]:
         assert settings[key] == [value], key
+    assert int(settings["LimitNOFILE"][0]) >= 65536   # one descriptor per client connection
 
 
 def unit_with_existing_binary(tmp_path: Path) -> Path:

@@ -370,6 +370,8 @@ GOOD_JSON = '{"at": 0, "tenant": "a", "prompt_tokens": 1, "output_tokens": 1}'
          "unknown field 'prio' (fields: at (or arrival, time), tenant, prompt_tokens, output_tokens, bid)"),
         ('{"at": 0, "tenant": "a", "prompt_tokens": 1, "output_tokens": 1,', "invalid JSON: "),
         ("[1, 2]", "must be a JSON object, got list"),
+        ('{"at": 0, "tenant": "a", "prompt_tokens": 1, "output_tokens": 1, "bid": 9, "bid": 1}',
+         "the field 'bid' appears twice"),
     ],
 )
 def test_bad_jsonl_row_names_file_line_and_field(tmp_path, row, problem):

@@ -6,6 +6,11 @@ the last ``history`` inter-arrival gaps binned at ``bin_ms``, and the window
 ``stable_below_bits``, ``CRITICAL_BURST`` above ``burst_above_bits``,
 ``TRANSITIONAL`` between. ``H`` is bounded by ``log2(history)``; a burst of
 simultaneous arrivals has ``H = 0``. Whether it helps is for the simulator to say.
+
+The view ages with time, not only with arrivals: a gap is forgotten ``forget_after_s``
+model seconds after the arrival that closed it. An idle daemon therefore drifts back to
+fewer than two remembered gaps (``H = 0``, ``STABLE``, the full window) instead of
+reporting the last burst for ever; ``0`` never forgets (the seeds' formula, literally).
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class FixedParams:
 class FixedGovernor:
     """The same window always."""
 
+    states = ("FIXED",)
+
     def __init__(self, window_s: float) -> None:
         self._reading = GovernorReading(window_s=window_s, state="FIXED")
 
@@ -63,6 +70,8 @@ class EntropyParams:
     temperature: float = attrs.field(default=5.0, validator=between(1e-6, 1e6))
     stable_below_bits: float = attrs.field(default=1.5, validator=between(0, 64))
     burst_above_bits: float = attrs.field(default=2.5, validator=between(0, 64))
+    #: Model seconds after which a gap no longer counts (0: never forgotten).
+    forget_after_s: float = attrs.field(default=10.0, validator=between(0, 86_400))
 
 
 def _bin(gap_s: float, bin_s: float) -> int:
@@ -74,40 +83,58 @@ class EntropyGovernor:
     """The seed's entropy feedback.
 
     Cost: each arrival updates the bin counts of the last ``history`` gaps in
-    O(1); a reading after new arrivals computes ``H`` from those counts in
-    O(distinct bins) (at most ``history``), the same value
-    :func:`shannon_entropy_bits` gives for the same gaps.
+    O(1), and each forgotten gap costs O(1) once; a reading after a change computes
+    ``H`` from those counts in O(distinct bins) (at most ``history``), the same value
+    :func:`shannon_entropy_bits` gives for the same gaps. ``now`` must not go backwards.
     """
+
+    states = ("STABLE", "TRANSITIONAL", "CRITICAL_BURST")
 
     def __init__(self, params: EntropyParams) -> None:
         self.params = params
         self._bin_s = params.bin_ms / 1000.0
-        self._bins: collections.deque[int] = collections.deque()
+        #: (model time the gap closed, its bin), oldest first: the remembered gaps.
+        self._gaps: collections.deque[tuple[float, int]] = collections.deque()
         self._counts: collections.Counter[int] = collections.Counter()
         self._last_arrival: float | None = None
         self._cached: GovernorReading | None = None
 
+    def _drop_oldest(self) -> None:
+        _, old_bin = self._gaps.popleft()
+        self._counts[old_bin] -= 1
+        if not self._counts[old_bin]:
+            del self._counts[old_bin]
+        self._cached = None
+
+    def _forget(self, now: float) -> None:
+        """Drop the gaps closed more than ``forget_after_s`` before ``now``."""
+        memory = self.params.forget_after_s
+        if memory:
+            gaps = self._gaps
+            while gaps and gaps[0][0] < now - memory:
+                self._drop_oldest()
+
     def observe_arrival(self, now: float) -> None:
+        self._forget(now)
         if self._last_arrival is not None:
             new_bin = _bin(now - self._last_arrival, self._bin_s)
-            self._bins.append(new_bin)
+            self._gaps.append((now, new_bin))
             self._counts[new_bin] += 1
-            if len(self._bins) > self.params.history:
-                old_bin = self._bins.popleft()
-                self._counts[old_bin] -= 1
-                if not self._counts[old_bin]:
-                    del self._counts[old_bin]
+            if len(self._gaps) > self.params.history:
+                self._drop_oldest()
         self._last_arrival = now
         self._cached = None
 
     def entropy_bits(self) -> float:
-        n = len(self._bins)
+        """``H`` of the gaps remembered as of the last arrival or reading."""
+        n = len(self._gaps)
         if n < 2:
             return 0.0
         h = -sum(c / n * math.log2(c / n) for c in sorted(self._counts.values()))
         return h + 0.0  # + 0.0 turns -0.0 into 0.0
 
     def reading(self, now: float) -> GovernorReading:
+        self._forget(now)
         if self._cached is None:
             p = self.params
             h = self.entropy_bits()
