@@ -8,6 +8,7 @@ sequence number and put straight into the scheduler's queue (``enqueue``).
 Checks, in order (the first that fails answers):
 
 1. shutting down            -> 503 ``shutting_down`` with ``Retry-After``
+   its client already left  -> 499 ``client_disconnected`` (no one reads the answer)
 2. unknown tenant           -> 404 ``unknown_tenant``
 3. can never be admitted    -> 413 (cost above the tenant's burst, above what one
                                batch can hold — the batching policy says — or above
@@ -17,6 +18,9 @@ Checks, in order (the first that fails answers):
                                requests queued, or this one would pass ``max_tokens``)
 5. bucket short of tokens   -> 429 ``rate_limited`` with ``Retry-After`` and
                                the IETF ``RateLimit``/``RateLimit-Policy`` fields
+
+A policy that raises in ``refuse_reason`` (check 3) answers 500 ``policy_error``; any
+other exception while deciding answers 500 ``internal_error`` (:meth:`Admission.handle`).
 
 Buckets fill in model time (so ``gpu.time_scale`` speeds tenants up with the
 GPU); the seconds in headers are wall seconds, what a real client must wait.

@@ -5,6 +5,7 @@
 * ``apsd hash-key [--new]`` makes an API key's hash for the config (:mod:`apsd.auth`).
 * ``apsd simulate --workload W [--policy P ...]`` compares policies on one workload in
   virtual time and writes a report (:mod:`apsd.simulate`, :mod:`apsd.report`).
+* ``apsd research`` runs the research suite and writes ``docs/research.md`` (:mod:`apsd.research`).
 
 Exit status: 0 after a clean shutdown, 2 for a bad config or command line
 (one message naming the file and the key, no traceback), 1 for a plugin that

@@ -3,7 +3,9 @@
 Ownership: the HTTP layer (or the simulator) creates an :class:`InferenceRequest`
 with an empty :class:`ReplySlot` and waits on it; exactly one stage later
 resolves the slot with a :class:`Completion` or a :class:`Refusal`, always
-through :meth:`apsd.ledger.Ledger.finish` so the books balance.
+through the ledger so the books balance: :meth:`apsd.ledger.Ledger.finish` for an
+admitted request, :meth:`apsd.ledger.Ledger.refuse_unadmitted` for one refused
+before admission.
 """
 
 from __future__ import annotations

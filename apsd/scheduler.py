@@ -264,7 +264,9 @@ class Scheduler:
             return True
 
     def drop_queued(self) -> list[InferenceRequest]:
-        """Empty the queue (shutdown): the caller answers the requests it gets back."""
+        """Empty the queue (shutdown) and return what it held, unanswered: the caller must answer
+        every request still outstanding afterwards (:meth:`Pipeline.abort_outstanding` answers all
+        of the ledger's), since a request left in no queue would otherwise never be answered."""
         now = self.clock.now()
         try:
             dropped = [self.queue.pop(now) for _ in range(len(self.queue))]
