@@ -2,8 +2,15 @@
 
 Ownership: this module only reads runs; it never runs anything. :func:`summarize`
 turns one run into JSON-ready figures, :func:`format_summary_table` puts several
-summaries side by side in Markdown, and :func:`write_report` writes
-``summary.json``, ``report.md`` and five PNG plots into a directory.
+summaries side by side in Markdown, :func:`build_figure` draws one of the plots
+and hands the figure back unsaved, and :func:`write_report` writes
+``summary.json``, ``report.md`` and the five PNG plots into a directory.
+
+In ``report.md`` every duration is in seconds (three decimals) and the batch window
+in milliseconds; every table column with a unit names it. (``summary.json`` keeps
+its ``_ms`` keys.) Every plot names its workload in its suptitle; panels comparing
+policies share their axes; lines that would coincide are drawn once, labelled with
+every policy they stand for.
 
 Every figure is measured from the run's records (model time, never wall-clock
 time: :attr:`PolicyRun.wall_s` is left out on purpose), and floats are rounded
@@ -23,7 +30,7 @@ from __future__ import annotations
 import collections
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +47,7 @@ __all__ = [
     "FAIRNESS_DEFINITION",
     "PLOT_FILES",
     "SIGNIFICANT_DIGITS",
+    "build_figure",
     "format_summary_table",
     "summarize",
     "write_report",
@@ -281,9 +289,14 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[str]], align: str) -> 
     return "\n".join(lines)
 
 
+#: Units in report.md: every duration (wait, latency, run time, time in a state) in seconds with
+#: :data:`_S` (three decimals, millisecond resolution); the governor's batch window, configured in
+#: milliseconds (``window_ms``), in milliseconds. Every column with a unit names it in its header.
+_S = ".3f"
+
 _SUMMARY_HEADER = (
     "policy", "completed", "rejected", "throughput (tok/s)", "GPU util (%)", "cost per 1M tokens (USD)",
-    "Jain", "lowest bidder max wait (s)", "p99 latency (s)", "mean batch size",
+    "Jain", "lowest bidder max wait (s)", "p99 latency (s)", "mean batch size (requests)",
 )
 
 
@@ -300,8 +313,8 @@ def format_summary_table(summaries: Sequence[dict[str, Any]]) -> str:
             _f(o["gpu_utilization"], ".1f", 100),
             _f(o["cost_per_1m_tokens_usd"], ".2f", prefix="$"),
             _f(o["fairness"]["jain_index"], ".3f"),
-            _f(o["lowest_bidder"]["max_queue_wait_ms"], ".3f", 1e-3),
-            _f(o["latency_ms"]["p99"], ".3f", 1e-3),
+            _f(o["lowest_bidder"]["max_queue_wait_ms"], _S, 1e-3),
+            _f(o["latency_ms"]["p99"], _S, 1e-3),
             _f(o["batch_sizes"]["mean"], ".2f"),
         ))
     return _table(_SUMMARY_HEADER, rows, "lrrrrrrrrr")
@@ -309,7 +322,7 @@ def format_summary_table(summaries: Sequence[dict[str, Any]]) -> str:
 
 def _tenant_table(summary: dict[str, Any]) -> str:
     header = ("tenant", "bids", "sent", "completed", "rejected", "failed", "cancelled",
-              "wait p50/p95/p99/max (ms)", "latency p50/p95/p99/max (ms)", "output tokens", "rejections")
+              "wait p50/p95/p99/max (s)", "latency p50/p95/p99/max (s)", "output tokens", "rejections")
     rows = []
     for name, t in summary["tenants"].items():
         w, lat = t["queue_wait_ms"], t["latency_ms"]
@@ -317,8 +330,8 @@ def _tenant_table(summary: dict[str, Any]) -> str:
             f"`{name}`",
             ", ".join(str(b) for b in t["bids"]) or "—",
             str(t["sent"]), str(t["completed"]), str(t["rejected"]), str(t["failed"]), str(t["cancelled"]),
-            " / ".join(_f(w[k], ".1f") for k in ("p50", "p95", "p99", "max")),
-            " / ".join(_f(lat[k], ".1f") for k in ("p50", "p95", "p99", "max")),
+            " / ".join(_f(w[k], _S, 1e-3) for k in ("p50", "p95", "p99", "max")),
+            " / ".join(_f(lat[k], _S, 1e-3) for k in ("p50", "p95", "p99", "max")),
             str(t["output_tokens"]),
             ", ".join(f"{code}: {n}" for code, n in t["rejected_by_error"].items()) or "—",
         ))
@@ -329,7 +342,7 @@ def _governor_table(summary: dict[str, Any]) -> str:
     g = summary["overall"]["governor"]
     if not g["samples"]:
         return "No governor samples."
-    rows = [(f"`{state}`", _f(v["seconds"], ".3f"), _f(v["fraction"], ".1f", 100))
+    rows = [(f"`{state}`", _f(v["seconds"], _S), _f(v["fraction"], ".1f", 100))
             for state, v in g["time_in_state"].items()]
     return (_table(("state", "time (s)", "share (%)"), rows, "lrr")
             + f"\n\n{g['samples']} samples, one every {g['sample_interval_s']:g} s; mean window "
@@ -343,7 +356,7 @@ def _batch_table(summary: dict[str, Any]) -> str:
         return "No batches ran."
     items = sorted(b["distribution"].items(), key=lambda kv: int(kv[0]))
     rows = [(size, str(n), _f(n / b["count"], ".1f", 100)) for size, n in items]
-    return (_table(("batch size", "batches", "share (%)"), rows, "rrr")
+    return (_table(("batch size (requests)", "batches", "share (%)"), rows, "rrr")
             + f"\n\n{b['count']} batches, mean size {_f(b['mean'], '.2f')}.")
 
 
@@ -351,7 +364,7 @@ def _describe_workload(summary: dict[str, Any], runs: Sequence[dict[str, Any]]) 
     wl = summary["workload"]
     params = ", ".join(f"`{k}={json.dumps(v)}`" for k, v in sorted(wl["params"].items())) or "none"
     gpus = sorted({s["gpus"] for s in runs})
-    durations = ", ".join(f"`{s['label']}` {_f(s['duration_s'], '.3f')} s" for s in runs)
+    durations = ", ".join(f"`{s['label']}` {_f(s['duration_s'], _S)} s" for s in runs)
     description = wl["description"].strip()
     if description and description[-1] not in ".!?":
         description += "."
@@ -395,8 +408,8 @@ def _markdown(title: str, summaries: Sequence[dict[str, Any]], groups: Sequence[
                     "Policy: " + (", ".join(f"{k} `{v}`" for k, v in s["policy"].items()) or "—")
                     + f". Lowest bid {lb['bid'] if lb['bid'] is not None else '—'}: "
                     + f"{lb['completed']} of {lb['requests']} requests completed, queue wait p99 "
-                    + _f(lb["p99_queue_wait_ms"], ".1f", suffix=" ms") + ", max "
-                    + _f(lb["max_queue_wait_ms"], ".1f", suffix=" ms") + ".", "",
+                    + _f(lb["p99_queue_wait_ms"], _S, 1e-3, suffix=" s") + ", max "
+                    + _f(lb["max_queue_wait_ms"], _S, 1e-3, suffix=" s") + ".", "",
                     "#### Tenants", "", _tenant_table(s), "",
                     "#### Governor time in state", "", _governor_table(s), "",
                     "#### Batch sizes", "", _batch_table(s), ""]
@@ -410,9 +423,18 @@ def _markdown(title: str, summaries: Sequence[dict[str, Any]], groups: Sequence[
 
 
 # -- plots ------------------------------------------------------------------------------
+#
+# Every figure names its workload in its suptitle, so a PNG seen alone says what it shows.
+# Panels that compare policies share their axes: a difference between two panels is a
+# difference in the runs, never in the scales. Where policies are drawn as lines on one
+# axes, policies whose curves are identical share one line whose label names them all, so
+# the legend never lists a line that another one hides.
 
 def _figure(n_panels: int, width: float = 5.0, height: float = 3.6) -> tuple[Figure, list[Axes]]:
-    """A figure on matplotlib's Agg canvas with one subplot per panel (at most 3 per row)."""
+    """A figure on matplotlib's Agg canvas with one subplot per panel (at most 3 per row).
+
+    The panels share their x and y axes (limits, and scale), and each keeps its tick labels.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -421,7 +443,23 @@ def _figure(n_panels: int, width: float = 5.0, height: float = 3.6) -> tuple[Fig
     nrows = math.ceil(n / ncols)
     fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(n)]
+    axes: list[Axes] = []
+    for i in range(n):
+        first = axes[0] if axes else None
+        axes.append(fig.add_subplot(nrows, ncols, i + 1, sharex=first, sharey=first))
+    return fig, axes
+
+
+def _single_figure(width: float, height: float, rows: int = 1) -> tuple[Figure, list[Axes]]:
+    """A figure on matplotlib's Agg canvas with ``rows`` panels stacked on one shared time axis."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes: list[Axes] = []
+    for i in range(rows):
+        axes.append(fig.add_subplot(rows, 1, i + 1, sharex=axes[0] if axes else None))
     return fig, axes
 
 
@@ -437,6 +475,24 @@ def _no_data(ax: Axes, what: str = "no data") -> None:
 
 def _run_title(run: PolicyRun, several_workloads: bool) -> str:
     return f"{run.label} — {run.workload.name}" if several_workloads else run.label
+
+
+def _workloads_shown(runs: Sequence[PolicyRun]) -> str:
+    """What a figure's suptitle says about its workload(s)."""
+    if not runs:
+        return "no runs"
+    keys = list(dict.fromkeys(_workload_key(run) for run in runs))
+    if len(keys) == 1:
+        wl = runs[0].workload
+        return f"workload {wl.name} ({len(wl.arrivals)} arrivals, seed {wl.seed})"
+    names = list(dict.fromkeys(run.workload.name for run in runs))
+    if len(names) < len(keys):  # one name with several seeds or parameters
+        names = list(dict.fromkeys(f"{run.workload.name} (seed {run.workload.seed})" for run in runs))
+    return "workloads " + ", ".join(names)
+
+
+def _labels(runs: Sequence[PolicyRun], several: bool) -> str:
+    return ", ".join(_run_title(run, several) for run in runs)
 
 
 def _top_tenants(run: PolicyRun) -> tuple[list[str], set[str]]:
@@ -460,11 +516,16 @@ def _tenant_lines(run: PolicyRun, requests: Sequence[RequestRecord]) -> list[tup
 
 
 _PALETTE = (0, 1, 2, 3, 4, 5, 6, 8, 9)  # tab10 without its grey, which would look like "other"
+_STYLES = ("-", "--", ":", "-.")
 
 
 def _tenant_colour(i: int) -> Any:
     from matplotlib import colormaps
     return colormaps["tab10"](_PALETTE[i % len(_PALETTE)])
+
+
+def _line_style(i: int) -> dict[str, Any]:
+    return {"color": _tenant_colour(i), "linestyle": _STYLES[i % len(_STYLES)]}
 
 
 def _thin(x: np.ndarray, limit: int) -> np.ndarray:
@@ -474,12 +535,12 @@ def _thin(x: np.ndarray, limit: int) -> np.ndarray:
     return x[np.unique(np.linspace(0, x.size - 1, limit).round().astype(int))]
 
 
-def _plot_latency_cdf(runs: Sequence[PolicyRun], path: Path, several: bool) -> Path:
+def _draw_latency_cdf(runs: Sequence[PolicyRun], several: bool) -> Figure:
     fig, axes = _figure(len(runs))
+    low, high = math.inf, 0.0
     for ax, run in zip(axes, runs):
         groups = _tenant_lines(run, _completed(run.requests))
         drawn = False
-        low, high = math.inf, 0.0
         for name, reqs, colour in groups:
             lat = np.sort(np.asarray(_latencies(reqs), dtype=float))
             if not lat.size:
@@ -492,20 +553,20 @@ def _plot_latency_cdf(runs: Sequence[PolicyRun], path: Path, several: bool) -> P
             low, high = min(low, float(lat[0])), max(high, float(lat[-1]))
             drawn = True
         if drawn:
-            if low > 0 and high / low > 20:  # log scale only when latencies span decades
-                ax.set_xscale("log")
             ax.legend(fontsize="x-small", loc="lower right")
         else:
             _no_data(ax, "no completed requests")
-        ax.set_ylim(0, 1.02)
         ax.set_xlabel("end-to-end latency (s)")
         ax.set_ylabel("fraction of completed requests")
-        ax.set_title(f"latency CDF — {_run_title(run, several)}")
+        ax.set_title(_run_title(run, several))
         ax.grid(alpha=0.3)
-    return _save(fig, path)
+    if low > 0 and high / low > 20:  # log scale only when latencies span decades (shared: every panel)
+        axes[0].set_xscale("log")
+    axes[0].set_ylim(0, 1.02)
+    return fig
 
 
-def _plot_queue_wait(runs: Sequence[PolicyRun], path: Path, several: bool) -> Path:
+def _draw_queue_wait(runs: Sequence[PolicyRun], several: bool) -> Figure:
     fig, axes = _figure(len(runs))
     all_bids = [r.bid for run in runs for r in run.requests]
     vmin, vmax = (min(all_bids), max(all_bids)) if all_bids else (0, 1)
@@ -524,7 +585,7 @@ def _plot_queue_wait(runs: Sequence[PolicyRun], path: Path, several: bool) -> Pa
             slow = np.argsort(wait, kind="stable")[-max(at.size // 100, 1):]
             even = np.linspace(0, at.size - 1, _MAX_SCATTER_POINTS - slow.size).round().astype(int)
             shown = np.union1d(slow, even)
-        title = f"queue wait — {_run_title(run, several)}"
+        title = _run_title(run, several)
         if shown.size < at.size:
             title += f"\n({shown.size} of {at.size} requests shown, slowest 1% all kept)"
         if at.size:
@@ -539,43 +600,100 @@ def _plot_queue_wait(runs: Sequence[PolicyRun], path: Path, several: bool) -> Pa
         ax.grid(alpha=0.3)
     if mappable is not None:
         fig.colorbar(mappable, ax=axes, label="bid", shrink=0.9)
-    return _save(fig, path)
+    return fig
 
 
-def _plot_governor(runs: Sequence[PolicyRun], path: Path, several: bool) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+def _measures_entropy(run: PolicyRun) -> bool:
+    return any(s.entropy_bits is not None for s in run.samples)
 
-    fig = Figure(figsize=(10, 6), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax_h, ax_w = fig.subplots(2, 1, sharex=True)
-    styles = ("-", "--", ":", "-.")
-    any_h = any_w = False
-    for i, run in enumerate(runs):
+
+def _entropy_groups(runs: Sequence[PolicyRun]) -> list[list[PolicyRun]]:
+    """The runs whose governor reads entropy, grouped so that each group has one entropy curve.
+
+    The simulator replays a run's admitted arrivals into a fresh governor (``simulate._sample``),
+    so the reading is a function of the governor, the workload and the admitted arrival times:
+    runs alike in all three have the same curve, however their policies order the queue.
+    """
+    groups: dict[tuple, list[PolicyRun]] = {}
+    for run in runs:
+        if _measures_entropy(run):
+            admitted = tuple(r.arrival for r in run.requests if r.outcome != "rejected")
+            key = (run.policy.get("governor"), _workload_key(run), admitted)
+            groups.setdefault(key, []).append(run)
+    return list(groups.values())
+
+
+def _window_groups(runs: Sequence[PolicyRun]) -> list[tuple[list[PolicyRun], float | None]]:
+    """Runs grouped by identical batch windows: (runs, the constant window in s, or None if it varies)."""
+    groups: dict[tuple, tuple[list[PolicyRun], float | None]] = {}
+    for run in runs:
         if not run.samples:
             continue
+        w = np.asarray([s.window_s for s in run.samples], dtype=float)
+        if (w == w[0]).all():
+            key: tuple = ("constant", float(w[0]))
+        else:
+            key = ("varies", np.asarray([s.at for s in run.samples], dtype=float).tobytes(), w.tobytes())
+        groups.setdefault(key, ([], float(w[0]) if key[0] == "constant" else None))[0].append(run)
+    return list(groups.values())
+
+
+def _draw_governor(runs: Sequence[PolicyRun], several: bool) -> Figure:
+    fig, (ax_h, ax_w) = _single_figure(10, 6.4, rows=2)
+
+    # Entropy: a property of the arrivals, drawn once per group of runs that read the same.
+    entropy_groups = _entropy_groups(runs)
+    for i, group in enumerate(entropy_groups):
+        run = max(group, key=lambda r: r.duration_s)  # the same function of time: the longest covers all
         t = np.asarray([s.at for s in run.samples], dtype=float)
         h = np.asarray([np.nan if s.entropy_bits is None else s.entropy_bits for s in run.samples], dtype=float)
-        w = np.asarray([s.window_s for s in run.samples], dtype=float) * 1000.0
-        style = dict(color=_tenant_colour(i), linestyle=styles[i % len(styles)], linewidth=1.0,
-                     label=_run_title(run, several))
-        if np.isfinite(h).any():
-            ax_h.plot(t, h, **style)
-            any_h = True
-        ax_w.plot(t, w, drawstyle="steps-post", **style)
-        any_w = True
-    for ax, any_line, what in ((ax_h, any_h, "no entropy readings"), (ax_w, any_w, "no governor samples")):
-        if any_line:
-            ax.legend(fontsize="x-small", loc="upper right")
+        ax_h.plot(t, h, linewidth=1.0, label=_labels(group, several), **_line_style(i))
+    measured = [run for group in entropy_groups for run in group]
+    unmeasured = [run for run in runs if not any(run is m for m in measured)]
+    if len(entropy_groups) == 1:
+        title = "entropy of inter-arrival gaps: a property of the arrivals"
+        if len(measured) > 1:
+            title += f", the same for {_labels(measured, several)} (drawn once)"
+    else:
+        title = "entropy of inter-arrival gaps, as each entropy-reading governor sees the arrivals"
+    if unmeasured:
+        by_governor: dict[str, list[PolicyRun]] = {}
+        for run in unmeasured:
+            by_governor.setdefault(str(run.policy.get("governor", "?")), []).append(run)
+        title += "\nnot read by " + "; ".join(f"{_labels(group, several)} (governor {name})"
+                                              for name, group in by_governor.items())
+    ax_h.set_title(title, fontsize="medium")
+
+    # Window: each policy's, policies with identical windows on one line.
+    window_groups = _window_groups(runs)
+    for i, (group, constant) in enumerate(window_groups):
+        label = _labels(group, several)
+        if constant is not None:
+            end = max(max(s.at for s in run.samples) for run in group)
+            t, w = np.asarray([0.0, end]), np.asarray([constant, constant]) * 1000.0
+            label += f" (constant {constant * 1000:g} ms)"
+        else:
+            t = np.asarray([s.at for s in group[0].samples], dtype=float)
+            w = np.asarray([s.window_s for s in group[0].samples], dtype=float) * 1000.0
+        ax_w.plot(t, w, drawstyle="steps-post", linewidth=1.2, label=label, **_line_style(i))
+    ax_w.set_title("batch window of each policy (identical windows share a line)", fontsize="medium")
+
+    for ax, groups, what in ((ax_h, entropy_groups, "no policy's governor reads entropy"),
+                             (ax_w, window_groups, "no governor samples")):
+        if groups:
+            ax.legend(fontsize="x-small", loc="best")  # lines go anywhere: let matplotlib find room
         else:
             _no_data(ax, what)
         ax.grid(alpha=0.3)
+    # Both from 0 (less a margin, so a line at 0 stays visible): a flat line reads as its value
+    # (a constant 10 ms window), not as noise around it.
+    for ax in (ax_h, ax_w):
+        top = max([1.0, *(float(np.nanmax(line.get_ydata())) for line in ax.get_lines())]) * 1.08
+        ax.set_ylim(-0.03 * top, top)
     ax_h.set_ylabel("arrival entropy (bits)")
-    ax_h.set_title("governor: entropy of inter-arrival gaps — " + ", ".join(_run_title(r, several) for r in runs))
     ax_w.set_ylabel("batch window (ms)")
     ax_w.set_xlabel("time (s)")
-    ax_w.set_title("governor: batch window")
-    return _save(fig, path)
+    return fig
 
 
 def _busy_cumulative(run: PolicyRun, edges: np.ndarray) -> np.ndarray:
@@ -605,37 +723,32 @@ def _busy_cumulative(run: PolicyRun, edges: np.ndarray) -> np.ndarray:
     return total
 
 
-def _plot_gpu_busy(runs: Sequence[PolicyRun], path: Path, several: bool) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(10, 4), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    styles = ("-", "--", ":", "-.")
-    drawn = False
-    for i, run in enumerate(runs):
+def _draw_gpu_busy(runs: Sequence[PolicyRun], several: bool) -> Figure:
+    fig, (ax,) = _single_figure(10, 4)
+    curves: dict[tuple[bytes, bytes], tuple[list[PolicyRun], np.ndarray, np.ndarray]] = {}
+    for run in runs:
         if run.duration_s <= 0 or not run.gpus:
             continue
         edges = np.linspace(0.0, run.duration_s, _BUSY_BINS + 1)
         width = edges[1] - edges[0]
         frac = np.diff(_busy_cumulative(run, edges)) / (run.gpus * width)
-        ax.stairs(frac, edges, color=_tenant_colour(i), linestyle=styles[i % len(styles)],
-                  label=_run_title(run, several), linewidth=1.2)
-        drawn = True
-    if drawn:
+        curves.setdefault((edges.tobytes(), frac.tobytes()), ([], edges, frac))[0].append(run)
+    for i, (group, edges, frac) in enumerate(curves.values()):
+        ax.stairs(frac, edges, label=_labels(group, several), linewidth=1.2, **_line_style(i))
+    if curves:
         ax.legend(fontsize="x-small", loc="lower right")
     else:
         _no_data(ax)
+    if any(len(group) > 1 for group, _, _ in curves.values()):
+        ax.set_title("one line per policy; policies with identical curves share a line", fontsize="medium")
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("time (s)")
     ax.set_ylabel(f"GPU busy fraction ({_BUSY_BINS} bins per run)")
-    ax.set_title("GPU busy time over time — " + ", ".join(_run_title(r, several) for r in runs))
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return fig
 
 
-def _plot_service(runs: Sequence[PolicyRun], path: Path, several: bool) -> Path:
+def _draw_service(runs: Sequence[PolicyRun], several: bool) -> Figure:
     fig, axes = _figure(len(runs))
     for ax, run in zip(axes, runs):
         done = [r for r in _completed(run.requests) if r.finished_at is not None]
@@ -664,18 +777,32 @@ def _plot_service(runs: Sequence[PolicyRun], path: Path, several: bool) -> Path:
             _no_data(ax, "no completed requests")
         ax.set_xlabel("time (s)")
         ax.set_ylabel("cumulative output tokens served")
-        ax.set_title(f"service per tenant — {_run_title(run, several)}")
+        ax.set_title(_run_title(run, several))
         ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return fig
 
 
-_PLOTTERS = {
-    "latency_cdf.png": _plot_latency_cdf,
-    "queue_wait.png": _plot_queue_wait,
-    "governor.png": _plot_governor,
-    "gpu_busy.png": _plot_gpu_busy,
-    "service.png": _plot_service,
+_DRAWERS: dict[str, Callable[[Sequence[PolicyRun], bool], Figure]] = {
+    "latency_cdf.png": _draw_latency_cdf,
+    "queue_wait.png": _draw_queue_wait,
+    "governor.png": _draw_governor,
+    "gpu_busy.png": _draw_gpu_busy,
+    "service.png": _draw_service,
 }
+
+
+def build_figure(name: str, runs: Sequence[PolicyRun]) -> Figure:
+    """The plot ``name`` (a key of :data:`PLOT_FILES`) of ``runs``, drawn but not saved.
+
+    The suptitle says what the plot shows and on which workload(s). The figure is on
+    matplotlib's Agg canvas, not pyplot's: the caller owns it, nothing else holds it, and
+    ``fig.savefig(path)`` writes it. Raises KeyError for an unknown ``name``.
+    """
+    runs = list(runs)
+    several = len({_workload_key(run) for run in runs}) > 1
+    fig = _DRAWERS[name](runs, several)
+    fig.suptitle(f"{PLOT_FILES[name]} — {_workloads_shown(runs)}")
+    return fig
 
 
 # -- the report -------------------------------------------------------------------------
@@ -707,7 +834,6 @@ def write_report(runs: Sequence[PolicyRun], out_dir: Path, *, title: str | None 
     report_path.write_text(_markdown(title, summaries, groups, plot_names), encoding="utf-8")
     written.append(report_path)
 
-    several = len(groups) > 1
     for name in plot_names:
-        written.append(_PLOTTERS[name](runs, out_dir / name, several))
+        written.append(_save(build_figure(name, runs), out_dir / name))
     return written

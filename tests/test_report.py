@@ -1,6 +1,7 @@
 """The simulate report: figures checked against hand-computed answers, reproducible files."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -10,7 +11,8 @@ import pytest
 
 from apsd.config import TenantConfig
 from apsd.records import Arrival, BatchRecord, GovernorSample, PolicyRun, RequestRecord, Workload
-from apsd.report import FAIRNESS_DEFINITION, PLOT_FILES, _busy_cumulative, format_summary_table, summarize, write_report
+from apsd.report import (FAIRNESS_DEFINITION, PLOT_FILES, _busy_cumulative, build_figure, format_summary_table,
+                         summarize, write_report)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -288,8 +290,8 @@ def test_report_markdown_holds_the_measured_numbers(tmp_path):
     assert row in md
     assert row.replace("`aps`", "`static`") in md
     assert "### `aps`" in md and "### `static`" in md
-    # Per-tenant table: a's waits and latencies in ms, and b's rejection by error code.
-    assert "| `a` | 1 | 2 | 2 | 0 | 0 | 0 | 750.0 / 975.0 / 995.0 / 1000.0 | 2250.0 / 2925.0 / 2985.0 / 3000.0 | 40 | — |" in md
+    # Per-tenant table: a's waits and latencies in s, and b's rejection by error code.
+    assert "| `a` | 1 | 2 | 2 | 0 | 0 | 0 | 0.750 / 0.975 / 0.995 / 1.000 | 2.250 / 2.925 / 2.985 / 3.000 | 40 | — |" in md
     assert "rate_limited: 1" in md
     assert "| `STABLE` | 2.500 | 62.5 |" in md
     assert "| 2 | 1 | 50.0 |" in md
@@ -320,6 +322,118 @@ def test_runs_on_several_workloads_are_grouped(tmp_path):
     tiny_section = md[tiny_at:bursty_at] if tiny_at < bursty_at else md[tiny_at:]
     assert "| `fifo` |" in tiny_section and "| `aps` |" in tiny_section
     assert "seed 8" in md[bursty_at:]
+
+
+def markdown_tables(md):
+    """Every table in ``md`` as (header cells, rows of cells)."""
+    lines = md.splitlines()
+    tables = []
+    for i, line in enumerate(lines[:-1]):
+        if line.startswith("| ") and re.fullmatch(r"\|(:?---:?\|)+", lines[i + 1]):
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith("| "):
+                    break
+                rows.append([c.strip() for c in row.strip("|").split(" | ")])
+            tables.append(([c.strip() for c in line.strip("|").split(" | ")], rows))
+    return tables
+
+
+def test_report_gives_every_duration_in_seconds_and_every_unit_in_its_header(tmp_path):
+    write_report([tiny_run("aps"), tiny_run("fifo")], tmp_path, plots=False)
+    md = (tmp_path / "report.md").read_text()
+    tables = markdown_tables(md)
+    assert len(tables) == 1 + 3 * 2  # the comparison; per run tenants, governor states, batch sizes
+    timed = 0
+    for header, rows in tables:
+        for col, name in enumerate(header):
+            assert "(ms)" not in name, header
+            if re.search(r"wait|latency|time", name):
+                assert name.endswith("(s)"), f"{name!r} names no unit"
+                timed += 1
+                for row in rows:  # one unit, one precision: seconds with three decimals
+                    for value in row[col].split(" / "):
+                        assert re.fullmatch(r"\d+\.\d{3}", value), (name, row[col])
+    assert timed == 1 * 2 + 2 * 2 + 1 * 2  # comparison: max wait, p99 latency; tenants: wait, latency; governor
+    # The lowest bidder's waits in the prose are seconds too (1.000 s, not 1000.0 ms).
+    assert "queue wait p99 0.995 s, max 1.000 s." in md
+    assert "mean window 6.5 ms" in md  # the governor's window, configured in ms, is the only thing in ms
+    assert not re.search(r"\d ms\b", md.replace("mean window 6.5 ms", ""))
+
+
+# -- figures ----------------------------------------------------------------------------
+
+def slower_run(label="slow"):
+    """tiny_run with a's second request dispatched at 5 s and finished at 9 s: longer waits and latencies."""
+    run = tiny_run(label)
+    late = attrs.evolve(run.requests[2], dispatched_at=5.0, finished_at=9.0)
+    batch = attrs.evolve(run.batches[1], formed_at=5.0, started_at=5.0, finished_at=9.0, busy_s=4.0)
+    return attrs.evolve(run, requests=run.requests[:2] + (late,) + run.requests[3:],
+                        batches=(run.batches[0], batch), duration_s=9.0)
+
+
+def fixed_window_run(label):
+    """tiny_run under a fixed-window governor: the same requests, no entropy reading, a constant 10 ms."""
+    run = tiny_run(label, policy={"preset": label, "aging": label, "governor": "fixed", "batching": "micro"})
+    return attrs.evolve(run, samples=tuple(attrs.evolve(s, state="FIXED", entropy_bits=None, window_s=0.010)
+                                           for s in run.samples))
+
+
+def panels(fig):
+    return [ax for ax in fig.axes if ax.get_label() != "<colorbar>"]
+
+
+def legend(ax):
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+@pytest.mark.parametrize("name", ["latency_cdf.png", "queue_wait.png", "service.png"])
+def test_panels_comparing_policies_share_their_axes(name):
+    fig = build_figure(name, [tiny_run("aps"), slower_run("fifo"), tiny_run("static")])
+    axes = panels(fig)
+    assert len(axes) == 3
+    fig.canvas.draw()
+    assert len({ax.get_ylim() for ax in axes}) == 1, [ax.get_ylim() for ax in axes]
+    assert len({ax.get_xlim() for ax in axes}) == 1, [ax.get_xlim() for ax in axes]
+    assert len({(ax.get_xscale(), ax.get_yscale()) for ax in axes}) == 1
+
+
+@pytest.mark.parametrize("name", list(PLOT_FILES))
+def test_every_figure_names_its_workload(name):
+    fig = build_figure(name, [tiny_run("aps"), tiny_run("fifo")])
+    assert "workload tiny (4 arrivals, seed 7)" in fig.get_suptitle()
+    assert PLOT_FILES[name] in fig.get_suptitle()
+    fig = build_figure(name, [tiny_run("aps"), tiny_run("aps", workload=tiny_workload(name="bursty", seed=8))])
+    assert "workloads tiny, bursty" in fig.get_suptitle()
+
+
+def test_governor_figure_draws_the_arrivals_entropy_once_and_every_policys_window():
+    runs = [fixed_window_run("fifo"), tiny_run("aps"), tiny_run("aps2"), fixed_window_run("static")]
+    ax_h, ax_w = build_figure("governor.png", runs).axes
+    # Entropy is read from the arrivals, which are the same: one curve, for the two policies that read it.
+    assert len(ax_h.get_lines()) == 1
+    assert legend(ax_h) == ["aps, aps2"]
+    assert "the same for aps, aps2 (drawn once)" in ax_h.get_title()
+    assert "not read by fifo, static (governor fixed)" in ax_h.get_title()
+    # The window: every policy named once, one drawn line per legend entry.
+    assert legend(ax_w) == ["fifo, static (constant 10 ms)", "aps, aps2"]
+    assert len(ax_w.get_lines()) == 2
+
+
+def test_governor_figure_draws_one_entropy_curve_per_distinct_arrivals():
+    fewer = tiny_run("aps+reject")
+    fewer = attrs.evolve(fewer, requests=fewer.requests[:1] + (
+        attrs.evolve(fewer.requests[1], outcome="rejected", error="rate_limited"),) + fewer.requests[2:])
+    ax_h, _ = build_figure("governor.png", [tiny_run("aps"), fewer]).axes
+    assert legend(ax_h) == ["aps", "aps+reject"]
+    assert "as each entropy-reading governor sees the arrivals" in ax_h.get_title()
+
+
+def test_gpu_busy_draws_identical_curves_once_naming_every_policy():
+    (ax,) = build_figure("gpu_busy.png", [tiny_run("aps"), tiny_run("fifo"), slower_run("static")]).axes
+    assert legend(ax) == ["aps, fifo", "static"]
+    assert len(ax.patches) == 2
+    assert "identical curves share a line" in ax.get_title()
 
 
 def test_importing_the_report_does_not_load_matplotlib():
