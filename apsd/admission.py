@@ -10,9 +10,9 @@ Checks, in order (the first that fails answers):
 1. shutting down            -> 503 ``shutting_down`` with ``Retry-After``
    its client already left  -> 499 ``client_disconnected`` (no one reads the answer)
 2. unknown tenant           -> 404 ``unknown_tenant``
-3. can never be admitted    -> 413 (cost above the tenant's burst, above what one
-                               batch can hold — the batching policy says — or above
-                               the queue's ``max_tokens``)
+3. can never be admitted    -> 413 (cost above the tenant's burst, above what the
+                               engines can hold — they say, and the batching policy
+                               may cap it further — or above the queue's ``max_tokens``)
 4. tenant's queue share full -> 429 ``tenant_queue_full`` with ``Retry-After``
    queue full               -> 503 ``queue_full`` with ``Retry-After`` (``max_requests``
                                requests queued, or this one would pass ``max_tokens``)
@@ -24,6 +24,11 @@ other exception while deciding answers 500 ``internal_error`` (:meth:`Admission.
 
 Buckets fill in model time (so ``gpu.time_scale`` speeds tenants up with the
 GPU); the seconds in headers are wall seconds, what a real client must wait.
+
+Settlement: admission takes a request's whole ``cost_tokens`` (prompt + requested)
+from its bucket. When the request ends, admission (subscribed to
+``request_finished``) gives back what it did not use: everything if it failed or
+never started, the unused output otherwise (see :func:`apsd.ledger.billed_tokens`).
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ import trio
 
 from .clock import ModelClock
 from .config import QueueConfig, TenantConfig
-from .models import InferenceRequest, Refusal
+from .ledger import billed_tokens
+from .models import InferenceRequest, Outcome, Refusal
 
 if TYPE_CHECKING:
     from .ledger import Ledger
@@ -103,6 +109,8 @@ class Admission:
     batching: BatchingPolicy
     ledger: Ledger
     clock: ModelClock
+    #: The engines' verdict on a request that could never run on them (a 413), else None.
+    engine_refuse: Callable[[InferenceRequest], Refusal | None]
     max_queued: int
     max_queued_per_tenant: int
     #: Most tokens (prompt + requested) the queue may hold; None: unbounded.
@@ -114,6 +122,7 @@ class Admission:
     def __attrs_post_init__(self) -> None:
         now = self.clock.now()
         self.buckets = {name: TokenBucket.full(t, now) for name, t in self.tenants.items()}
+        self.ledger.events.subscribe("request_finished", self.settle, "admission's settlement")
 
     def rate_limit_headers(self, tenant_id: str) -> dict[str, str]:
         """IETF RateLimit fields for the tenant's bucket as of now (seconds are wall seconds).
@@ -156,6 +165,9 @@ class Admission:
                            f"batching policy raised {type(exc).__name__} in refuse_reason: {exc}")
         if never is not None:
             return Refusal(413, "exceeds_batch_capacity", never)
+        engine_refusal = self.engine_refuse(request)
+        if engine_refusal is not None:
+            return engine_refusal
         if self.max_queued_tokens is not None and cost > self.max_queued_tokens:
             return Refusal(413, "exceeds_queue_capacity",
                            f"request costs {cost} tokens but the whole queue holds at most {self.max_queued_tokens} "
@@ -214,11 +226,12 @@ class Admission:
         self.max_queued, self.max_queued_per_tenant, self.max_queued_tokens = limits
         return changes
 
-    def refund(self, request: InferenceRequest) -> None:
-        """Return an admitted request's tokens to its bucket (it will never run)."""
+    def settle(self, request: InferenceRequest, outcome: Outcome, now: float) -> None:
+        """Give back what an admitted request that ended did not use (subscribed to ``request_finished``)."""
+        unused = request.cost_tokens - billed_tokens(request, outcome)
         bucket = self.buckets.get(request.tenant_id)
-        if bucket is not None:
-            bucket.give_back(request.cost_tokens, self.clock.now())
+        if unused > 0 and bucket is not None:
+            bucket.give_back(unused, max(now, bucket.updated))
 
     def handle(self, request: InferenceRequest) -> bool:
         """Decide ``request`` and book it: admitted (True) or answered with its refusal (False)."""

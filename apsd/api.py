@@ -197,6 +197,14 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
                     content_type="application/json")
 
 
+def metrics_document(pipeline: Pipeline) -> dict[str, Any]:
+    """The JSON view of ``/metrics``: the books' figures, then the configuration and state."""
+    statistics = pipeline.statistics()
+    document = attrs.asdict(statistics.books)
+    document.update(attrs.asdict(statistics, filter=lambda field, _: field.name != "books"))
+    return document
+
+
 def error_response(refusal: Refusal) -> Response:
     body: dict[str, Any] = {"error": refusal.error, "message": refusal.message}
     if refusal.field is not None:
@@ -300,7 +308,7 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
 
     @app.get("/health")
     async def health() -> Response:
-        return json_response(pipeline.health())
+        return json_response(attrs.asdict(pipeline.health()))
 
     exporter = exporter_for(pipeline)  # before serving: its histograms see every dispatch
 
@@ -322,7 +330,7 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
             return error_response(Refusal(400, "invalid_format", "format must be json or prometheus",
                                           field="format"))
         if view == "json":
-            return json_response(pipeline.metrics(), headers={"Vary": "Accept"})
+            return json_response(metrics_document(pipeline), headers={"Vary": "Accept"})
         return Response(exporter.exposition(), status=200, content_type=exporter.content_type,
                         headers={"Vary": "Accept"})
 
@@ -332,7 +340,7 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
         caller = authenticate(admin=True)
         if isinstance(caller, Response):
             return caller
-        return json_response(pipeline.metrics())
+        return json_response(metrics_document(pipeline))
 
     @app.get("/tenants/<tenant_id>/status")
     async def tenant_status(tenant_id: str) -> Any:
@@ -345,7 +353,7 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
         status = pipeline.tenant_status(tenant_id)
         if status is None:
             return error_response(Refusal(404, "unknown_tenant", f"no tenant named {tenant_id!r}"))
-        return json_response(status)
+        return json_response(attrs.asdict(status))
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:

@@ -4,8 +4,8 @@
 * ``apsd plugins [--json]`` lists every registered plugin and what it provides.
 * ``apsd hash-key [--new]`` makes an API key's hash for the config (:mod:`apsd.auth`).
 * ``apsd simulate --workload W [--policy P ...]`` compares policies on one workload in
-  virtual time and writes a report (:mod:`apsd.simulate`, :mod:`apsd.report`).
-* ``apsd research`` runs the research suite and writes ``docs/research.md`` (:mod:`apsd.research`).
+  virtual time and writes a report (:mod:`apsd.sim.runner`, :mod:`apsd.sim.report`).
+* ``apsd research`` runs the research suite and writes ``docs/research.md`` (:mod:`apsd.sim.research`).
 
 Exit status: 0 after a clean shutdown, 2 for a bad config or command line
 (one message naming the file and the key, no traceback), 1 for a plugin that
@@ -147,8 +147,8 @@ def simulate_parser() -> argparse.ArgumentParser:
 
 
 def simulate_main(argv: Sequence[str]) -> int:
-    from . import workloads
-    from .simulate import parse_policy_choice, run_policy, simulation_config
+    from .sim import workloads
+    from .sim.runner import parse_policy_choice, run_policy, simulation_config
 
     parser = simulate_parser()
     args = parser.parse_args(argv)
@@ -186,7 +186,7 @@ def simulate_main(argv: Sequence[str]) -> int:
         parser.exit(2, f"apsd simulate: error: {exc}\n")
     except PluginError as exc:
         parser.exit(1, f"apsd simulate: plugin error: {exc}\n")
-    from .report import format_summary_table, summarize, write_report
+    from .sim.report import format_summary_table, summarize, write_report
 
     out = Path(args.out or Path("apsd-sim") / workload.name)
     written = write_report(runs, out, plots=not args.no_plots)
@@ -224,7 +224,7 @@ def _progress(total: int, quiet: bool) -> Iterator[Callable[[int], None] | None]
 
 
 def research_main(argv: Sequence[str]) -> int:
-    from .research import POLICIES, WORKLOADS, write_research
+    from .sim.research import POLICIES, WORKLOADS, write_research
 
     parser = argparse.ArgumentParser(
         prog="apsd research",

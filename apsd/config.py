@@ -21,6 +21,7 @@ __all__ = [
     "AuthConfig",
     "Config",
     "ConfigError",
+    "EngineConfig",
     "GpuConfig",
     "PolicyConfig",
     "QueueConfig",
@@ -152,11 +153,15 @@ class AdmissionConfig:
     max_prompt_tokens: int = attrs.field(default=32_768, validator=between(1, 10**9))
 
 
+#: The seed GPU's KV cache, in tokens (prompt + requested, summed over one micro-batch).
+SEED_KV_CAP_TOKENS = 32_768
+
+
 @attrs.frozen
 class GpuConfig:
-    """The simulated A100 (seed model); every constant is here."""
+    """The seed's simulated A100, which the ``micro`` engine runs (every constant of its model is
+    here), and the model clock and fault injection of every simulated engine."""
 
-    count: int = attrs.field(default=1, validator=between(1, 1024))
     prefill_tokens_per_s: float = attrs.field(default=1024.0, validator=between(1e-3, 1e12))
     #: Single-sequence decode speed; a batch of b decodes at
     #: ``decode_tokens_per_s * (decode_batch_base + decode_batch_sqrt * sqrt(b))``.
@@ -164,6 +169,8 @@ class GpuConfig:
     decode_batch_base: float = attrs.field(default=0.4, validator=between(0, 1e6))
     decode_batch_sqrt: float = attrs.field(default=0.6, validator=between(0, 1e6))
     price_per_hour_usd: float = attrs.field(default=3.0, validator=between(0, 1e9))
+    #: KV cache of one micro-batch: the prompt + requested tokens of its requests, summed.
+    kv_cap_tokens: int = attrs.field(default=SEED_KV_CAP_TOKENS, validator=between(1, 10**12))
     #: Wall seconds per model second: 1.0 is real time, 0.01 runs 100x faster.
     #: Every duration apsd reports is in model seconds, whatever this is.
     time_scale: float = attrs.field(default=1.0, validator=between(1e-6, 1e6))
@@ -173,6 +180,44 @@ class GpuConfig:
     #: ... and every n-th batch the pipeline's GPUs start fails (0: never).
     fail_every_n_batches: int = attrs.field(default=0, validator=between(0, 10**9))
     fault_seed: int = attrs.field(default=0, validator=between(0, 2**63 - 1))
+
+
+ENGINE_KINDS = ("micro", "continuous")
+
+
+def engine_kind(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+    if value not in ENGINE_KINDS:
+        raise ValueError(f"must be one of {', '.join(ENGINE_KINDS)}, got {value!r}")
+
+
+@attrs.frozen
+class EngineConfig:
+    """Where requests run: ``count`` engines of one ``kind`` (see ``apsd/engines/``).
+
+    ``micro`` is the seeds' simulated A100 (its constants are under ``[gpu]``): fixed
+    micro-batches, every request of a batch finishing with it. ``continuous`` batches at the
+    iteration level on a roofline model of ``gpu`` x ``model`` over ``tp`` GPUs (profiles:
+    ``apsd profile --list``).
+    """
+
+    kind: str = attrs.field(default="micro", validator=engine_kind)
+    #: Engines of that kind (each a GPU, or ``tp`` GPUs for ``continuous``).
+    count: int = attrs.field(default=1, validator=between(1, 1024))
+    gpu: str = attrs.field(default="a100-80gb", validator=non_empty)
+    model: str = attrs.field(default="llama-3-8b", validator=non_empty)
+    tp: int = attrs.field(default=1, validator=between(1, 8))
+    #: Most sequences one continuous engine runs at once (vLLM's max_num_seqs).
+    max_sequences: int = attrs.field(default=256, validator=between(1, 100_000))
+    #: Tokens one continuous-engine iteration processes: one per decoding sequence, the rest
+    #: prefill chunks (vLLM's max_num_batched_tokens with chunked prefill).
+    max_batched_tokens: int = attrs.field(default=8192, validator=between(1, 10**7))
+    #: Share of the GPUs' memory for weights and KV cache (vLLM's gpu_memory_utilization).
+    memory_fraction: float = attrs.field(default=0.9, validator=between(0.05, 1.0))
+    #: USD per GPU-hour; 0 takes the GPU profile's price (continuous; micro uses gpu.price_per_hour_usd).
+    price_per_gpu_hour_usd: float = attrs.field(default=0.0, validator=between(0, 1e9))
+    #: Times a request whose engine failed before its first token goes back to the queue;
+    #: after that it is answered 502.
+    max_retries: int = attrs.field(default=0, validator=between(0, 100))
 
 
 @attrs.frozen
@@ -208,6 +253,7 @@ class Config:
     policy: PolicyConfig = PolicyConfig()
     queue: QueueConfig = QueueConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    engine: EngineConfig = EngineConfig()
     gpu: GpuConfig = GpuConfig()
     tenants: dict[str, TenantConfig] = attrs.field(factory=_default_tenants)
     #: Where this config came from, for error messages ("<defaults>" if embedded).
@@ -301,6 +347,8 @@ def parse_config(data: dict[str, Any], source: str = "<string>") -> Config:
         if not isinstance(policy_table, dict):
             raise ConfigError("policy: must be a table")
         policy = _parse_policy(policy_table)
+        if isinstance(data.get("gpu"), dict) and "count" in data["gpu"]:
+            raise ConfigError("gpu.count: moved to [engine] count (the number of engines of the configured kind)")
         tenants = data.pop("tenants", None)
         config = parse_section(Config, data)
         if tenants is not None:

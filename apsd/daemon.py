@@ -39,8 +39,10 @@ from . import __version__
 from .auth import KeyRing, check_exposure
 from .config import Config, ConfigError, load_config
 from .notify import ProgressProbe, SystemdNotifier, serve_status, serve_watchdog, status_line
-from .pipeline import Pipeline
-from .plugins import PluginError, load_policy_registry, make_plugin_manager
+from .engines import deployment_for
+from .engines.profiles import ProfileRegistry
+from .pipeline import Pipeline, open_pipeline
+from .plugins import PluginError, load_policy_registry, load_profile_registry, make_plugin_manager
 from .policy import PolicyRegistry, PolicySet
 
 __all__ = ["Daemon"]
@@ -101,6 +103,13 @@ def raise_open_file_limit() -> None:
         log.warning("could not raise the open-file limit: %s", exc)
 
 
+def _describe_engine(config: Config) -> str:
+    engine = config.engine
+    if engine.kind == "micro":
+        return "micro(seed-A100)"
+    return f"continuous({engine.model}@{engine.tp}x{engine.gpu})"
+
+
 def _bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -113,6 +122,8 @@ class Daemon:
     policies: PolicySet
     plugin_manager: pluggy.PluginManager
     registry: PolicyRegistry
+    #: GPU and model profiles (built-ins and plugins') for the continuous engine.
+    profiles: ProfileRegistry
     handle_signals: bool = True
     pipeline: Pipeline | None = None
     #: Tells systemd the daemon's state; replaced in :meth:`run` by one from the environment.
@@ -139,7 +150,10 @@ class Daemon:
         pm = plugin_manager or make_plugin_manager()
         registry = load_policy_registry(pm)
         policies = registry.build(config, preset)
-        return cls(config=config, policies=policies, plugin_manager=pm, registry=registry,
+        profiles = load_profile_registry(pm)
+        if config.engine.kind == "continuous":
+            deployment_for(config, profiles)  # unknown profiles, or a model that does not fit: refuse now
+        return cls(config=config, policies=policies, plugin_manager=pm, registry=registry, profiles=profiles,
                    handle_signals=handle_signals, preset=preset, config_path=config_path,
                    overrides=overrides or {})
 
@@ -155,18 +169,19 @@ class Daemon:
                  extra={"event": "start"})
         raise_open_file_limit()
         self._log_access(self.config)
-        pipeline = self.pipeline = Pipeline.build(self.config, self.policies)
         notifier = self.notifier = SystemdNotifier.from_environ()
-        async with trio.open_nursery() as nursery:
+        async with open_pipeline(self.config, self.policies, request_id_prefix=None,
+                                 profiles=self.profiles) as pipeline, trio.open_nursery() as nursery:
+            self.pipeline = pipeline
             if self.handle_signals:
                 await nursery.start(self._watch_signals)
-            await nursery.start(pipeline.run_stages)
             http_stop = trio.Event()
             http_done = trio.Event()
             binds = await nursery.start(self._serve_http, pipeline, http_stop, http_done)
-            log.info("apsd listening on %s policy=%s tenants=%s gpus=%d",
+            log.info("apsd listening on %s policy=%s tenants=%s engine=%s engines=%d",
                      ", ".join(binds), "/".join(f"{k}={v}" for k, v in self.policies.names.items()),
-                     ",".join(sorted(self.config.tenants)), self.config.gpu.count, extra={"event": "ready"})
+                     ",".join(sorted(self.config.tenants)), _describe_engine(self.config), len(pipeline.engines),
+                     extra={"event": "ready"})
             self._ready = True
             await notifier.ready(status=self.status_text())  # the HTTP socket listens: ready
             if notifier.enabled:

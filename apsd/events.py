@@ -1,13 +1,23 @@
-"""Observation events: the pipeline tells plugins what happened, cheaply and safely.
+"""Observation events: the pipeline tells its listeners what happened, cheaply and safely.
 
 Ownership: one :class:`EventBus` per pipeline, built from the plugin manager at
-start-up. Each hook implementation is called on its own, with the arguments it
-declares: one that raises is logged (naming its plugin) and the others still
-run. A hook nobody implements costs one dict lookup.
+start-up; the ledger emits every event (it is where each step is counted). Two kinds of
+listener, called in this order:
+
+* apsd's own parts, which :meth:`EventBus.subscribe` when the pipeline is assembled:
+  admission settles a tenant's bucket when a request finishes, the scheduler tells its
+  policies, the Prometheus exporter feeds its histograms. Nothing is injected into the
+  ledger and no bus is ever replaced.
+* plugins' hook implementations (:mod:`apsd.hookspecs`), in pluggy's call order.
+
+Each listener is called on its own, with the arguments it declares (by name). One that
+raises is logged, naming it, and the others still run. An event nobody listens to costs one
+dict lookup.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -23,14 +33,31 @@ log = logging.getLogger("apsd.plugins")
 
 class EventBus:
     def __init__(self, plugin_manager: pluggy.PluginManager | None = None) -> None:
-        # hook name -> [(plugin name, function, the argument names it takes)], in pluggy's call order
+        # event -> [(who, function, the argument names it takes)]: subscribers first, then plugins
         self._listeners: dict[str, list[tuple[str, Callable[..., Any], tuple[str, ...]]]] = {}
+        self._plugins: dict[str, list[tuple[str, Callable[..., Any], tuple[str, ...]]]] = {}
+        self._subscribers: dict[str, list[tuple[str, Callable[..., Any], tuple[str, ...]]]] = {}
         if plugin_manager is not None:
             for name in EVENT_HOOKS:
                 impls = getattr(plugin_manager.hook, name).get_hookimpls()
                 if impls:
-                    self._listeners[name] = [(i.plugin_name, i.function, tuple(i.argnames))
-                                             for i in reversed(impls)]
+                    self._plugins[name] = [(f"plugin {i.plugin_name!r}", i.function, tuple(i.argnames))
+                                           for i in reversed(impls)]
+        self._rebuild()
+
+    def subscribe(self, event: str, listener: Callable[..., Any], who: str | None = None) -> None:
+        """Call ``listener`` on every ``event``, before the plugins, with the arguments it names
+        (any subset of the event's, as for a hook implementation)."""
+        if event not in EVENT_HOOKS:
+            raise ValueError(f"no event named {event!r} (events: {', '.join(EVENT_HOOKS)})")
+        argnames = tuple(inspect.signature(listener).parameters)
+        label = who or getattr(listener, "__qualname__", repr(listener))
+        self._subscribers.setdefault(event, []).append((label, listener, argnames))
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._listeners = {name: [*self._subscribers.get(name, ()), *self._plugins.get(name, ())]
+                           for name in EVENT_HOOKS if name in self._subscribers or name in self._plugins}
 
     def wants(self, name: str) -> bool:
         return name in self._listeners
@@ -39,8 +66,8 @@ class EventBus:
         listeners = self._listeners.get(name)
         if not listeners:
             return
-        for plugin, function, argnames in listeners:
+        for who, function, argnames in listeners:
             try:
                 function(*[kwargs[a] for a in argnames])
             except Exception:
-                log.exception("plugin %r raised in its %s hook; ignored", plugin, name)
+                log.exception("%s raised in its %s listener; ignored", who, name)

@@ -9,7 +9,8 @@ daemon at start-up naming the plugin.
 
 Two families:
 
-* :func:`register_policies` — called once at start-up; contributes policies.
+* Registration — :func:`register_policies` and :func:`register_profiles`, called once
+  at start-up; they contribute policies, and GPU and model profiles.
 * Observation hooks (``request_*``, ``batch_*``) — called on the pipeline's
   hot path, synchronously, in the pipeline task where the event happens. They
   must be quick and must not block (no I/O; hand work to your own queue). Their
@@ -18,10 +19,14 @@ Two families:
   change a request's outcome. Objects passed in are the pipeline's own: treat
   them as read-only. ``now`` is model seconds since the pipeline started.
 
-Every admitted request produces exactly: ``request_admitted``, then (unless it
-is cancelled or fails while queued) ``request_dispatched``, then exactly one
-``request_finished``. A request refused before admission produces exactly one
-``request_rejected`` (bodies too malformed to name a request produce none).
+A request's events, in order. Every admitted request produces ``request_admitted``,
+then, unless it ends while queued, ``request_dispatched`` and, once its first token
+exists, ``request_started``; then exactly one ``request_finished``. A request whose
+engine fails before its first token may be put back in the queue
+(``request_requeued``) and is dispatched again. A request refused before admission
+produces exactly one ``request_rejected`` (bodies too malformed to name a request
+produce none). ``batch_started`` and ``batch_finished`` come from the ``micro``
+engine, whose dispatches run as batches.
 """
 
 from __future__ import annotations
@@ -31,15 +36,16 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from .models import Batch, InferenceRequest, Outcome, Refusal
+    from .engines.profiles import ProfileRegistry
+    from .models import Dispatch, InferenceRequest, Outcome, Refusal
     from .policy import PolicyRegistry
 
 hookspec = pluggy.HookspecMarker("apsd")
 hookimpl = pluggy.HookimplMarker("apsd")
 
 #: The observation hooks, in the order a request meets them.
-EVENT_HOOKS = ("request_admitted", "request_rejected", "request_dispatched", "batch_started",
-               "batch_finished", "request_finished")
+EVENT_HOOKS = ("request_admitted", "request_rejected", "request_dispatched", "request_requeued",
+               "batch_started", "request_started", "batch_finished", "request_finished")
 
 
 @hookspec
@@ -62,6 +68,20 @@ def register_policies(registry: PolicyRegistry) -> None:
 
 
 @hookspec
+def register_profiles(registry: ProfileRegistry) -> None:
+    """Register GPU and model profiles for the ``continuous`` engine with ``registry``.
+
+    Called once per plugin manager, at start-up, for every plugin in registration order
+    (built-ins first), before the config's ``[engine]`` is checked. Call
+    ``registry.gpu(apsd.GpuProfile(...))`` and ``registry.model(apsd.ModelProfile(...))``;
+    the profiles' fields are documented on those classes (``apsd/engines/profiles.py``).
+
+    May raise: any exception stops the daemon at start-up with one message naming the
+    plugin (a name another plugin already registered raises ``ProfileError``). Returns nothing.
+    """
+
+
+@hookspec
 def request_admitted(request: InferenceRequest, now: float) -> None:
     """``request`` passed admission: its tokens are taken, ``arrival``/``seq`` are set.
 
@@ -78,21 +98,36 @@ def request_rejected(request: InferenceRequest, refusal: Refusal, now: float) ->
 
 
 @hookspec
-def request_dispatched(request: InferenceRequest, batch: Batch, now: float) -> None:
-    """``request`` left the queue in ``batch``; ``dispatched_at`` and
-    ``effective_priority`` are set. Called once per request, in batch order."""
+def request_dispatched(request: InferenceRequest, dispatch: Dispatch, batch: Dispatch, engine_id: int,
+                       now: float) -> None:
+    """``request`` left the queue in ``dispatch``, for engine ``engine_id``; ``dispatched_at``,
+    ``effective_priority`` and ``engine_id`` are set. Called once per dispatch of the request
+    (again after a requeue), for each request in dispatch order. ``batch`` is ``dispatch``
+    under its apsd 0.1 name."""
 
 
 @hookspec
-def batch_started(batch: Batch, executor_id: int, now: float) -> None:
-    """Executor ``executor_id`` began running ``batch``. Called once per batch."""
+def request_requeued(request: InferenceRequest, engine_id: int, reason: str, now: float) -> None:
+    """``request``'s engine failed before its first token and the request went back to the
+    queue (``request.retries`` counts how often), keeping its place in queue order. ``reason``
+    says what failed. Called once per requeue; a dispatch follows, or its timeout, or shutdown."""
 
 
 @hookspec
-def batch_finished(batch: Batch, executor_id: int, now: float, busy_s: float, cost_usd: float) -> None:
-    """``batch`` finished on ``executor_id`` after ``busy_s`` model seconds, costing ``cost_usd``.
+def batch_started(batch: Dispatch, executor_id: int, now: float) -> None:
+    """The ``micro`` engine ``executor_id`` began running ``batch``. Called once per batch."""
 
-    Called once per batch that ran, before its requests' ``request_finished``.
+
+@hookspec
+def request_started(request: InferenceRequest, engine_id: int, now: float) -> None:
+    """``request``'s first token was produced (``request.started_at == now``): ``now -
+    request.arrival`` is its time to first token. Called at most once per request."""
+
+
+@hookspec
+def batch_finished(batch: Dispatch, executor_id: int, now: float, busy_s: float, cost_usd: float) -> None:
+    """``batch`` finished on ``micro`` engine ``executor_id`` after ``busy_s`` model seconds, costing
+    ``cost_usd``. Called once per batch that ran, before its requests' ``request_finished``.
     """
 
 
@@ -102,5 +137,7 @@ def request_finished(request: InferenceRequest, outcome: Outcome, now: float) ->
 
     ``outcome`` is a :class:`apsd.Completion` (completed) or a
     :class:`apsd.Refusal` whose ``kind`` is ``"failed"`` or ``"cancelled"``.
-    Called exactly once per admitted request.
+    ``request.tokens_generated`` and ``request.used_tokens`` say what it used: its
+    tenant is charged that (nothing if it failed), and refunded the rest of what
+    admission reserved. Called exactly once per admitted request.
     """

@@ -1,14 +1,21 @@
-"""The books: every request's outcome, counted once, and the figures derived from them.
+"""The books: every request's steps and outcome, counted once, and the figures derived from them.
 
 Ownership: the ledger is the only code that resolves a request's reply slot
-(:meth:`Ledger.finish`, :meth:`Ledger.refuse_unadmitted`), so counting and
-answering cannot drift apart. For the same reason it is where the observation
-hooks are emitted (:class:`~apsd.events.EventBus`) and where the policies hear
-that a request finished (``on_finish``). It keeps, per tenant and overall::
+(:meth:`Ledger.finish`, :meth:`Ledger.refuse_unadmitted`), and the only code that
+moves a request between queued and running, so counting and answering cannot drift
+apart. For the same reason it emits every observation event on its
+:class:`~apsd.events.EventBus`: whoever must act on a step (admission settling a
+bucket, the scheduler's policies, the Prometheus exporter, plugins) subscribes there.
+It keeps, per tenant and overall::
 
     admitted == completed + failed + cancelled + queued + running
 
-at every moment (``conservation_ok`` in :meth:`Ledger.snapshot`).
+at every moment (``conservation_ok`` in :meth:`Ledger.statistics`).
+
+Usage: a request's tenant is charged what it used (``request.used_tokens``: its prompt
+once it started, and the tokens it generated), whatever its outcome, except when it
+failed (the engine's or apsd's fault: nothing is charged). The per-tenant token and
+cost counters are those charges.
 
 Fairness: Jain's index ``(sum x)^2 / (n * sum x^2)`` where ``x_i`` is the
 output tokens served to tenant ``i`` divided by its configured rate (its
@@ -20,7 +27,7 @@ means one tenant got everything.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import attrs
 import numpy as np
@@ -28,9 +35,12 @@ import trio
 
 from .clock import ModelClock
 from .events import EventBus
-from .models import Batch, Completion, InferenceRequest, Outcome, Refusal
+from .models import Completion, Dispatch, InferenceRequest, Outcome, Refusal
 
-__all__ = ["Ledger", "TenantStats", "jain_index"]
+__all__ = ["Ledger", "LedgerStatistics", "TenantStats", "jain_index"]
+
+FAIRNESS_DEFINITION = ("Jain's index (sum x)^2/(n*sum x^2); x_i = output tokens served to tenant i divided by "
+                       "its configured rate, over tenants with at least one admitted request")
 
 
 def jain_index(values: Iterable[float]) -> float | None:
@@ -39,6 +49,13 @@ def jain_index(values: Iterable[float]) -> float | None:
     if x.size == 0 or not np.any(x):
         return None
     return float(x.sum() ** 2 / (x.size * np.square(x).sum()))
+
+
+def billed_tokens(request: InferenceRequest, outcome: Outcome) -> int:
+    """What ``request`` is charged once it has ``outcome``: what it used, unless it failed."""
+    if isinstance(outcome, Refusal) and outcome.kind == "failed":
+        return 0
+    return request.used_tokens
 
 
 @attrs.define
@@ -52,6 +69,7 @@ class TenantStats:
     cancelled: int = 0
     queued: int = 0
     running: int = 0
+    #: Tokens charged (prompt, and output): completed requests' and those cancelled while running.
     prompt_tokens: int = 0
     generated_tokens: int = 0
     cost_usd: float = 0.0
@@ -62,7 +80,78 @@ class TenantStats:
         return self.queued + self.running
 
 
-_WAIT_SAMPLES = 10_000  # recent queue waits kept for percentiles
+@attrs.frozen
+class RequestCounts:
+    admitted: int
+    rejected: int
+    rejected_by_error: dict[str, int]
+    completed: int
+    failed: int
+    cancelled: int
+    queued: int
+    running: int
+    in_flight: int
+    conservation_ok: bool
+
+
+@attrs.frozen
+class TokenCounts:
+    #: Prompt and output tokens charged to tenants so far.
+    prompt: int
+    generated: int
+    #: Prompt + requested tokens of the requests queued now (what ``queue.max_tokens`` bounds).
+    queued: int
+
+
+@attrs.frozen
+class Percentiles:
+    """Milliseconds over the most recent samples (None before the first)."""
+
+    p50: float | None
+    p95: float | None
+    p99: float | None
+
+
+@attrs.frozen
+class Fairness:
+    jain_index: float | None
+    definition: str = FAIRNESS_DEFINITION
+
+
+@attrs.frozen
+class LedgerStatistics:
+    """The books at one moment (model time); :meth:`Ledger.statistics` makes them."""
+
+    requests: RequestCounts
+    tokens: TokenCounts
+    #: Micro-batches that finished running (0 for the continuous engine).
+    batches: int
+    elapsed_s: float
+    throughput_tokens_per_s: float
+    #: GPU busy time / (GPUs * elapsed_s).
+    gpu_utilization: float
+    cost_usd: float
+    cost_per_1m_tokens_usd: float | None
+    queue_wait_ms: Percentiles
+    ttft_ms: Percentiles
+    tpot_ms: Percentiles
+    latency_ms: Percentiles
+    fairness: Fairness
+
+
+#: Recent samples kept per latency figure, for the percentiles of ``/metrics``.
+_SAMPLES = 10_000
+
+
+def _percentiles(samples: Iterable[float]) -> Percentiles:
+    values = np.asarray(list(samples), dtype=float)
+    if not values.size:
+        return Percentiles(None, None, None)
+    return Percentiles(*(float(v) * 1000 for v in np.percentile(values, [50, 95, 99])))
+
+
+def _recent() -> collections.deque[float]:
+    return collections.deque(maxlen=_SAMPLES)
 
 
 @attrs.define(eq=False, on_setattr=attrs.setters.NO_OP)  # (counters are set per request: no hooks)
@@ -76,19 +165,21 @@ class Ledger:
     unattributed: TenantStats = attrs.field(factory=TenantStats, init=False)
     #: Admitted requests without an outcome yet, by identity, in admission order.
     outstanding: dict[InferenceRequest, None] = attrs.field(factory=dict)
+    #: Requests queued and running now, over every tenant (running counters: O(1) to read).
+    queued_total: int = 0
+    running_total: int = 0
     #: Tokens (prompt + requested) of the queued requests: what ``[queue] max_tokens`` bounds.
     queued_tokens: int = 0
     batches: int = 0
+    #: Model seconds engines spent computing, summed over engines (GPUs), and what it cost.
     gpu_busy_s: float = 0.0
     cost_usd: float = 0.0
-    queue_waits_s: collections.deque[float] = attrs.field(factory=lambda: collections.deque(maxlen=_WAIT_SAMPLES))
+    queue_waits_s: collections.deque[float] = attrs.field(factory=_recent)
+    ttfts_s: collections.deque[float] = attrs.field(factory=_recent)
+    tpots_s: collections.deque[float] = attrs.field(factory=_recent)
+    latencies_s: collections.deque[float] = attrs.field(factory=_recent)
     clock: ModelClock | None = None
     events: EventBus = attrs.field(factory=EventBus)
-    #: Called with (request, outcome, now) after every admitted request's outcome is delivered.
-    on_finish: Callable[[InferenceRequest, Outcome, float], None] | None = None
-    #: Called with an admitted request that ended without being served (failed or cancelled):
-    #: its tokens go back to its tenant's bucket.
-    on_refund: Callable[[InferenceRequest], None] | None = None
     _idle: trio.Event = attrs.field(factory=trio.Event)
 
     def __attrs_post_init__(self) -> None:
@@ -106,7 +197,7 @@ class Ledger:
     def _now(self) -> float:
         return self.clock.now() if self.clock is not None else 0.0
 
-    # -- events -----------------------------------------------------------------------
+    # -- a request's steps -------------------------------------------------------------
     def refuse_unadmitted(self, request: InferenceRequest, refusal: Refusal) -> None:
         """Answer a request that admission turned away (it was never in flight)."""
         if request.reply.resolve(refusal):
@@ -124,63 +215,107 @@ class Ledger:
             raise ValueError(f"request {request.request_id} was admitted twice")
         stats = self._stats(request.tenant_id)
         stats.admitted += 1
-        stats.queued += 1
-        self.queued_tokens += request.cost_tokens
+        self._to_queue(request, stats)
         if not self.outstanding:
             self._idle = trio.Event()
         self.outstanding[request] = None
         self.events.emit("request_admitted", request=request, now=self._now())
 
-    def dispatched(self, batch: Batch) -> None:
-        for request in batch.requests:
+    def _to_queue(self, request: InferenceRequest, stats: TenantStats) -> None:
+        stats.queued += 1
+        self.queued_total += 1
+        self.queued_tokens += request.cost_tokens
+
+    def _from_queue(self, request: InferenceRequest, stats: TenantStats) -> None:
+        stats.queued -= 1
+        self.queued_total -= 1
+        self.queued_tokens -= request.cost_tokens
+
+    def dispatched(self, dispatch: Dispatch) -> None:
+        """``dispatch``'s requests left the queue for their engine (the scheduler stamped them)."""
+        for request in dispatch.requests:
             stats = self._stats(request.tenant_id)
-            stats.queued -= 1
+            self._from_queue(request, stats)
             stats.running += 1
-            self.queued_tokens -= request.cost_tokens
+            self.running_total += 1
             assert request.dispatched_at is not None
             self.queue_waits_s.append(request.dispatched_at - request.arrival)
         if self.events.wants("request_dispatched"):
-            for request in batch.requests:
-                self.events.emit("request_dispatched", request=request, batch=batch, now=batch.formed_at)
+            for request in dispatch.requests:
+                self.events.emit("request_dispatched", request=request, dispatch=dispatch, batch=dispatch,
+                                 engine_id=dispatch.engine_id, now=dispatch.formed_at)
 
-    def batch_started(self, batch: Batch, executor_id: int) -> None:
+    def started(self, request: InferenceRequest, at: float) -> None:
+        """``request`` produced its first token at model time ``at`` (its engine calls this once)."""
+        request.started_at = at
+        self.ttfts_s.append(at - request.arrival)
+        if self.events.wants("request_started"):
+            self.events.emit("request_started", request=request, engine_id=request.engine_id, now=at)
+
+    def requeued(self, request: InferenceRequest, reason: str) -> None:
+        """``request``'s engine failed before its first token; it goes back to waiting (the
+        scheduler puts it back in the queue)."""
+        if request.answered or request.dispatched_at is None:
+            raise ValueError(f"request {request.request_id} is not running")
+        stats = self._stats(request.tenant_id)
+        stats.running -= 1
+        self.running_total -= 1
+        self._to_queue(request, stats)
+        engine_id = request.engine_id
+        request.dispatched_at = request.effective_priority = request.engine_id = None
+        request.tokens_generated, request.cost_usd = 0, 0.0
+        request.retries += 1
+        self.events.emit("request_requeued", request=request, engine_id=engine_id, reason=reason, now=self._now())
+
+    def batch_started(self, batch: Dispatch, executor_id: int) -> None:
         self.events.emit("batch_started", batch=batch, executor_id=executor_id, now=self._now())
 
-    def batch_ran(self, batch: Batch, executor_id: int, busy_s: float, cost_usd: float) -> None:
+    def batch_ran(self, batch: Dispatch, executor_id: int, busy_s: float, cost_usd: float) -> None:
         self.batches += 1
-        self.gpu_busy_s += busy_s
-        self.cost_usd += cost_usd
+        self.engine_ran(busy_s, cost_usd)
         self.events.emit("batch_finished", batch=batch, executor_id=executor_id, now=self._now(),
                          busy_s=busy_s, cost_usd=cost_usd)
 
-    def finish(self, request: InferenceRequest, outcome: Outcome) -> bool:
-        """Deliver an admitted request's terminal outcome; False if it already had one."""
+    def engine_ran(self, busy_s: float, cost_usd: float) -> None:
+        """An engine computed for ``busy_s`` model seconds, costing ``cost_usd``."""
+        self.gpu_busy_s += busy_s
+        self.cost_usd += cost_usd
+
+    def finish(self, request: InferenceRequest, outcome: Outcome, at: float | None = None) -> bool:
+        """Deliver an admitted request's terminal outcome; False if it already had one.
+
+        ``at`` is the model time it ended (default: now); an engine that schedules in model
+        time passes its own.
+        """
         if not request.reply.resolve(outcome):
             return False
+        now = self._now() if at is None else at
+        request.finished_at = now
         stats = self._stats(request.tenant_id)
         if request.dispatched_at is None:
-            stats.queued -= 1
-            self.queued_tokens -= request.cost_tokens
+            self._from_queue(request, stats)
         else:
             stats.running -= 1
+            self.running_total -= 1
         if isinstance(outcome, Completion):
             stats.completed += 1
-            stats.prompt_tokens += outcome.prompt_tokens
-            stats.generated_tokens += outcome.tokens_generated
-            stats.cost_usd += outcome.cost_usd
+            self.latencies_s.append(now - request.arrival)
+            if outcome.tpot_ms is not None:
+                self.tpots_s.append(outcome.tpot_ms / 1000.0)
         elif outcome.kind == "failed":
             stats.failed += 1
         else:
             stats.cancelled += 1
-        if isinstance(outcome, Refusal) and self.on_refund is not None:
-            self.on_refund(request)
+        if billed_tokens(request, outcome):
+            stats.prompt_tokens += request.prompt_tokens if request.started_at is not None else 0
+            stats.generated_tokens += request.tokens_generated
+            stats.cost_usd += request.cost_usd
+        if request.stream is not None:
+            request.stream.close(None if isinstance(outcome, Completion) else outcome.message)
         del self.outstanding[request]
         if not self.outstanding:
             self._idle.set()
-        now = self._now()
         self.events.emit("request_finished", request=request, outcome=outcome, now=now)
-        if self.on_finish is not None:
-            self.on_finish(request, outcome, now)
         return True
 
     async def wait_idle(self) -> None:
@@ -189,10 +324,6 @@ class Ledger:
             await self._idle.wait()
 
     # -- figures ----------------------------------------------------------------------
-    @property
-    def queued_total(self) -> int:
-        return sum(s.queued for s in self.tenants.values())
-
     def fairness(self, rates: Mapping[str, float]) -> float | None:
         """Jain's index over rate-normalised output tokens of tenants with admitted work."""
         return jain_index(
@@ -201,46 +332,33 @@ class Ledger:
             if s.admitted and name in rates
         )
 
-    def snapshot(self, elapsed_s: float, gpus: int, rates: Mapping[str, float]) -> dict:
-        """The JSON-ready figures behind ``GET /metrics`` (model time)."""
-        totals = TenantStats()
-        for s in (*self.tenants.values(), self.unattributed):
-            for name in ("admitted", "rejected", "completed", "failed", "cancelled", "queued",
-                         "running", "prompt_tokens", "generated_tokens"):
-                setattr(totals, name, getattr(totals, name) + getattr(s, name))
-        generated = totals.generated_tokens
-        waits = np.asarray(self.queue_waits_s, dtype=float)
-        percentiles = (
-            dict(zip(("p50", "p95", "p99"), (float(v) * 1000 for v in np.percentile(waits, [50, 95, 99]))))
-            if waits.size else {"p50": None, "p95": None, "p99": None}
+    def statistics(self, elapsed_s: float, gpus: int, rates: Mapping[str, float]) -> LedgerStatistics:
+        """The figures behind ``GET /metrics`` (model time), as of now."""
+        everyone = (*self.tenants.values(), self.unattributed)
+        total = TenantStats()
+        for s in everyone:
+            for name in ("admitted", "rejected", "completed", "failed", "cancelled", "prompt_tokens",
+                         "generated_tokens"):
+                setattr(total, name, getattr(total, name) + getattr(s, name))
+        rejected_by_error = dict(sum((s.rejected_by_error for s in everyone), collections.Counter()))
+        in_flight = self.queued_total + self.running_total
+        generated = total.generated_tokens
+        return LedgerStatistics(
+            requests=RequestCounts(
+                admitted=total.admitted, rejected=total.rejected, rejected_by_error=rejected_by_error,
+                completed=total.completed, failed=total.failed, cancelled=total.cancelled,
+                queued=self.queued_total, running=self.running_total, in_flight=in_flight,
+                conservation_ok=total.admitted == total.completed + total.failed + total.cancelled + in_flight),
+            tokens=TokenCounts(prompt=total.prompt_tokens, generated=generated, queued=self.queued_tokens),
+            batches=self.batches,
+            elapsed_s=elapsed_s,
+            throughput_tokens_per_s=generated / elapsed_s if elapsed_s > 0 else 0.0,
+            gpu_utilization=self.gpu_busy_s / (gpus * elapsed_s) if elapsed_s > 0 else 0.0,
+            cost_usd=self.cost_usd,
+            cost_per_1m_tokens_usd=self.cost_usd / generated * 1e6 if generated else None,
+            queue_wait_ms=_percentiles(self.queue_waits_s),
+            ttft_ms=_percentiles(self.ttfts_s),
+            tpot_ms=_percentiles(self.tpots_s),
+            latency_ms=_percentiles(self.latencies_s),
+            fairness=Fairness(self.fairness(rates)),
         )
-        return {
-            "requests": {
-                "admitted": totals.admitted,
-                "rejected": totals.rejected,
-                "rejected_by_error": dict(sum((s.rejected_by_error for s in (*self.tenants.values(),
-                                                                             self.unattributed)),
-                                              collections.Counter())),
-                "completed": totals.completed,
-                "failed": totals.failed,
-                "cancelled": totals.cancelled,
-                "queued": totals.queued,
-                "running": totals.running,
-                "in_flight": totals.in_flight,
-                "conservation_ok": totals.admitted
-                == totals.completed + totals.failed + totals.cancelled + totals.in_flight,
-            },
-            "tokens": {"prompt": totals.prompt_tokens, "generated": generated, "queued": self.queued_tokens},
-            "batches": self.batches,
-            "elapsed_s": elapsed_s,
-            "throughput_tokens_per_s": generated / elapsed_s if elapsed_s > 0 else 0.0,
-            "gpu_utilization": self.gpu_busy_s / (gpus * elapsed_s) if elapsed_s > 0 else 0.0,
-            "cost_usd": self.cost_usd,
-            "cost_per_1m_tokens_usd": self.cost_usd / generated * 1e6 if generated else None,
-            "queue_wait_ms": percentiles,
-            "fairness": {
-                "jain_index": self.fairness(rates),
-                "definition": "Jain's index (sum x)^2/(n*sum x^2); x_i = output tokens served to tenant i "
-                "divided by its configured rate, over tenants with at least one admitted request",
-            },
-        }

@@ -6,23 +6,42 @@ resolves the slot with a :class:`Completion` or a :class:`Refusal`, always
 through the ledger so the books balance: :meth:`apsd.ledger.Ledger.finish` for an
 admitted request, :meth:`apsd.ledger.Ledger.refuse_unadmitted` for one refused
 before admission.
+
+A request's life (each step is the ledger's to count and announce)::
+
+    admitted -> queued -> dispatched to an engine -> started (first token) -> finished
+                  ^                 |
+                  +---- requeued ---+   (its engine failed before the first token)
+
+While it runs, its engine updates its progress fields (``tokens_generated``,
+``started_at``, ``cost_usd``) and, if a reader attached a
+:class:`~apsd.streams.TokenStream`, delivers tokens to it as they are produced.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 import trio
 
-__all__ = ["Batch", "Completion", "InferenceRequest", "Outcome", "Refusal", "ReplySlot"]
+if TYPE_CHECKING:
+    from .streams import TokenStream
+
+__all__ = ["Batch", "Capacity", "Completion", "Dispatch", "InferenceRequest", "Outcome", "Refusal", "ReplySlot"]
 
 
 @attrs.frozen
 class Completion:
-    """A request that ran; the fields of a 200 answer to ``POST /infer``.
+    """A request that ran to its end; the fields of a 200 answer to ``POST /infer``.
 
-    Durations are in model milliseconds (see ``gpu.time_scale``).
+    Durations are in model milliseconds (see ``gpu.time_scale``): ``queue_ms`` from admission
+    to dispatch, ``ttft_ms`` from admission to the first token, ``prefill_ms`` from dispatch
+    to the first token, ``decode_ms`` from the first token to the last, ``latency_ms`` from
+    admission to the last token (``queue_ms + prefill_ms + decode_ms``), ``tpot_ms`` the mean
+    time per output token after the first (None with a single token). ``batch_id`` and
+    ``batch_size`` name the dispatch the request left the queue in (for the ``micro`` engine,
+    the batch it ran in).
     """
 
     request_id: str
@@ -30,11 +49,14 @@ class Completion:
     prompt_tokens: int
     tokens_generated: int
     queue_ms: float
+    ttft_ms: float
+    tpot_ms: float | None
     prefill_ms: float
     decode_ms: float
     latency_ms: float
     batch_id: int
     batch_size: int
+    engine_id: int
     effective_priority: float
     cost_usd: float
 
@@ -45,7 +67,7 @@ RefusalKind = Literal["rejected", "failed", "cancelled"]
 
 @attrs.frozen
 class Refusal:
-    """A request that did not (or will not) run: an HTTP error answer.
+    """A request that did not (or will not) run to its end: an HTTP error answer.
 
     ``error`` is a stable machine-readable code, ``message`` says what happened
     in words and ``headers`` carries e.g. ``Retry-After``.
@@ -67,7 +89,7 @@ class ReplySlot:
     """Where a request's single terminal outcome is delivered.
 
     :meth:`resolve` succeeds once; later calls return ``False`` and change
-    nothing, so a late executor result can never overwrite a shutdown answer.
+    nothing, so a late engine result can never overwrite a shutdown answer.
     """
 
     _event: trio.Event = attrs.field(factory=trio.Event, init=False)
@@ -92,10 +114,11 @@ class InferenceRequest:
 
     ``arrival`` and ``seq`` are stamped by admission (model seconds, and a
     strictly increasing admission number used to break ties); the scheduler
-    stamps ``dispatched_at`` and ``effective_priority`` when it cuts a batch.
-    ``timeout_s`` is the client's own queue timeout (None: the config's); the
-    scheduler stamps ``deadline`` when it queues the request (see
-    :meth:`apsd.scheduler.Scheduler.enqueue`).
+    stamps ``dispatched_at``, ``effective_priority`` and ``engine_id`` when it
+    dispatches it. ``timeout_s`` is the client's own queue timeout (None: the
+    config's); the scheduler stamps ``deadline`` when it queues the request (see
+    :meth:`apsd.scheduler.Scheduler.enqueue`). The progress fields below are its
+    engine's to update.
     """
 
     request_id: str
@@ -118,6 +141,24 @@ class InferenceRequest:
     #: Model time at which it leaves the queue with 504 ``queue_timeout`` if still queued
     #: (``arrival`` + the shorter of ``timeout_s`` and ``[queue] timeout_s``); None: never.
     deadline: float | None = None
+    #: Where a reader receives its tokens as they are produced (None: nobody streams them).
+    stream: TokenStream | None = attrs.field(default=None, repr=False)
+    # -- progress (the engine's) -----------------------------------------------------------
+    #: The engine it was dispatched to (the last one, after a requeue).
+    engine_id: int | None = None
+    #: The dispatch it left the queue in, and how many requests that dispatch held.
+    dispatch_id: int | None = None
+    dispatch_size: int = 0
+    #: Model time of its first token (None: not started).
+    started_at: float | None = None
+    #: Model time it got its outcome (the ledger stamps it; None: not yet).
+    finished_at: float | None = None
+    #: Output tokens produced so far.
+    tokens_generated: int = 0
+    #: Its share of its engine's cost so far, in USD.
+    cost_usd: float = 0.0
+    #: Times it went back to the queue because its engine failed before its first token.
+    retries: int = 0
 
     @property
     def answered(self) -> bool:
@@ -126,19 +167,60 @@ class InferenceRequest:
 
     @property
     def cost_tokens(self) -> int:
-        """What the request costs its tenant's bucket and occupies in the KV cache."""
+        """What admission reserves in its tenant's bucket: prompt + requested tokens (the most
+        it can use; the ledger settles against what it really used when it ends)."""
         return self.prompt_tokens + self.tokens_requested
+
+    @property
+    def used_tokens(self) -> int:
+        """The tokens it used so far: its prompt once it started, and its output."""
+        return (self.prompt_tokens if self.started_at is not None else 0) + self.tokens_generated
 
 
 @attrs.frozen
-class Batch:
-    """Requests cut together by the scheduler and run as one on an executor."""
+class Capacity:
+    """What an engine can take on now: how many more sequences, how many more KV tokens.
 
-    batch_id: int
+    ``reserve_output``: a request joining needs KV for its prompt and its whole requested
+    output (``micro``: a batch holds everything it will generate), or only for its prompt and
+    first token, its cache growing as it decodes (``continuous``: a sequence that then runs
+    out of KV is preempted).
+    """
+
+    sequences: int
+    kv_tokens: int
+    reserve_output: bool = True
+
+    def need(self, request: InferenceRequest) -> int:
+        """KV tokens ``request`` needs to join."""
+        if self.reserve_output:
+            return request.cost_tokens
+        return request.prompt_tokens + request.tokens_generated + 1
+
+
+@attrs.frozen
+class Dispatch:
+    """Requests the scheduler hands to one engine at once, in queue order.
+
+    For the ``micro`` engine a dispatch is a batch that runs as one; a ``continuous`` engine
+    adds its requests to the sequences it is already running.
+    """
+
+    dispatch_id: int
     requests: tuple[InferenceRequest, ...]
     formed_at: float
     window_s: float
+    engine_id: int
+
+    @property
+    def batch_id(self) -> int:
+        """The dispatch's id (its name in 0.1, when every dispatch was a batch)."""
+        return self.dispatch_id
 
     @property
     def kv_tokens(self) -> int:
         return sum(r.cost_tokens for r in self.requests)
+
+
+#: The name of :class:`Dispatch` in apsd 0.1 (every dispatch was a micro-batch), kept for plugins.
+Batch = Dispatch

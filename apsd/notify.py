@@ -26,9 +26,13 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
+
+if TYPE_CHECKING:
+    from .pipeline import Health
 
 __all__ = ["ProgressProbe", "SystemdNotifier", "serve_status", "serve_watchdog", "status_line"]
 
@@ -238,14 +242,14 @@ async def serve_status(notifier: SystemdNotifier, describe: Callable[[], str],
         await trio.sleep(interval_s)
 
 
-def status_line(health: Mapping, in_flight: int) -> str:
+def status_line(health: Health, in_flight: int) -> str:
     """The ``STATUS=`` text, from :meth:`apsd.pipeline.Pipeline.health` and the requests in flight.
 
     ``queue=3 in_flight=5 governor=STABLE window=9.1ms state=serving``
     """
-    governor = health.get("governor") or {}
-    window = governor.get("window_ms")
-    window_text = f"{window:.1f}ms" if isinstance(window, (int, float)) else "?"
-    state = "serving" if health.get("status") == "ok" else str(health.get("status", "?"))
-    return (f"queue={health.get('queue_depth', '?')} in_flight={in_flight} "
-            f"governor={governor.get('state', '?')} window={window_text} state={state}")
+    governor = health.governor
+    window = governor.window_ms
+    window_text = f"{window:.1f}ms" if window is not None else "?"
+    state = "serving" if health.status == "ok" else health.status
+    return (f"queue={health.queue_depth} in_flight={in_flight} "
+            f"governor={governor.state} window={window_text} state={state}")

@@ -1,13 +1,16 @@
-"""The pipeline: admission -> scheduler -> executors, wired with trio memory channels.
+"""The pipeline: admission -> scheduler -> engines, wired with trio memory channels.
 
-Ownership: a :class:`Pipeline` owns its stages and every channel between them,
-but not the nursery they run in: :meth:`run_stages` (the daemon, started in
-its root nursery) opens one for them that :meth:`stop_stages` cancels, and
-:meth:`start_stages` starts them in a nursery the caller owns (simulator, tests). The HTTP layer talks to it through :meth:`submit_nowait` and
-:meth:`cancel`, the simulator through :meth:`admit_now`; both read the views
-(:meth:`metrics`, :meth:`tenant_status`, :meth:`health`).
+Ownership: a :class:`Pipeline` owns its stages and every channel between them, but
+not the nursery they run in. :func:`open_pipeline` is the one way to run them, for the
+daemon, the simulator and tests alike: it opens a nursery for the stages, yields the
+pipeline, and on exit answers whatever is unfinished (503) and stops them;
+:meth:`Pipeline.stop_stages` stops them earlier (the daemon's shutdown). The HTTP layer
+talks to it through :meth:`Pipeline.submit_nowait` and :meth:`Pipeline.cancel`, the
+simulator through :meth:`Pipeline.admit_now`; both read the views
+(:meth:`Pipeline.statistics`, :meth:`Pipeline.health`, :meth:`Pipeline.tenant_status`),
+frozen snapshots that the HTTP edge serialises.
 
-It also owns the :class:`~apsd.executor.FaultInjector` its executors share
+It also owns the :class:`~apsd.engines.micro.FaultInjector` its engines share
 (``[gpu]`` fault injection, with its own seeded random generator) and starts the
 scheduler's queue-timeout task (:meth:`Scheduler.serve_timeouts`).
 
@@ -16,8 +19,8 @@ Channels (buffer sizes are deliberate)::
     ingress   queue.ingress_buffer   submitters never block: a full ingress is a 503
     (admitted)                       no channel: admission calls Scheduler.enqueue itself
                                      (no task switch per request)
-    demand    gpu.count              each executor has at most one outstanding ask
-    batches   0                      executors pull: a batch is cut only when one is idle
+    demands   engine.count           each engine has at most one outstanding ask
+    answers   1 per engine           the scheduler's answer to that engine's one ask
 """
 
 from __future__ import annotations
@@ -33,14 +36,73 @@ import trio
 from .admission import Admission
 from .clock import ModelClock
 from .config import Config
+from .engines import Demand, Engine, EngineStatistics, build_engines
+from .engines.micro import FaultInjector
+from .engines.profiles import ProfileRegistry
 from .events import EventBus
-from .executor import FaultInjector, GpuModel, SimulatedExecutor
-from .ledger import Ledger
-from .models import Batch, InferenceRequest, Refusal
+from .ledger import Ledger, LedgerStatistics
+from .models import Dispatch, InferenceRequest, Refusal
 from .policy import PolicySet
 from .scheduler import Scheduler
 
-__all__ = ["Pipeline", "open_pipeline"]
+__all__ = ["GovernorView", "Health", "Pipeline", "PipelineStatistics", "TenantStatus", "open_pipeline"]
+
+
+@attrs.frozen
+class GovernorView:
+    """The governor's current reading (``state`` ERROR, with ``error``, when it raised)."""
+
+    state: str
+    entropy_bits: float | None
+    window_ms: float | None
+    error: str | None = None
+
+
+@attrs.frozen
+class Health:
+    """``GET /health``: ``status`` is ``ok``, or ``draining`` once shutdown began."""
+
+    status: str
+    policy: dict[str, str]
+    queue_depth: int
+    governor: GovernorView
+
+
+@attrs.frozen
+class PipelineStatistics:
+    """``GET /metrics``' figures: the books, and the running configuration and state."""
+
+    books: LedgerStatistics
+    policy: dict[str, str]
+    queue_depth: int
+    engine_kind: str
+    #: Engines, and the GPUs they use (``tp`` per continuous engine).
+    engines: tuple[EngineStatistics, ...]
+    gpus: int
+    time_scale: float
+    governor: GovernorView
+
+
+@attrs.frozen
+class TenantStatus:
+    """``GET /tenants/<id>/status``."""
+
+    tenant_id: str
+    rate: float
+    burst: int
+    tokens_available: float
+    queued: int
+    running: int
+    in_flight: int
+    admitted: int
+    completed: int
+    rejected: int
+    rejected_by_error: dict[str, int]
+    failed: int
+    cancelled: int
+    prompt_tokens: int
+    generated_tokens: int
+    cost_usd: float
 
 
 @attrs.define(eq=False)
@@ -51,7 +113,7 @@ class Pipeline:
     ledger: Ledger
     admission: Admission
     scheduler: Scheduler
-    executors: list[SimulatedExecutor]
+    engines: list[Engine]
     faults: FaultInjector
     request_id_prefix: str
     _ingress_send: trio.MemorySendChannel[InferenceRequest]
@@ -61,51 +123,49 @@ class Pipeline:
 
     @classmethod
     def build(cls, config: Config, policies: PolicySet, *, request_id_prefix: str | None = None,
-              events: EventBus | None = None) -> Pipeline:
-        """Assemble a pipeline (call inside ``trio.run``: the clock starts now)."""
+              profiles: ProfileRegistry | None = None) -> Pipeline:
+        """Assemble a pipeline (call inside ``trio.run``: the clock starts now). Raises ConfigError
+        for an ``[engine]`` whose profiles are unknown or do not fit."""
         clock = ModelClock(time_scale=config.gpu.time_scale)
-        if events is None:
-            events = EventBus(policies.plugin_manager)
-        ledger = Ledger(tenant_names=config.tenants, clock=clock, events=events)
+        ledger = Ledger(tenant_names=config.tenants, clock=clock, events=EventBus(policies.plugin_manager))
+        scheduler = Scheduler(policies=policies, ledger=ledger, clock=clock, queue_timeout_s=config.queue.timeout_s)
+        faults = FaultInjector(config.gpu)
+        engines = build_engines(config, ledger=ledger, clock=clock, faults=faults, rank=scheduler.rank,
+                                requeue=scheduler.requeue, profiles=profiles)
         admission = Admission(tenants=dict(config.tenants), batching=policies.batching, ledger=ledger,
-                              clock=clock, max_queued=config.queue.max_requests,
+                              clock=clock, engine_refuse=engines[0].refuse, max_queued=config.queue.max_requests,
                               max_queued_per_tenant=config.queue.max_requests_per_tenant,
                               max_queued_tokens=config.queue.max_tokens)
-        scheduler = Scheduler(policies=policies, ledger=ledger, clock=clock,
-                              queue_timeout_s=config.queue.timeout_s)
-        ledger.on_finish = scheduler.policy_finished
-        ledger.on_refund = admission.refund
-        model = GpuModel(config.gpu)
-        faults = FaultInjector(config.gpu)
-        executors = [SimulatedExecutor(i, model, ledger, clock, faults) for i in range(config.gpu.count)]
         send, receive = trio.open_memory_channel[InferenceRequest](config.queue.ingress_buffer)
         return cls(config=config, policies=policies, clock=clock, ledger=ledger, admission=admission,
-                   scheduler=scheduler, executors=executors, faults=faults,
+                   scheduler=scheduler, engines=engines, faults=faults,
                    request_id_prefix=request_id_prefix if request_id_prefix is not None else secrets.token_hex(4),
                    ingress_send=send, ingress_receive=receive)
 
-    async def run_stages(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the stages in a nursery of their own until :meth:`stop_stages` (supports ``nursery.start``)."""
-        async with trio.open_nursery() as nursery:
-            self._stages_scope = nursery.cancel_scope
-            self.start_stages(nursery)
-            task_status.started()
-
     def stop_stages(self) -> None:
-        """Cancel the stages started by :meth:`run_stages`: no batch runs or is billed after this."""
+        """Cancel the stages: no engine runs, or bills, anything after this."""
         if self._stages_scope is not None:
             self._stages_scope.cancel()
 
-    def start_stages(self, nursery: trio.Nursery) -> None:
+    async def _run_stages(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the stages in a nursery of their own (which :meth:`stop_stages` cancels)."""
+        async with trio.open_nursery() as nursery:
+            self._stages_scope = nursery.cancel_scope
+            self._start_stages(nursery)
+            task_status.started()
+
+    def _start_stages(self, nursery: trio.Nursery) -> None:
         """Start admission (which also queues what it admits), the scheduler's loops (dispatch,
-        queue timeouts) and every executor in ``nursery``."""
-        demand_send, demand_receive = trio.open_memory_channel[int](len(self.executors))
-        batch_send, batch_receive = trio.open_memory_channel[Batch](0)
+        queue timeouts) and every engine in ``nursery``."""
+        demand_send, demand_receive = trio.open_memory_channel[Demand](len(self.engines))
+        answers: dict[int, trio.MemorySendChannel[Dispatch]] = {}
         nursery.start_soon(self.admission.serve_admission, self._ingress_receive.clone(), self.scheduler.enqueue)
-        nursery.start_soon(self.scheduler.serve_dispatch, demand_receive, batch_send)
-        with demand_send, batch_receive:
-            for executor in self.executors:
-                nursery.start_soon(executor.serve_executor, demand_send.clone(), batch_receive.clone())
+        with demand_send:
+            for engine in self.engines:
+                answer_send, answer_receive = trio.open_memory_channel[Dispatch](1)
+                answers[engine.engine_id] = answer_send
+                nursery.start_soon(engine.serve, demand_send.clone(), answer_receive)
+        nursery.start_soon(self.scheduler.serve_dispatch, demand_receive, answers)
         nursery.start_soon(self.scheduler.serve_timeouts)
 
     # -- the way in ------------------------------------------------------------------------
@@ -175,11 +235,18 @@ class Pipeline:
         return True
 
     def cancel(self, request: InferenceRequest) -> bool:
-        """The client gave up on ``request``: if it is still queued, it leaves the queue,
-        counted as cancelled, tokens refunded. Once running it finishes (and is billed:
-        the GPU does the work). Returns True if it was cancelled."""
-        if request.answered or request.dispatched_at is not None:
+        """The client gave up on ``request``. Queued: it leaves the queue, counted as cancelled,
+        its tokens refunded. Running: its engine stops it (now or at its next step boundary),
+        frees its slot and KV cache, and it is billed for what ran; an engine that cannot stop
+        it (``micro``: a batch runs as one) lets it finish, billed. Returns whether it was (or
+        will be) cancelled."""
+        if request.stream is not None:
+            request.stream.abandon()
+        if request.answered:
             return False
+        if request.dispatched_at is not None:
+            engine = self._engine(request.engine_id)
+            return engine is not None and engine.cancel(request)
         if request not in self.ledger.outstanding:  # still waiting for admission: it will refuse it
             request.abandoned = True
             return True
@@ -212,6 +279,9 @@ class Pipeline:
                 kind="cancelled", headers={"Retry-After": "5"}))
         return aborted
 
+    def _engine(self, engine_id: int | None) -> Engine | None:
+        return next((e for e in self.engines if e.engine_id == engine_id), None)
+
     # -- live reconfiguration ----------------------------------------------------------------
     def reconfigure(self, config: Config, policies: PolicySet) -> list[str]:
         """Apply a new, already validated config and its policies, atomically; returns what changed.
@@ -222,17 +292,19 @@ class Pipeline:
         to requests queued from then on). Fault injection takes its new settings at the next
         batch; its batch count goes on. Tenants are added (full bucket), removed (new requests
         get 404; their queued ones still run) or re-rated (current tokens kept, capped at the
-        new burst). What cannot change while running (``[server]``, ``gpu.count``,
-        ``gpu.time_scale``, ``queue.ingress_buffer``) keeps its old value and is reported as
-        needing a restart.
+        new burst). What cannot change while running (``[server]``, ``[engine]`` but
+        ``max_retries``, ``gpu.time_scale``, ``queue.ingress_buffer``) keeps its old value and is
+        reported as needing a restart.
         """
         old = self.config
-        fixed = {"server": old.server,
-                 "gpu": attrs.evolve(config.gpu, count=old.gpu.count, time_scale=old.gpu.time_scale),
+        kept_engine = attrs.evolve(old.engine, max_retries=config.engine.max_retries)
+        fixed = {"server": old.server, "engine": kept_engine,
+                 "gpu": attrs.evolve(config.gpu, time_scale=old.gpu.time_scale),
                  "queue": attrs.evolve(config.queue, ingress_buffer=old.queue.ingress_buffer)}
         changes = [f"{name} needs a restart to change (kept as before)"
                    for name, now, then in (("[server]", config.server, old.server),
-                                           ("gpu.count", config.gpu.count, old.gpu.count),
+                                           ("[engine]", attrs.evolve(config.engine, max_retries=0),
+                                            attrs.evolve(old.engine, max_retries=0)),
                                            ("gpu.time_scale", config.gpu.time_scale, old.gpu.time_scale),
                                            ("queue.ingress_buffer", config.queue.ingress_buffer,
                                             old.queue.ingress_buffer))
@@ -246,9 +318,12 @@ class Pipeline:
         if config.queue.timeout_s != old.queue.timeout_s:  # admission reports the other queue keys
             changes.append(f"queue.timeout_s {config.queue.timeout_s:g} (for requests queued from now on)")
         self.scheduler.queue_timeout_s = config.queue.timeout_s
-        model = GpuModel(config.gpu)
-        for executor in self.executors:
-            executor.model = model
+        engine_changes: list[str] = []
+        for engine in self.engines:
+            engine_changes = engine.reconfigure(config)
+        changes += engine_changes
+        if config.engine.max_retries != old.engine.max_retries:
+            changes.append(f"engine.max_retries {config.engine.max_retries}")
         self.faults.configure(config.gpu)
         faults = ("fail_probability", "fail_every_n_batches", "fault_seed")
         if any(getattr(config.gpu, k) != getattr(old.gpu, k) for k in faults):
@@ -262,72 +337,64 @@ class Pipeline:
         return changes
 
     # -- read-only views -----------------------------------------------------------------
-    def governor_view(self) -> dict:
+    def governor_view(self) -> GovernorView:
         try:
             reading = self.scheduler.governor_reading()
         except Exception as exc:  # a broken governor must not break /health and /metrics
-            return {"state": "ERROR", "entropy_bits": None, "window_ms": None,
-                    "error": f"{type(exc).__name__}: {exc}"}
-        return {"state": reading.state, "entropy_bits": reading.entropy_bits,
-                "window_ms": reading.window_s * 1000.0}
+            return GovernorView(state="ERROR", entropy_bits=None, window_ms=None, error=f"{type(exc).__name__}: {exc}")
+        return GovernorView(state=reading.state, entropy_bits=reading.entropy_bits, window_ms=reading.window_s * 1000.0)
 
-    def health(self) -> dict:
-        return {
-            "status": "ok" if self.accepting else "draining",
-            "policy": self.scheduler.policy_names,
-            "queue_depth": self.scheduler.queue_depth,
-            "governor": self.governor_view(),
-        }
+    def health(self) -> Health:
+        return Health(status="ok" if self.accepting else "draining", policy=self.scheduler.policy_names,
+                      queue_depth=self.scheduler.queue_depth, governor=self.governor_view())
 
-    def metrics(self) -> dict:
+    @property
+    def gpus(self) -> int:
+        """GPUs behind the engines: one per ``micro`` engine, ``tp`` per ``continuous`` one."""
+        per_engine = self.config.engine.tp if self.config.engine.kind == "continuous" else 1
+        return len(self.engines) * per_engine
+
+    def statistics(self) -> PipelineStatistics:
         rates = {name: t.rate for name, t in self.config.tenants.items()}
-        snapshot = self.ledger.snapshot(self.clock.now(), len(self.executors), rates)
-        snapshot.update(
+        return PipelineStatistics(
+            books=self.ledger.statistics(self.clock.now(), self.gpus, rates),
             policy=self.scheduler.policy_names,
             queue_depth=self.scheduler.queue_depth,
-            gpus=len(self.executors),
+            engine_kind=self.config.engine.kind,
+            engines=tuple(engine.statistics() for engine in self.engines),
+            gpus=self.gpus,
             time_scale=self.clock.time_scale,
             governor=self.governor_view(),
         )
-        return snapshot
 
-    def tenant_status(self, tenant_id: str) -> dict | None:
+    def tenant_status(self, tenant_id: str) -> TenantStatus | None:
         tenant = self.config.tenants.get(tenant_id)
         if tenant is None:
             return None
         stats = self.ledger.tenants[tenant_id]
-        return {
-            "tenant_id": tenant_id,
-            "rate": tenant.rate,
-            "burst": tenant.burst,
-            "tokens_available": self.admission.buckets[tenant_id].level(self.clock.now()),
-            "queued": stats.queued,
-            "running": stats.running,
-            "in_flight": stats.in_flight,
-            "admitted": stats.admitted,
-            "completed": stats.completed,
-            "rejected": stats.rejected,
-            "rejected_by_error": dict(stats.rejected_by_error),
-            "failed": stats.failed,
-            "cancelled": stats.cancelled,
-            "prompt_tokens": stats.prompt_tokens,
-            "generated_tokens": stats.generated_tokens,
-            "cost_usd": stats.cost_usd,
-        }
+        return TenantStatus(
+            tenant_id=tenant_id, rate=tenant.rate, burst=tenant.burst,
+            tokens_available=self.admission.buckets[tenant_id].level(self.clock.now()),
+            queued=stats.queued, running=stats.running, in_flight=stats.in_flight, admitted=stats.admitted,
+            completed=stats.completed, rejected=stats.rejected, rejected_by_error=dict(stats.rejected_by_error),
+            failed=stats.failed, cancelled=stats.cancelled, prompt_tokens=stats.prompt_tokens,
+            generated_tokens=stats.generated_tokens, cost_usd=stats.cost_usd)
 
 
 @asynccontextmanager
-async def open_pipeline(config: Config, policies: PolicySet, *, request_id_prefix: str = "sim",
-                        events: EventBus | None = None) -> AsyncIterator[Pipeline]:
-    """A running pipeline without HTTP, for the simulator and tests; stopped on exit.
+async def open_pipeline(config: Config, policies: PolicySet, *, request_id_prefix: str | None = "sim",
+                        profiles: ProfileRegistry | None = None) -> AsyncIterator[Pipeline]:
+    """Build a pipeline, run its stages in a nursery of their own, and yield it.
 
-    Observation hooks of the plugins the policies came from fire as in the daemon.
-    Under ``trio.testing.MockClock(autojump_threshold=0)`` it runs in virtual time.
-    Requests still unfinished on exit are answered 503 before the stages stop.
+    The one way a pipeline runs: the daemon (which adds HTTP), the simulator and tests.
+    Observation hooks of the plugins the policies came from fire in every case. Under
+    ``trio.testing.MockClock(autojump_threshold=0)`` it runs in virtual time. On exit, new
+    requests are refused, requests still unfinished are answered 503, and the stages stop.
+    Raises ConfigError before anything runs for an ``[engine]`` that cannot be built.
     """
+    pipeline = Pipeline.build(config, policies, request_id_prefix=request_id_prefix, profiles=profiles)
     async with trio.open_nursery() as nursery:
-        pipeline = Pipeline.build(config, policies, request_id_prefix=request_id_prefix, events=events)
-        pipeline.start_stages(nursery)
+        await nursery.start(pipeline._run_stages)
         try:
             yield pipeline
         finally:

@@ -2,7 +2,8 @@
 
 Ownership: :func:`make_plugin_manager` builds the manager (built-ins, then the
 ``apsd`` entry points of installed distributions, filtered by ``APSD_PLUGINS``);
-:func:`load_policy_registry` asks every plugin for its policies;
+:func:`load_policy_registry` asks every plugin for its policies,
+:func:`load_profile_registry` for its GPU and model profiles;
 :func:`build_policies` does both and instantiates the configured policies.
 Every failure is a :class:`PluginError` whose message names the plugin.
 
@@ -22,6 +23,7 @@ import pluggy
 
 from . import hookspecs
 from .config import Config
+from .engines.profiles import ProfileRegistry
 from .policy import POLICY_KINDS, PluginError, PolicyRegistry, PolicySet
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "build_policies",
     "describe_plugins",
     "load_policy_registry",
+    "load_profile_registry",
     "make_plugin_manager",
 ]
 
@@ -39,6 +42,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "apsd.policies.aging",
     "apsd.policies.governor",
     "apsd.policies.batching",
+    "apsd.engines.profiles",
     "apsd.logs",
 )
 
@@ -101,6 +105,19 @@ def load_policy_registry(pm: pluggy.PluginManager) -> PolicyRegistry:
             impl.function(registry=registry)
         except Exception as exc:
             raise PluginError(f"plugin {impl.plugin_name!r} failed in register_policies: "
+                              f"{type(exc).__name__}: {exc}") from exc
+    return registry
+
+
+def load_profile_registry(pm: pluggy.PluginManager) -> ProfileRegistry:
+    """Call every plugin's ``register_profiles`` (registration order) and return the registry."""
+    registry = ProfileRegistry()
+    for impl in pm.hook.register_profiles.get_hookimpls():
+        registry.current_plugin = f"plugin {impl.plugin_name!r}"
+        try:
+            impl.function(registry=registry)
+        except Exception as exc:
+            raise PluginError(f"plugin {impl.plugin_name!r} failed in register_profiles: "
                               f"{type(exc).__name__}: {exc}") from exc
     return registry
 

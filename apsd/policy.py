@@ -27,7 +27,7 @@ import attrs
 from .config import Config, ConfigError
 
 if TYPE_CHECKING:
-    from .models import InferenceRequest
+    from .models import Capacity, InferenceRequest
 
 __all__ = [
     "BatchingPolicy",
@@ -95,14 +95,24 @@ class Governor(Protocol):
 
 @runtime_checkable
 class BatchingPolicy(Protocol):
+    """Decides when to dispatch and what goes in a dispatch, for the engine that asked.
+
+    ``free`` is that engine's capacity as it is now (:class:`apsd.models.Capacity`): how many
+    more sequences, how many more KV tokens, and ``free.need(request)``, the KV tokens a
+    request needs to join it.
+    """
+
     def refuse_reason(self, request: InferenceRequest) -> str | None:
-        """Why ``request`` could never be in any batch (admission answers 413), else None."""
+        """Why ``request`` could never be in any dispatch (admission answers 413), else None.
+        (What no engine can hold, the engines refuse themselves.)"""
 
-    def is_full(self, queue: OrderingPolicy, now: float) -> bool:
-        """True when waiting longer cannot make the next batch bigger."""
+    def is_full(self, queue: OrderingPolicy, now: float, free: Capacity) -> bool:
+        """True when waiting longer cannot make the next dispatch bigger."""
 
-    def cut(self, queue: OrderingPolicy, now: float) -> list[InferenceRequest]:
-        """Pop the next batch from ``queue`` (non-empty when the queue is)."""
+    def cut(self, queue: OrderingPolicy, now: float, free: Capacity) -> list[InferenceRequest]:
+        """Pop the next dispatch from ``queue``: requests that fit ``free`` together. Empty only
+        when the next request in queue order does not fit ``free`` (the engine then asks again
+        when it has more room); otherwise non-empty when the queue is."""
 
 
 PolicyFactory = Callable[[dict[str, Any], Config], Any]

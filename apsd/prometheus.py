@@ -2,14 +2,13 @@
 
 Ownership: one :class:`PrometheusExporter` per pipeline (:func:`exporter_for`), with a
 ``CollectorRegistry`` of its own (never prometheus_client's global registry, so two
-pipelines in one process never mix). Its collector reads the ledger, the scheduler and
-the governor when scraped: every counter is the ledger's own, counted once. The only
-state the exporter keeps is the two histograms, which need every observation since
-start (the ledger keeps only recent queue waits). They are fed by an observer with two
-observation hooks (``request_dispatched``, ``batch_finished``), attached to the
-ledger's event bus when the exporter is made; the HTTP app makes it before it serves,
-so it sees every dispatch. Scrapes run in the pipeline's trio thread: one scrape sees
-one consistent moment.
+pipelines in one process never mix). Its collector reads the pipeline's frozen
+:meth:`~apsd.pipeline.Pipeline.statistics` and the ledger's per-tenant counters when
+scraped: every counter is the ledger's own, counted once. The only state the exporter
+keeps is its histograms, which need every observation since start (the ledger keeps only
+recent samples); a :class:`HistogramObserver` subscribes to the ledger's event bus when the
+exporter is made (the HTTP app makes it before it serves, so it sees every request). Scrapes
+run in the pipeline's trio thread: one scrape sees one consistent moment.
 
 Metrics (``tenant`` is a configured tenant's name)::
 
@@ -17,18 +16,30 @@ Metrics (``tenant`` is a configured tenant's name)::
                                                        failed, cancelled
     apsd_rejections_total{tenant,error}       counter  rejected, by error code
     apsd_requests_in_flight{tenant,state}     gauge    state: queued, running
-    apsd_tokens_total{tenant,phase}           counter  completed requests' tokens; phase: prompt,
-                                                       generated
-    apsd_tenant_cost_usd_total{tenant}        counter  cost of the tenant's completed requests
-    apsd_cost_usd_total                       counter  cost of every batch that ran
-    apsd_batches_total                        counter  batches that finished running
+    apsd_tokens_total{tenant,phase}           counter  tokens charged to the tenant (completed
+                                                       requests, and those cancelled while running:
+                                                       what they used); phase: prompt, generated
+    apsd_tenant_cost_usd_total{tenant}        counter  cost of what the tenant was charged
+    apsd_cost_usd_total                       counter  cost of every engine's busy time
+    apsd_batches_total                        counter  micro-batches that finished running
     apsd_gpu_busy_seconds_total               counter  summed over GPUs
     apsd_gpu_busy_ratio                       gauge    busy / (gpus * elapsed), since start
-    apsd_gpus                                 gauge
+    apsd_gpus                                 gauge    GPUs behind the engines
     apsd_queue_depth                          gauge    requests waiting for dispatch
     apsd_queue_tokens                         gauge    their prompt + requested tokens (queue.max_tokens)
-    apsd_queue_wait_seconds{tenant}           histogram arrival to dispatch, per dispatched request
-    apsd_batch_size                           histogram requests per batch that ran
+    apsd_queue_wait_seconds{tenant}           histogram arrival to dispatch, per dispatch
+    apsd_ttft_seconds{tenant}                 histogram arrival to first token, per started request
+    apsd_tpot_seconds{tenant}                 histogram mean time per output token after the first,
+                                                       per completed request of 2 tokens or more
+    apsd_request_latency_seconds{tenant}      histogram arrival to last token, per completed request
+    apsd_batch_size                           histogram requests per micro-batch that ran
+    apsd_engine_running_sequences{engine}     gauge    sequences an engine runs now
+    apsd_engine_waiting_sequences{engine}     gauge    preempted sequences waiting for KV cache
+    apsd_engine_kv_usage_ratio{engine}        gauge    KV cache in use / capacity
+    apsd_engine_preemptions_total{engine}     counter
+    apsd_engine_busy_seconds_total{engine}    counter
+    apsd_engine_mfu_ratio{engine}             gauge    model FLOPs / peak over busy time (continuous)
+    apsd_engine_mbu_ratio{engine}             gauge    bytes read / peak bandwidth over busy time
     apsd_batch_window_seconds                 gauge    the governor's current batch window
     apsd_governor_entropy                     gauge    bits (no sample when the governor has none;
                                                        not ..._bits: promtool wants bytes)
@@ -63,7 +74,6 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Literal
 
-import pluggy
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -76,18 +86,19 @@ from prometheus_client.utils import floatToGoString
 from werkzeug.datastructures import MIMEAccept
 from werkzeug.http import parse_accept_header
 
-from . import hookspecs
 from .events import EventBus
-from .hookspecs import hookimpl
+from .models import Completion, Dispatch, InferenceRequest, Outcome
 
 if TYPE_CHECKING:
+    from .engines.base import EngineStatistics
     from .ledger import TenantStats
-    from .models import Batch, InferenceRequest
-    from .pipeline import Pipeline
+    from .pipeline import GovernorView, Pipeline
 
 __all__ = [
     "BATCH_SIZE_BUCKETS",
+    "LATENCY_BUCKETS",
     "QUEUE_WAIT_BUCKETS",
+    "TPOT_BUCKETS",
     "UNATTRIBUTED",
     "HistogramObserver",
     "PrometheusExporter",
@@ -100,6 +111,11 @@ UNATTRIBUTED = ""
 #: Upper bounds (model seconds) of ``apsd_queue_wait_seconds``' buckets (+Inf is added).
 QUEUE_WAIT_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                          1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+#: Upper bounds (model seconds) of the TTFT and end-to-end latency histograms' buckets.
+LATENCY_BUCKETS: tuple[float, ...] = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                                      120.0, 300.0, 600.0)
+#: Upper bounds (model seconds) of ``apsd_tpot_seconds``' buckets.
+TPOT_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 #: Upper bounds of ``apsd_batch_size``'s buckets (+Inf is added).
 BATCH_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 #: States remembered for ``apsd_governor_state`` (reported 0 once left); a bound, not a limit in practice.
@@ -128,67 +144,49 @@ class _Histogram:
 
 
 class HistogramObserver:
-    """An apsd plugin with two observation hooks: the histograms' only input."""
+    """The histograms' only input: listeners on the ledger's event bus (see :meth:`subscribe`)."""
 
     def __init__(self, tenants: Iterable[str] = ()) -> None:
-        self.queue_wait = {tenant: _Histogram(QUEUE_WAIT_BUCKETS) for tenant in tenants}
+        self.tenants = {tenant: _TenantHistograms() for tenant in tenants}
         self.batch_size = _Histogram(BATCH_SIZE_BUCKETS)
 
-    def histogram_for(self, tenant: str) -> _Histogram:
-        histogram = self.queue_wait.get(tenant)
-        if histogram is None:
-            histogram = self.queue_wait[tenant] = _Histogram(QUEUE_WAIT_BUCKETS)
-        return histogram
+    def histograms_for(self, tenant: str) -> _TenantHistograms:
+        # admission admits configured tenants only: no series per client-chosen name
+        histograms = self.tenants.get(tenant)
+        if histograms is None:
+            histograms = self.tenants[tenant] = _TenantHistograms()
+        return histograms
 
-    @hookimpl
+    def subscribe(self, bus: EventBus) -> None:
+        bus.subscribe("request_dispatched", self.request_dispatched, "the Prometheus histograms")
+        bus.subscribe("request_started", self.request_started, "the Prometheus histograms")
+        bus.subscribe("request_finished", self.request_finished, "the Prometheus histograms")
+        bus.subscribe("batch_finished", self.batch_finished, "the Prometheus histograms")
+
     def request_dispatched(self, request: InferenceRequest) -> None:
         assert request.dispatched_at is not None
-        # as Ledger.queue_waits_s; admission admits configured tenants only: no series per client-chosen name
-        self.histogram_for(request.tenant_id).observe(request.dispatched_at - request.arrival)
+        self.histograms_for(request.tenant_id).queue_wait.observe(request.dispatched_at - request.arrival)
 
-    @hookimpl
-    def batch_finished(self, batch: Batch) -> None:
+    def request_started(self, request: InferenceRequest, now: float) -> None:
+        self.histograms_for(request.tenant_id).ttft.observe(now - request.arrival)
+
+    def request_finished(self, request: InferenceRequest, outcome: Outcome, now: float) -> None:
+        if isinstance(outcome, Completion):
+            histograms = self.histograms_for(request.tenant_id)
+            histograms.latency.observe(now - request.arrival)
+            if outcome.tpot_ms is not None:
+                histograms.tpot.observe(outcome.tpot_ms / 1000.0)
+
+    def batch_finished(self, batch: Dispatch) -> None:
         self.batch_size.observe(len(batch.requests))
 
 
-class _TeeBus(EventBus):
-    """The pipeline's own bus first, then the exporter's: everything the ledger emits reaches both.
-
-    When both are plain buses (an :class:`EventBus`, or a ``_TeeBus`` of plain buses) their
-    listeners are fixed: the tee keeps them in one table, first's then second's, so one emit
-    calls them all in that order. A bus of any other class keeps its own ``emit``, called as is.
-    """
-
-    def __init__(self, first: EventBus, second: EventBus) -> None:
-        super().__init__()
-        self.first, self.second = first, second
-        if _plain(first) and _plain(second):
-            for name in {*first._listeners, *second._listeners}:
-                self._listeners[name] = [*first._listeners.get(name, ()), *second._listeners.get(name, ())]
-        else:
-            self.wants = self._tee_wants  # type: ignore[method-assign]
-            self.emit = self._tee_emit  # type: ignore[method-assign]
-
-    def _tee_wants(self, name: str) -> bool:
-        return self.first.wants(name) or self.second.wants(name)
-
-    def _tee_emit(self, name: str, **kwargs: object) -> None:
-        self.first.emit(name, **kwargs)
-        self.second.emit(name, **kwargs)
-
-
-def _plain(bus: EventBus) -> bool:
-    """Whether ``bus`` is an EventBus whose ``emit`` is exactly its listener table's."""
-    return type(bus) is EventBus or (type(bus) is _TeeBus and "emit" not in vars(bus))
-
-
-def _observer_bus(observer: HistogramObserver) -> EventBus:
-    """An EventBus calling ``observer``'s hooks (validated and isolated like any plugin's)."""
-    pm = pluggy.PluginManager("apsd")
-    pm.add_hookspecs(hookspecs)
-    pm.register(observer, name="apsd.prometheus")
-    pm.check_pending()
-    return EventBus(pm)
+class _TenantHistograms:
+    def __init__(self) -> None:
+        self.queue_wait = _Histogram(QUEUE_WAIT_BUCKETS)
+        self.ttft = _Histogram(LATENCY_BUCKETS)
+        self.tpot = _Histogram(TPOT_BUCKETS)
+        self.latency = _Histogram(LATENCY_BUCKETS)
 
 
 class PrometheusExporter:
@@ -200,26 +198,10 @@ class PrometheusExporter:
         # (a weak reference: the exporter lives in a WeakKeyDictionary keyed by the pipeline)
         self._pipeline = weakref.ref(pipeline)
         self.observer = HistogramObserver(pipeline.ledger.tenants)
-        self._observer_bus = _observer_bus(self.observer)
-        self.attach(pipeline)
+        self.observer.subscribe(pipeline.ledger.events)
         self._states_seen: dict[str, None] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
-
-    def attach(self, pipeline: Pipeline) -> None:
-        """Make the ledger's event bus also feed the histograms (a no-op if it already does).
-
-        Code that replaces ``pipeline.ledger.events`` (say, a reload with new plugins)
-        should call this right after: dispatches until then are not observed. (A scrape
-        also re-attaches to a bus replaced by a plain :class:`EventBus`, so at worst the
-        dispatches between the replacement and the next scrape are missed.)
-        """
-        bus = pipeline.ledger.events
-        while isinstance(bus, _TeeBus):
-            if bus.second is self._observer_bus:
-                return
-            bus = bus.first
-        pipeline.ledger.events = _TeeBus(pipeline.ledger.events, self._observer_bus)
 
     def exposition(self) -> bytes:
         """The text exposition format (``content_type``) of every metric, now."""
@@ -231,9 +213,8 @@ class PrometheusExporter:
         if pipeline is None:
             return
         ledger = pipeline.ledger
-        if type(ledger.events) is EventBus:  # replaced since: see attach()
-            self.attach(pipeline)
-        figures = pipeline.metrics()  # the JSON view's figures, so both views agree
+        statistics = pipeline.statistics()  # the JSON view's figures, so both views agree
+        books = statistics.books
         per_tenant: list[tuple[str, TenantStats]] = [*ledger.tenants.items(),
                                                      (UNATTRIBUTED, ledger.unattributed)]
 
@@ -268,42 +249,50 @@ class PrometheusExporter:
                                "Admitted requests without an outcome yet, by tenant and state",
                                ["tenant", "state"])
         yield tokens.family(CounterMetricFamily, "apsd_tokens_total",
-                            "Tokens of completed requests, by tenant and phase (prompt, generated)",
-                            ["tenant", "phase"])
+                            "Tokens charged to the tenant, by phase (prompt, generated): what its completed "
+                            "requests, and those cancelled while running, used", ["tenant", "phase"])
         yield tenant_cost.family(CounterMetricFamily, "apsd_tenant_cost_usd_total",
-                                 "Cost in USD of the tenant's completed requests (their share of each batch)",
+                                 "Cost in USD of what the tenant was charged (its share of its engines' time)",
                                  ["tenant"])
 
-        yield CounterMetricFamily("apsd_cost_usd_total", "Cost in USD of every batch that ran",
+        yield CounterMetricFamily("apsd_cost_usd_total", "Cost in USD of every engine's busy time",
                                   value=ledger.cost_usd)
-        yield CounterMetricFamily("apsd_batches_total", "Batches that finished running", value=ledger.batches)
+        yield CounterMetricFamily("apsd_batches_total", "Micro-batches that finished running", value=ledger.batches)
         yield CounterMetricFamily("apsd_gpu_busy_seconds_total",
-                                  "Model seconds the GPUs spent running batches, summed over GPUs",
+                                  "Model seconds the engines spent computing, summed over engines",
                                   value=ledger.gpu_busy_s)
         yield GaugeMetricFamily("apsd_gpu_busy_ratio",
-                                "GPU busy time / (GPUs * model seconds since start)",
-                                value=figures["gpu_utilization"])
-        yield GaugeMetricFamily("apsd_gpus", "Simulated GPUs (executors)", value=figures["gpus"])
+                                "Engine busy time / (GPUs * model seconds since start)",
+                                value=books.gpu_utilization)
+        yield GaugeMetricFamily("apsd_gpus", "GPUs behind the engines", value=statistics.gpus)
         yield GaugeMetricFamily("apsd_queue_depth", "Requests waiting for dispatch",
-                                value=figures["queue_depth"])
+                                value=statistics.queue_depth)
         yield GaugeMetricFamily("apsd_queue_tokens", "Prompt + requested tokens of the requests waiting "
-                                "for dispatch (bounded by queue.max_tokens)", value=figures["tokens"]["queued"])
+                                "for dispatch (bounded by queue.max_tokens)", value=books.tokens.queued)
 
-        queue_wait = HistogramMetricFamily(
-            "apsd_queue_wait_seconds", "Model seconds from admission to dispatch, per dispatched request",
-            labels=["tenant"])
         for tenant in ledger.tenants:  # every configured tenant has its series from the start
-            self.observer.histogram_for(tenant)
-        for tenant, histogram in sorted(self.observer.queue_wait.items()):
-            queue_wait.add_metric([tenant], histogram.buckets(), histogram.sum)
-        yield queue_wait
-        batch_size = HistogramMetricFamily("apsd_batch_size", "Requests per batch, per batch that ran")
+            self.observer.histograms_for(tenant)
+        histograms = sorted(self.observer.tenants.items())
+        for name, attribute, documentation in (
+                ("apsd_queue_wait_seconds", "queue_wait", "Model seconds from admission to dispatch, per dispatch"),
+                ("apsd_ttft_seconds", "ttft", "Model seconds from admission to the first token, per started request"),
+                ("apsd_tpot_seconds", "tpot", "Mean model seconds per output token after the first, per completed "
+                 "request of two tokens or more"),
+                ("apsd_request_latency_seconds", "latency", "Model seconds from admission to the last token, per "
+                 "completed request")):
+            family = HistogramMetricFamily(name, documentation, labels=["tenant"])
+            for tenant, per_tenant_histograms in histograms:
+                histogram = getattr(per_tenant_histograms, attribute)
+                family.add_metric([tenant], histogram.buckets(), histogram.sum)
+            yield family
+        batch_size = HistogramMetricFamily("apsd_batch_size", "Requests per micro-batch, per batch that ran")
         batch_size.add_metric([], self.observer.batch_size.buckets(), self.observer.batch_size.sum)
         yield batch_size
+        yield from self._engines(statistics.engines)
 
         declared = getattr(pipeline.scheduler.policies.governor, "states", ())
-        yield from self._governor(figures["governor"], declared if isinstance(declared, (tuple, list)) else ())
-        jain = figures["fairness"]["jain_index"]
+        yield from self._governor(statistics.governor, declared if isinstance(declared, (tuple, list)) else ())
+        jain = books.fairness.jain_index
         fairness = GaugeMetricFamily(
             "apsd_fairness_jain", "Jain's index over tenants with admitted work of output tokens / rate "
             "(1: service in proportion to rate; 1/n: one tenant got everything)")
@@ -312,18 +301,49 @@ class PrometheusExporter:
         yield fairness
         yield GaugeMetricFamily("apsd_conservation_ok",
                                 "1 when admitted == completed + failed + cancelled + queued + running",
-                                value=1 if figures["requests"]["conservation_ok"] else 0)
+                                value=1 if books.requests.conservation_ok else 0)
         yield GaugeMetricFamily("apsd_accepting", "1 while admitting requests, 0 once shutting down",
                                 value=1 if pipeline.accepting else 0)
-        policy = {kind: str(figures["policy"].get(kind) or "") for kind in ("aging", "governor", "batching",
+        policy = {kind: str(statistics.policy.get(kind) or "") for kind in ("aging", "governor", "batching",
                                                                             "preset")}
         info = GaugeMetricFamily("apsd_policy_info", "The policies in force (value always 1)",
                                  labels=list(policy))
         info.add_metric(list(policy.values()), 1)
         yield info
 
-    def _governor(self, view: dict, declared: Iterable[str]) -> Iterator[Metric]:
-        state = str(view["state"])
+    @staticmethod
+    def _engines(engines: Sequence[EngineStatistics]) -> Iterator[Metric]:
+        gauges = {
+            "running": GaugeMetricFamily("apsd_engine_running_sequences", "Sequences the engine runs now",
+                                         labels=["engine"]),
+            "waiting": GaugeMetricFamily("apsd_engine_waiting_sequences",
+                                         "Preempted sequences waiting in the engine for KV cache", labels=["engine"]),
+            "kv": GaugeMetricFamily("apsd_engine_kv_usage_ratio", "KV cache in use / its capacity", labels=["engine"]),
+            "preemptions": CounterMetricFamily("apsd_engine_preemptions", "Sequences preempted for KV cache",
+                                               labels=["engine"]),
+            "busy": CounterMetricFamily("apsd_engine_busy_seconds", "Model seconds the engine spent computing",
+                                        labels=["engine"]),
+            "mfu": GaugeMetricFamily("apsd_engine_mfu_ratio", "Model FLOPs / the GPUs' peak, over the engine's busy "
+                                     "time (engines with a hardware model)", labels=["engine"]),
+            "mbu": GaugeMetricFamily("apsd_engine_mbu_ratio", "Bytes read / the GPUs' peak bandwidth, over the "
+                                     "engine's busy time (engines with a hardware model)", labels=["engine"]),
+        }
+        for engine in engines:
+            label = [str(engine.engine_id)]
+            gauges["running"].add_metric(label, engine.running)
+            gauges["waiting"].add_metric(label, engine.waiting)
+            gauges["kv"].add_metric(label, engine.kv_tokens_used / engine.kv_tokens_capacity
+                                    if engine.kv_tokens_capacity else 0.0)
+            gauges["preemptions"].add_metric(label, engine.preemptions)
+            gauges["busy"].add_metric(label, engine.busy_s)
+            if engine.mfu is not None:
+                gauges["mfu"].add_metric(label, engine.mfu)
+            if engine.mbu is not None:
+                gauges["mbu"].add_metric(label, engine.mbu)
+        yield from gauges.values()
+
+    def _governor(self, view: GovernorView, declared: Iterable[str]) -> Iterator[Metric]:
+        state = view.state
         for name in (*declared, state):
             if name not in self._states_seen and len(self._states_seen) < _MAX_GOVERNOR_STATES:
                 self._states_seen[name] = None
@@ -334,14 +354,14 @@ class PrometheusExporter:
             states.add_metric([seen], 1 if seen == state else 0)
         yield states
         window = GaugeMetricFamily("apsd_batch_window_seconds", "The governor's current batch window")
-        if view.get("window_ms") is not None:
-            window.add_metric([], view["window_ms"] / 1000.0)
+        if view.window_ms is not None:
+            window.add_metric([], view.window_ms / 1000.0)
         yield window
         # (not ..._entropy_bits: promtool's lint wants data sizes in bytes and fails on "bits")
         entropy = GaugeMetricFamily("apsd_governor_entropy",
                                     "Entropy in bits of recent inter-arrival times, as the governor measures it")
-        if view.get("entropy_bits") is not None:
-            entropy.add_metric([], view["entropy_bits"])
+        if view.entropy_bits is not None:
+            entropy.add_metric([], view.entropy_bits)
         yield entropy
 
 

@@ -1,20 +1,27 @@
-"""Scheduler stage: the waiting queue, the batch window, and cutting batches on demand.
+"""Scheduler stage: the waiting queue, the batch window, and dispatching to engines on demand.
 
 Ownership: admission puts admitted requests in through :meth:`Scheduler.enqueue`
 (in its own task); the scheduler owns the receive end of the demand channel and
-the send end of the batch channel (:meth:`Scheduler.serve_dispatch`). The queue
-itself is the aging policy object; the scheduler is its only user, and the only
-caller of the three policies on the hot path.
+the send ends of the engines' answer channels (:meth:`Scheduler.serve_dispatch`).
+The queue itself is the aging policy object; the scheduler is its only user, and
+the only caller of the three policies on the hot path.
 
-When a batch is cut: executors *pull*. An idle executor sends its id on the
-demand channel and then waits on the unbuffered batch channel; only then does
-the scheduler wait out the window and cut, so a batch is formed at the last
-moment and a late high-priority request still gets in.
+When a dispatch is cut: engines *pull*. An engine with free capacity sends a
+:class:`~apsd.engines.base.Demand` and the scheduler answers that engine; only
+then does it wait out the window and cut, sized to the engine's free capacity as
+it is at that moment, so a dispatch is formed at the last moment and a late
+high-priority request still gets in. If the next request in queue order does
+not fit, the engine gets an empty dispatch and asks again when it has more room
+(queue order is never overtaken by a smaller request).
 
-The window: a batch is cut as soon as the batching policy says it is full, or
+The window: a dispatch is cut as soon as the batching policy says it is full, or
 once ``window_s`` (from the governor) has passed since the first request of
 the current backlog arrived. Requests left over after a cut have already
-waited, so they go out as soon as an executor is free.
+waited, so they go out as soon as an engine has room.
+
+Requeues: a request whose engine failed before its first token comes back through
+:meth:`Scheduler.requeue`, keeping its arrival and sequence number (so its place in
+queue order) and its deadline.
 
 Error handling: a policy that raises fails the requests it was handling with a
 500 ``policy_error`` naming the policy, and the scheduler carries on. If the
@@ -49,8 +56,9 @@ import attrs
 import trio
 
 from .clock import ModelClock
+from .engines.base import Demand, Engine
 from .ledger import Ledger
-from .models import Batch, InferenceRequest, Outcome, Refusal
+from .models import Capacity, Dispatch, InferenceRequest, Outcome, Refusal
 from .policies.aging import FifoQueue
 from .policy import GovernorReading, OrderingPolicy, PolicySet
 
@@ -84,6 +92,8 @@ class Scheduler:
     _answered_in_queue: int = attrs.field(default=0, init=False)
     #: Decisions the dispatcher has made: a heartbeat (the systemd watchdog reads it).
     decisions: int = attrs.field(default=0, init=False)
+    #: The engine whose demand the dispatcher is answering (None: none is asking).
+    _asking: Engine | None = attrs.field(default=None, init=False)
     #: (deadline, seq, request) of every queued request with a deadline (and of some that have
     #: left the queue since: dropped lazily). Only enqueue pushes, only serve_timeouts pops.
     _deadlines: list[tuple[float, int, InferenceRequest]] = attrs.field(factory=list, init=False)
@@ -94,6 +104,7 @@ class Scheduler:
 
     def __attrs_post_init__(self) -> None:
         self._use_queue(self.policies.aging)
+        self.ledger.events.subscribe("request_finished", self.policy_finished, "the scheduler's policies")
 
     def use_policies(self, policies: PolicySet) -> None:
         """Switch to new policies (a reload): queued requests move to the new queue in admission order."""
@@ -176,7 +187,7 @@ class Scheduler:
             self.ledger.finish(request, Refusal(500, "policy_error", str(failure), kind="failed"))
 
     def policy_finished(self, request: InferenceRequest, outcome: Outcome, now: float) -> None:
-        """Tell every policy with an ``on_finish`` method (the ledger calls this)."""
+        """Tell every policy with an ``on_finish`` method (subscribed to ``request_finished``)."""
         for kind, on_finish in self._on_finish:
             try:
                 on_finish(request, outcome, now)
@@ -201,6 +212,32 @@ class Scheduler:
         self._set_deadline(request)
         if self._arrival_matters():
             self._wake()
+
+    def requeue(self, request: InferenceRequest, reason: str) -> None:
+        """Put a dispatched request whose engine failed before its first token back in the queue,
+        in its old place (arrival and ``seq`` kept), its deadline kept (it may expire at once)."""
+        self.ledger.requeued(request, reason)
+        now = self.clock.now()
+        try:
+            self.queue.push(request, now)
+        except Exception as exc:
+            self._fail([request], self._failure("aging", exc))
+            return
+        if self._backlog_since is None:
+            self._backlog_since = now
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, request.seq, request))
+            if self._deadlines[0][2] is request:
+                self._earlier_deadline.set()
+        self._wake()
+
+    def rank(self, request: InferenceRequest, now: float) -> float:
+        """``request``'s priority under the queue policy now (higher: served sooner); engines
+        preempt the lowest-ranked running sequence first. The bid if the policy raises."""
+        try:
+            return float(self.queue.effective_priority(request, now))
+        except Exception:
+            return float(request.priority_bid)
 
     def _set_deadline(self, request: InferenceRequest) -> None:
         """Stamp ``request.deadline`` (the shorter of the two timeouts, from its arrival) and
@@ -246,8 +283,8 @@ class Scheduler:
     def _arrival_matters(self) -> bool:
         """Whether the dispatcher, as it waits now, could decide differently after this arrival.
 
-        Not waiting (all executors busy): it decides afresh when one asks. Waiting for work:
-        yes. Waiting out a window: only if the batch is now full or the window got shorter.
+        Not waiting (no engine asking): it decides afresh when one asks. Waiting for work:
+        yes. Waiting out a window: only if the dispatch is now full or the window got shorter.
         Skipping needless wake-ups keeps the simulator fast; when in doubt, wake.
         """
         if self._waiting_until is None:
@@ -256,7 +293,7 @@ class Scheduler:
             return True
         try:
             now = self.clock.now()
-            if self.policies.batching.is_full(self.queue, now):
+            if self._asking is None or self.policies.batching.is_full(self.queue, now, self._asking.free()):
                 return True
             window = self.policies.governor.reading(now).window_s
             return self._backlog_since is None or self._backlog_since + window < self._waiting_until
@@ -295,14 +332,25 @@ class Scheduler:
     # -- dispatch --------------------------------------------------------------------------
     async def serve_dispatch(
         self,
-        demand: trio.MemoryReceiveChannel[int],
-        batches: trio.MemorySendChannel[Batch],
+        demands: trio.MemoryReceiveChannel[Demand],
+        answers: dict[int, trio.MemorySendChannel[Dispatch]],
     ) -> None:
-        """For each executor that asks, wait for a batch and hand it over."""
-        async with demand, batches:
-            async for _executor_id in demand:
-                batch = await self.wait_next_batch()
-                await batches.send(batch)
+        """For each engine that asks, wait for a dispatch that fits it and answer that engine.
+
+        Owns ``demands`` and every channel in ``answers`` (by engine id): closes them when it returns.
+        """
+        async with demands:
+            try:
+                async for demand in demands:
+                    dispatch = await self.wait_next_dispatch(demand.engine)
+                    try:
+                        await answers[demand.engine.engine_id].send(dispatch)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):  # the engine stopped
+                        for request in dispatch.requests:
+                            self.requeue(request, "its engine stopped before running it")
+            finally:
+                for channel in answers.values():
+                    channel.close()
 
     def dispatch_owed(self) -> bool:
         """Whether the dispatcher owes a decision now: an executor asked for a batch and either
@@ -314,18 +362,26 @@ class Scheduler:
             return self.ledger.queued_total > 0
         return self.clock.reached(waiting_until)
 
-    async def wait_next_batch(self) -> Batch:
-        """Wait until the queue has a batch to cut (full, or its window elapsed), then cut it."""
+    async def wait_next_dispatch(self, engine: Engine) -> Dispatch:
+        """Wait until the queue has a dispatch for ``engine`` (full for its free capacity, or the
+        window elapsed), then cut it; empty if the next request in queue order does not fit."""
+        self._asking = engine
+        try:
+            return await self._wait_next_dispatch(engine)
+        finally:
+            self._asking = None
+
+    async def _wait_next_dispatch(self, engine: Engine) -> Dispatch:
         while True:
             self.decisions += 1
             try:
-                decision = self._decide(self.clock.now())
+                decision = self._decide(self.clock.now(), engine)
             except PolicyFailure as failure:  # a policy raised, or returned something unusable
                 self._fail_queued(failure)
                 # Everything queued has been answered: nothing to do before the next arrival
                 # (and a policy that fails every time cannot make this loop spin).
                 decision = None
-            if isinstance(decision, Batch):
+            if isinstance(decision, Dispatch):
                 return decision
             self._waiting_until = float("inf") if decision is None else decision
             try:
@@ -334,8 +390,8 @@ class Scheduler:
             finally:
                 self._waiting_until = None
 
-    def _decide(self, now: float) -> Batch | float | None:
-        """A batch to send now, else the model time to look again (None: when something arrives)."""
+    def _decide(self, now: float, engine: Engine) -> Dispatch | float | None:
+        """A dispatch to send now, else the model time to look again (None: when something arrives)."""
         try:
             if not self.queue:
                 return None
@@ -351,31 +407,43 @@ class Scheduler:
         if self._backlog_since is None:  # a push that raised may have left a request in the queue
             self._backlog_since = now
         cut_at = self._backlog_since + window
+        free = engine.free()
         try:
-            full = self.policies.batching.is_full(self.queue, now)
+            full = self.policies.batching.is_full(self.queue, now, free)
         except Exception as exc:
             raise self._failure("batching", exc) from exc
         if not (full or self.clock.reached(cut_at)):
             return cut_at
         # Everything cut may have been answered already (skipped): look again at once.
-        return self._cut(now, reading) or now
+        return self._cut(now, reading, free, engine.engine_id) or now
+
+    def _head_fits(self, now: float, free: Capacity) -> bool:
+        """Whether the next request in queue order fits ``free`` (True when that cannot be told)."""
+        try:
+            head = self.queue.peek(now)
+        except Exception:
+            return True
+        return free.sequences > 0 and free.need(head) <= free.kv_tokens
 
     def _fail_queued(self, failure: PolicyFailure) -> None:
         """After a failed cut: fail every admitted request not yet dispatched, start a fresh queue."""
         self._fail([r for r in list(self.ledger.outstanding) if r.dispatched_at is None], failure)
         self._fresh_queue()
 
-    def _cut(self, now: float, reading: GovernorReading) -> Batch | None:
-        """Cut a batch (None if everything that came out had been answered already)."""
+    def _cut(self, now: float, reading: GovernorReading, free: Capacity, engine_id: int) -> Dispatch | None:
+        """Cut a dispatch (None if everything that came out had been answered already; empty if the
+        next request does not fit ``free``)."""
         queue = self.queue
         try:
             before = len(queue)
-            cut = list(self.policies.batching.cut(queue, now))
+            cut = list(self.policies.batching.cut(queue, now, free))
             after = len(queue)
         except Exception as exc:
             raise self._failure("cut", exc) from exc
         if not cut:
-            raise self._bad_value("batching", "cut an empty batch from a non-empty queue")
+            if self._head_fits(now, free):
+                raise self._bad_value("batching", "cut an empty batch from a non-empty queue")
+            return Dispatch(dispatch_id=0, requests=(), formed_at=now, window_s=reading.window_s, engine_id=engine_id)
         if not all(isinstance(r, InferenceRequest) for r in cut):
             raise self._bad_value("batching", "cut something that is not a request")
         if len({id(r) for r in cut}) != len(cut) or after > before - len(cut):
@@ -392,11 +460,13 @@ class Scheduler:
             raise self._failure("aging", exc) from exc
         if not all(math.isfinite(p) for p in priorities):
             raise self._bad_value("aging", "returned an effective priority that is not a finite number")
+        dispatch_id, size = self._next_batch_id, len(requests)
         for request, priority in zip(requests, priorities):
             request.dispatched_at = now
             request.effective_priority = priority
-        batch = Batch(batch_id=self._next_batch_id, requests=tuple(requests), formed_at=now,
-                      window_s=reading.window_s)
+            request.engine_id, request.dispatch_id, request.dispatch_size = engine_id, dispatch_id, size
+        batch = Dispatch(dispatch_id=dispatch_id, requests=tuple(requests), formed_at=now, window_s=reading.window_s,
+                         engine_id=engine_id)
         self._next_batch_id += 1
         self.ledger.dispatched(batch)
         for kind, on_dispatch in self._on_dispatch:

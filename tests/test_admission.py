@@ -29,11 +29,15 @@ def request(tenant="t", prompt=10, tokens=90, bid=5, n=[0]):
     return InferenceRequest(f"r{n[0]}", tenant, prompt, tokens, bid)
 
 
+def no_engine_limit(request):
+    return None
+
+
 def make_admission(clock, max_queued=100, per_tenant=100):
     return Admission(tenants={"t": TenantConfig(rate=100.0, burst=1000)},
                      batching=MicroBatching(MicroParams(max_batch_size=16, kv_cap_tokens=800)),
-                     ledger=Ledger(tenant_names=["t"]), clock=clock, max_queued=max_queued,
-                     max_queued_per_tenant=per_tenant)
+                     ledger=Ledger(tenant_names=["t"]), clock=clock, engine_refuse=no_engine_limit,
+                     max_queued=max_queued, max_queued_per_tenant=per_tenant)
 
 
 async def test_bucket_refills_in_virtual_time(autojump_clock):
@@ -93,13 +97,39 @@ async def test_refusal_order(autojump_clock):
     assert admission.decide(request()).error == "shutting_down"
 
 
-async def test_refund_returns_tokens(autojump_clock):
+async def test_a_request_that_ends_gives_back_what_it_did_not_use(autojump_clock):
+    """Settlement on request_finished: nothing charged for a request that never started or failed;
+    prompt + generated tokens for one that ran, whatever its outcome."""
+    from apsd.models import Dispatch, Refusal
+
     admission = make_admission(ModelClock())
-    r = request(prompt=0, tokens=700)
-    assert admission.decide(r) is None
-    assert admission.buckets["t"].level(0.0) == 300
-    admission.refund(r)
-    assert admission.buckets["t"].level(0.0) == 1000
+    ledger = admission.ledger
+    bucket = admission.buckets["t"]
+
+    def admitted(prompt, tokens):
+        r = request(prompt=prompt, tokens=tokens)
+        assert admission.decide(r) is None
+        ledger.admit(r)
+        return r
+
+    def running(r, generated):
+        r.dispatched_at = 0.0
+        ledger.dispatched(Dispatch(1, (r,), formed_at=0.0, window_s=0.0, engine_id=0))
+        ledger.started(r, 0.0)
+        r.tokens_generated = generated
+        return r
+
+    queued = admitted(0, 700)
+    assert bucket.level(0.0) == 300
+    ledger.finish(queued, Refusal(504, "queue_timeout", "waited", kind="cancelled"))
+    assert bucket.level(0.0) == 1000                     # never ran: everything back
+    ran = running(admitted(100, 400), generated=150)
+    ledger.finish(ran, Refusal(499, "client_disconnected", "left", kind="cancelled"))
+    assert bucket.level(0.0) == 1000 - 250               # its prompt and 150 output tokens ran: charged
+    failed = running(admitted(100, 100), generated=50)
+    ledger.finish(failed, Refusal(502, "executor_failed", "boom", kind="failed"))
+    assert bucket.level(0.0) == 750                      # failed: nothing charged
+    assert ledger.tenants["t"].generated_tokens == 150 and ledger.tenants["t"].prompt_tokens == 100
 
 
 async def test_one_tenant_cannot_fill_the_shared_queue(autojump_clock):
@@ -107,7 +137,7 @@ async def test_one_tenant_cannot_fill_the_shared_queue(autojump_clock):
     admission = Admission(tenants={"hog": TenantConfig(rate=1e6, burst=10**6),
                                    "other": TenantConfig(rate=1e6, burst=10**6)},
                           batching=MicroBatching(MicroParams()), ledger=Ledger(tenant_names=["hog", "other"]),
-                          clock=clock, max_queued=10, max_queued_per_tenant=3)
+                          clock=clock, engine_refuse=no_engine_limit, max_queued=10, max_queued_per_tenant=3)
     answers = []
     for tenant in ["hog"] * 5 + ["other"] * 3:
         r = request(tenant=tenant)

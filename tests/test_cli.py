@@ -29,7 +29,7 @@ def test_version_and_help():
         ("[server]\nprot = 8002\n", [], "server.prot: unknown key"),
         ("[tenants.a]\nrate = -1\nburst = 5\n", [], "tenants.a.rate: must be between 1e-06 and 1e+12, got -1"),
         ("[tenants.a]\nrate = 0\nburst = 5\n", [], "tenants.a.rate: must be between 1e-06 and 1e+12, got 0"),
-        ("[gpu]\ncount = 'two'\n", [], "gpu.count: must be an integer"),
+        ("[engine]\ncount = 'two'\n", [], "engine.count: must be an integer"),
         ("", ["--policy", "lottery"], "policy preset 'lottery' is unknown (available: aps, fifo, static)"),
         ("[policy]\naging = 'lifo'\n", [], "unknown aging policy 'lifo' (available: aps, fifo, static)"),
     ],

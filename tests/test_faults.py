@@ -15,8 +15,9 @@ import pytest
 import trio
 import trio.testing
 
+from apsd.api import metrics_document
 from apsd.config import ConfigError, GpuConfig, QueueConfig, TenantConfig
-from apsd.executor import FaultInjector
+from apsd.engines.micro import FaultInjector
 from apsd.models import Completion, InferenceRequest, Refusal
 from apsd.pipeline import Pipeline, open_pipeline
 
@@ -57,7 +58,7 @@ class Books:
             await self.pipeline.clock.sleep(0.05)
 
     def check(self) -> None:
-        requests = self.pipeline.metrics()["requests"]
+        requests = metrics_document(self.pipeline)["requests"]
         assert requests["conservation_ok"], requests
         ledger = self.pipeline.ledger
         waiting = [r for r in ledger.outstanding if r.dispatched_at is None]
@@ -92,13 +93,13 @@ async def test_a_request_queued_past_its_timeout_gets_504_and_its_tokens_back(au
         assert all(isinstance(o, Completion) for o in done)
         assert done[1].queue_ms == pytest.approx((1000 / 128 + 0.01 - 3.0) * 1000)
         assert level(pipeline, "a") == pytest.approx(BURST - 1200)       # served requests keep theirs spent
-        metrics = pipeline.metrics()
+        metrics = metrics_document(pipeline)
         nursery.cancel_scope.cancel()
     requests = metrics["requests"]
     assert (requests["admitted"], requests["completed"], requests["cancelled"], requests["in_flight"]) == (3, 2, 1, 0)
     assert requests["conservation_ok"] and books.checks > 100
     assert metrics["tokens"]["generated"] == 1200                         # the expired request never ran
-    assert pipeline.tenant_status("b")["cancelled"] == 1
+    assert pipeline.tenant_status("b").cancelled == 1
 
 
 async def test_a_request_may_shorten_the_timeout(autojump_clock):
@@ -147,7 +148,7 @@ async def test_a_request_dispatched_just_before_its_deadline_runs_to_completion(
         assert close.dispatched_at == pytest.approx(busy_until)
         assert close.dispatched_at < close.deadline
         assert pipeline.clock.now() > close.deadline
-        assert pipeline.metrics()["requests"]["cancelled"] == 0
+        assert metrics_document(pipeline)["requests"]["cancelled"] == 0
 
 
 async def test_many_timeouts_in_one_overload_keep_the_books(autojump_clock):
@@ -169,7 +170,7 @@ async def test_many_timeouts_in_one_overload_keep_the_books(autojump_clock):
         for tenant in "ab":
             spent = sum(o.prompt_tokens + o.tokens_generated for o in served if o.tenant_id == tenant)
             assert level(pipeline, tenant) == pytest.approx(BURST - spent)
-        requests_view = pipeline.metrics()["requests"]
+        requests_view = metrics_document(pipeline)["requests"]
         assert requests_view["completed"] + requests_view["cancelled"] == requests_view["admitted"] == 400
 
 
@@ -179,7 +180,7 @@ async def test_the_deadline_heap_stays_small_when_requests_run_long_before_their
         for _ in range(3000):
             await submit(pipeline, tokens=1).reply.wait()
             assert len(pipeline.scheduler._deadlines) <= 1024              # swept when it reaches 1024
-        assert pipeline.metrics()["requests"]["completed"] == 3000
+        assert metrics_document(pipeline)["requests"]["completed"] == 3000
 
 
 def test_queue_timeout_config_range():
@@ -206,7 +207,7 @@ async def run_batches(config, sizes: list[int], *, tokens: int = 100) -> tuple[l
                 await pipeline.clock.sleep(0.001)
         outcomes = [[await r.reply.wait() for r in group] for group in groups]
         books.check()
-        metrics = pipeline.metrics()
+        metrics = metrics_document(pipeline)
         nursery.cancel_scope.cancel()
     assert books.checks > 10
     return outcomes, metrics, pipeline
@@ -233,8 +234,8 @@ async def test_every_second_batch_fails_with_502_and_the_others_complete(autojum
     assert metrics["batches"] == 6
     busy = sum(size * 100 / (128 * (0.4 + 0.6 * size ** 0.5)) for size in (3, 4, 5, 2, 1, 6))
     assert pipeline.ledger.gpu_busy_s == pytest.approx(busy)
-    assert sum(pipeline.tenant_status(t)["cost_usd"] for t in "ab") < metrics["cost_usd"]
-    assert pipeline.tenant_status("a")["failed"] + pipeline.tenant_status("b")["failed"] == 12
+    assert sum(pipeline.tenant_status(t).cost_usd for t in "ab") < metrics["cost_usd"]
+    assert pipeline.tenant_status("a").failed + pipeline.tenant_status("b").failed == 12
 
 
 async def test_a_failing_gpu_still_answers_everything(autojump_clock):

@@ -47,17 +47,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
+import attrs
 import httpx
 import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from apsd.models import Completion
+
 APSD = str(Path(sys.executable).with_name("apsd"))
 LISTENING = re.compile(r"apsd listening on (http://\S+)")
 
 MAX_BODY = 65_536
-KV_CAP = 32_768  # policy.micro.kv_cap_tokens (default)
+KV_CAP = 32_768  # gpu.kv_cap_tokens (default): the micro engine's batch
 #: name -> burst. Rates are huge except trickle's (1e-6 tokens per model second: after its first
 #: 100 tokens it is rate limited for the rest of the run).
 TENANTS = {"alpha": 5_000, "beta": 1_000_000, "trickle": 100, "ünï cødé": 50_000}
@@ -85,8 +88,8 @@ burst = {TENANTS["ünï cødé"]}
 ALLOWED_STATUSES = {200, 400, 401, 403, 404, 405, 413, 422, 429, 503, 504}
 FIELDS = {"tenant_id": str, "prompt": str, "tokens_requested": int, "priority_bid": int}
 OPTIONAL_FIELDS = {"timeout_s"}
-COMPLETION_KEYS = {"request_id", "tenant_id", "prompt_tokens", "tokens_generated", "queue_ms", "prefill_ms",
-                   "decode_ms", "latency_ms", "batch_id", "batch_size", "effective_priority", "cost_usd"}
+COMPLETION_KEYS = {field.name for field in attrs.fields(Completion)}
+
 FUZZ = settings(max_examples=300, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.filter_too_much])
@@ -254,12 +257,21 @@ def expected_infer(raw: bytes) -> tuple[set[int], dict[str, str] | None]:
     """
     if len(raw) > MAX_BODY:
         return {413}, {"": "body_too_large"}
+    repeated: list[str] = []
+
+    def pairs(items: list[tuple[str, object]]) -> dict:
+        keys = [k for k, _ in items]
+        repeated.extend(k for i, k in enumerate(keys) if k in keys[:i])
+        return dict(items)
+
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, object_pairs_hook=pairs)
     except (ValueError, RecursionError):
         return {400}, {"": "invalid_json"}
     if not isinstance(data, dict):
         return {400}, {"": "invalid_json"}
+    if repeated:
+        return {400}, {"": "duplicate_key"}
     faults = {name: "unknown_field" for name in data if name not in FIELDS and name not in OPTIONAL_FIELDS}
     for name, kind in FIELDS.items():
         if name not in data:

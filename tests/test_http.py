@@ -11,6 +11,7 @@ import httpx
 import pytest
 import trio
 
+from apsd.api import metrics_document
 from apsd.config import AdmissionConfig, GpuConfig, ServerConfig, TenantConfig
 
 from .helpers import make_config, start_daemon
@@ -28,10 +29,12 @@ async def test_infer_answers_with_every_field(live):
     response = await live.client.post("/infer", json=body(prompt="x" * 40))
     assert response.status_code == 200
     data = response.json()
-    assert set(data) == {"request_id", "tenant_id", "prompt_tokens", "tokens_generated", "queue_ms",
-                         "prefill_ms", "decode_ms", "latency_ms", "batch_id", "batch_size",
-                         "effective_priority", "cost_usd"}
-    assert data["tenant_id"] == "tenant_a"
+    assert set(data) == {"request_id", "tenant_id", "prompt_tokens", "tokens_generated", "queue_ms", "ttft_ms",
+                         "tpot_ms", "prefill_ms", "decode_ms", "latency_ms", "batch_id", "batch_size",
+                         "engine_id", "effective_priority", "cost_usd"}
+    assert data["tenant_id"] == "tenant_a" and data["engine_id"] == 0
+    assert data["ttft_ms"] == pytest.approx(data["queue_ms"] + data["prefill_ms"], abs=0.002)
+    assert data["tpot_ms"] == pytest.approx(data["decode_ms"] / 99, abs=0.001)
     assert data["prompt_tokens"] == 10                      # 40 characters at 4 per token
     assert data["tokens_generated"] == 100
     assert data["decode_ms"] == pytest.approx(100 / 128 * 1000)
@@ -147,7 +150,14 @@ async def test_metrics_health_and_tenant_status(live):
     assert 0 < metrics["gpu_utilization"] <= 1
     assert metrics["cost_per_1m_tokens_usd"] == pytest.approx(metrics["cost_usd"] / 150 * 1e6)
     assert 0 < metrics["fairness"]["jain_index"] <= 1 and "rate" in metrics["fairness"]["definition"]
-    assert set(metrics["governor"]) == {"state", "entropy_bits", "window_ms"}
+    assert set(metrics["governor"]) == {"state", "entropy_bits", "window_ms", "error"}
+    assert metrics["engine_kind"] == "micro" and metrics["gpus"] == 1
+    [engine] = metrics["engines"]
+    assert (engine["engine_id"], engine["kind"], engine["running"], engine["dispatches"]) == (0, "micro", 0, 3)
+    assert engine["busy_s"] > 0 and engine["tokens_generated"] == 150 and engine["mfu"] is None
+    for figure in ("queue_wait_ms", "ttft_ms", "tpot_ms", "latency_ms"):
+        assert set(metrics[figure]) == {"p50", "p95", "p99"} and metrics[figure]["p99"] > 0
+    assert metrics["ttft_ms"]["p50"] < metrics["latency_ms"]["p50"]
     assert metrics["policy"]["aging"] == "aps" and metrics["queue_depth"] == 0
     health = (await live.client.get("/health")).json()
     assert health["status"] == "ok" and health["queue_depth"] == 0 and "state" in health["governor"]
@@ -208,7 +218,7 @@ async def test_shutdown_after_grace_answers_the_rest_with_503(nursery):
     codes = sorted(a.status_code for a in answers)
     assert len(codes) == 40 and set(codes) == {503}   # 2000 tokens take ~0.8 wall s: none finish in 0.2 s
     assert all(a.json()["error"] == "shutting_down" for a in answers)
-    counts = pipeline.metrics()["requests"]
+    counts = metrics_document(pipeline)["requests"]
     assert counts["cancelled"] == 40 and counts["conservation_ok"] and counts["in_flight"] == 0
     await trio.sleep(1.0)              # the batch that was running would have ended by now...
     assert pipeline.ledger.batches == 0 and pipeline.ledger.cost_usd == 0   # ...but it was stopped

@@ -1,4 +1,4 @@
-"""The whole pipeline (admission -> scheduler -> executors) in virtual time."""
+"""The whole pipeline (admission -> scheduler -> engines) in virtual time."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import math
 import pytest
 import trio
 
-from apsd.config import GpuConfig, TenantConfig
+from apsd.api import metrics_document
+from apsd.config import EngineConfig, GpuConfig, TenantConfig
 from apsd.models import Completion
 from apsd.pipeline import open_pipeline
 
@@ -33,7 +34,7 @@ async def run(config_preset, arrivals):
             assert pipeline.submit_nowait(request) is None
             requests.append(request)
         outcomes = [await r.reply.wait() for r in requests]
-        metrics = pipeline.metrics()
+        metrics = metrics_document(pipeline)
     return outcomes, metrics
 
 
@@ -75,7 +76,7 @@ async def test_batch_is_cut_when_an_executor_asks_so_a_late_vip_gets_in(autojump
 
 
 async def test_several_gpus_run_batches_at_once(autojump_clock):
-    config = config_for("fifo", gpu=GpuConfig(count=2))
+    config = config_for("fifo", engine=EngineConfig(count=2))
     outcomes, metrics = await run(config, [(0.0, "vip", 0, 100, 5)] * 32)
     assert {o.batch_id for o in outcomes} == {1, 2}
     assert [o.latency_ms for o in outcomes] == [pytest.approx(1600 / (128 * 2.8) * 1000)] * 32
@@ -214,6 +215,6 @@ async def test_ingress_duplicates_and_early_disconnects(autojump_clock):
         assert pipeline.cancel(gone)                       # its client left before admission
         assert isinstance(await r.reply.wait(), Completion)
         refusal = await gone.reply.wait()
-        counts = pipeline.metrics()["requests"]
+        counts = metrics_document(pipeline)["requests"]
     assert (refusal.status, refusal.error) == (499, "client_disconnected")
     assert (counts["admitted"], counts["rejected"], counts["conservation_ok"]) == (1, 1, True)

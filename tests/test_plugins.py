@@ -14,7 +14,8 @@ import pytest
 
 import apsd
 from apsd import hookspecs
-from apsd.config import GpuConfig, ServerConfig, TenantConfig
+from apsd.api import metrics_document
+from apsd.config import EngineConfig, GpuConfig, ServerConfig, TenantConfig
 from apsd.daemon import Daemon
 from apsd.events import EventBus
 from apsd.models import Completion
@@ -35,7 +36,7 @@ HOOKS = [name for name, f in inspect.getmembers(hookspecs, inspect.isfunction)
 
 
 def test_every_hookspec_is_documented():
-    assert set(HOOKS) == {"register_policies", *hookspecs.EVENT_HOOKS}
+    assert set(HOOKS) == {"register_policies", "register_profiles", *hookspecs.EVENT_HOOKS}
     plugin_guide = (ROOT / "docs" / "plugins.md").read_text()
     for name in HOOKS:
         assert len(inspect.getdoc(getattr(hookspecs, name)) or "") > 60, name
@@ -149,9 +150,15 @@ class Recorder:
         self.events.append(("rejected", request.request_id, refusal.status))
 
     @apsd.hookimpl
-    def request_dispatched(self, request, batch, now):
-        assert request in batch.requests and request.dispatched_at == now
-        self.events.append(("dispatched", request.request_id, batch.batch_id))
+    def request_dispatched(self, request, dispatch, batch, engine_id, now):
+        assert request in dispatch.requests and request.dispatched_at == now and batch is dispatch
+        assert engine_id == dispatch.engine_id == request.engine_id
+        self.events.append(("dispatched", request.request_id, dispatch.dispatch_id))
+
+    @apsd.hookimpl
+    def request_started(self, request, engine_id, now):
+        assert request.started_at == now and request.tokens_generated >= 0
+        self.events.append(("started", request.request_id, engine_id))
 
     @apsd.hookimpl
     def batch_started(self, batch, executor_id, now):
@@ -170,9 +177,9 @@ async def test_observation_hooks_fire_once_each_in_order(autojump_clock):
     pm = make_plugin_manager(load_entry_points=False)
     recorder = Recorder()
     pm.register(recorder, name="recorder")
-    config = make_config(tenants={"t": TenantConfig(rate=1e6, burst=10**6)}, gpu=GpuConfig(count=2))
+    config = make_config(tenants={"t": TenantConfig(rate=1e6, burst=10**6)}, engine=EngineConfig(count=2))
     policies = load_policy_registry(pm).build(config, "aps")
-    async with open_pipeline(config, policies, events=EventBus(pm)) as pipeline:
+    async with open_pipeline(config, policies) as pipeline:
         requests = []
         for i in range(40):
             r = pipeline.new_request(tenant_id="t" if i % 10 else "nobody", prompt="", tokens_requested=50,
@@ -188,7 +195,8 @@ async def test_observation_hooks_fire_once_each_in_order(autojump_clock):
     assert sum(e[3] for e in recorder.events if e[0] == "batch_finished") == pytest.approx(ledger.cost_usd)
     for r, outcome in zip(requests, outcomes):
         mine = [e[0] for e in recorder.events if e[1] == r.request_id]
-        assert mine == (["admitted", "dispatched", "finished"] if isinstance(outcome, Completion) else ["rejected"])
+        assert mine == (["admitted", "dispatched", "started", "finished"] if isinstance(outcome, Completion)
+                        else ["rejected"])
     assert {e[2] for e in recorder.events if e[0] == "batch_started"} == {0, 1}   # both GPUs ran
 
 
@@ -265,7 +273,7 @@ async def test_a_failed_cut_fails_everything_queued_and_starts_a_fresh_queue(aut
         later = pipeline.new_request(tenant_id="t", prompt="", tokens_requested=10, priority_bid=5, prompt_tokens=0)
         pipeline.submit_nowait(later)
         assert isinstance(await later.reply.wait(), Completion)
-        requests = pipeline.metrics()["requests"]
+        requests = metrics_document(pipeline)["requests"]
     assert (requests["failed"], requests["completed"], requests["conservation_ok"]) == (5, 1, True)
 
 
@@ -340,7 +348,7 @@ async def test_a_raising_observer_does_not_hide_events_from_others(autojump_cloc
         r = pipeline.new_request(tenant_id="t", prompt="", tokens_requested=5, priority_bid=5, prompt_tokens=0)
         pipeline.submit_nowait(r)
         assert isinstance(await r.reply.wait(), Completion)
-    assert [e[0] for e in recorder.events if e[1] == r.request_id] == ["admitted", "dispatched", "finished"]
+    assert [e[0] for e in recorder.events if e[1] == r.request_id] == ["admitted", "dispatched", "started", "finished"]
 
 
 class BadPriorityQueue(ApsQueue):
@@ -363,7 +371,7 @@ async def test_effective_priority_raising_answers_the_cut_requests(autojump_cloc
         for r in requests:
             pipeline.submit_nowait(r)
         outcomes = [await r.reply.wait() for r in requests]
-        counts = pipeline.metrics()["requests"]
+        counts = metrics_document(pipeline)["requests"]
     assert {o.error for o in outcomes} == {"policy_error"}
     assert "ZeroDivisionError: bad priority" in outcomes[0].message
     assert (counts["failed"], counts["queued"], counts["running"], counts["conservation_ok"]) == (20, 0, 0, True)
@@ -418,10 +426,10 @@ class CutsNothing:
     def refuse_reason(self, request):
         return None
 
-    def is_full(self, queue, now):
+    def is_full(self, queue, now, free):
         return True
 
-    def cut(self, queue, now):
+    def cut(self, queue, now, free):
         return None
 
 
@@ -459,7 +467,7 @@ async def test_bad_policy_results_fail_requests_not_the_daemon(autojump_clock, k
 
 
 class CutsWithoutPopping(CutsNothing):
-    def cut(self, queue, now):
+    def cut(self, queue, now, free):
         return [queue.peek(now)]                 # never pops: would be dispatched forever
 
 
@@ -510,4 +518,4 @@ async def test_when_the_queue_cannot_be_rebuilt_apsd_falls_back_to_arrival_order
         second = pipeline.new_request(tenant_id="t", prompt="", tokens_requested=5, priority_bid=5, prompt_tokens=0)
         pipeline.admit_now(second)
         assert isinstance(await second.reply.wait(), Completion)
-        assert pipeline.health()["policy"]["aging"] == "fifo (fallback)"
+        assert pipeline.health().policy["aging"] == "fifo (fallback)"

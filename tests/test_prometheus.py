@@ -13,7 +13,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from apsd.api import create_app
 from apsd.config import ServerConfig, TenantConfig
-from apsd.events import EventBus
 from apsd.pipeline import open_pipeline
 from apsd.prometheus import exporter_for, negotiate
 from apsd.scheduler import Scheduler
@@ -270,17 +269,16 @@ async def test_one_exporter_per_pipeline_observes_each_dispatch_once(autojump_cl
         assert m.value("apsd_queue_wait_seconds_count", tenant="a") == 3
         assert m.value("apsd_batch_size_sum") == 3
 
-        # a bus replaced later (a reload) is picked up again by attach() or the next scrape, once
-        pipeline.ledger.events = EventBus(pipeline.policies.plugin_manager)
-        exporter.exposition()
-        exporter.attach(pipeline)
-        exporter.attach(pipeline)
-        request = pipeline.new_request(tenant_id="a", prompt="", tokens_requested=10, priority_bid=5, prompt_tokens=0)
-        assert pipeline.submit_nowait(request) is None
-        await request.reply.wait()
-        m = Scrape(exporter.exposition().decode())
-        assert m.value("apsd_queue_wait_seconds_count", tenant="a") == 4
+        assert m.value("apsd_ttft_seconds_count", tenant="a") == 3
+        assert m.value("apsd_request_latency_seconds_count", tenant="a") == 3
+        assert m.value("apsd_tpot_seconds_count", tenant="a") == 3
+        outcomes = [request.reply.outcome for request in requests]
+        assert m.value("apsd_tpot_seconds_sum", tenant="a") == pytest.approx(sum(o.tpot_ms for o in outcomes) / 1000)
+        assert m.value("apsd_ttft_seconds_sum", tenant="a") == pytest.approx(sum(o.ttft_ms for o in outcomes) / 1000)
         assert m.value("apsd_batch_size_count") == m.value("apsd_batches_total")
+        assert m.value("apsd_engine_running_sequences", engine="0") == 0
+        assert m.value("apsd_engine_busy_seconds_total", engine="0") == pytest.approx(
+            m.value("apsd_gpu_busy_seconds_total"))
 
     other = make_config(tenants={"b": TenantConfig(rate=1e6, burst=10**6)})
     async with open_pipeline(other, build_policies(other)) as second:   # a pipeline of its own: its own registry

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import trio
 
-from apsd.config import GpuConfig, ServerConfig, TenantConfig
+from apsd.api import metrics_document
+from apsd.config import EngineConfig, GpuConfig, ServerConfig, TenantConfig
 from apsd.models import Completion
 from apsd.pipeline import open_pipeline
 
@@ -29,7 +30,7 @@ async def test_reload_keeps_queued_and_running_requests_and_applies_the_new_orde
         new = make_config({"policy": {"preset": "aps", "micro": {"max_batch_size": 1}}}, tenants={"a": BIG})
         changes = pipeline.reconfigure(new, build_policies(new))
         outcomes = [await r.reply.wait() for r in [running, *queued]]
-        assert pipeline.health()["policy"]["aging"] == "aps"
+        assert pipeline.health().policy["aging"] == "aps"
     assert any(c.startswith("policies: preset=aps") for c in changes)
     assert all(isinstance(o, Completion) for o in outcomes)
     # under fifo they would run in arrival order; after the reload, aps serves the bid-10 first
@@ -54,23 +55,23 @@ async def test_reload_adds_removes_and_rerates_tenants(autojump_clock):
         pipeline.submit_nowait(late)
         assert (await late.reply.wait()).status == 404
         assert isinstance(await submit(pipeline, "new", tokens=5).reply.wait(), Completion)
-        assert pipeline.tenant_status("gone") is None and pipeline.tenant_status("new")["completed"] == 1
-        assert pipeline.metrics()["requests"]["conservation_ok"]
+        assert pipeline.tenant_status("gone") is None and pipeline.tenant_status("new").completed == 1
+        assert metrics_document(pipeline)["requests"]["conservation_ok"]
 
 
 async def test_settings_that_need_a_restart_keep_their_old_values(autojump_clock):
     config = make_config(tenants={"a": BIG})
     async with open_pipeline(config, build_policies(config)) as pipeline:
         new = make_config({"queue": {"ingress_buffer": 7}}, tenants={"a": BIG}, server=ServerConfig(port=9999),
-                          gpu=GpuConfig(count=4, time_scale=0.5, price_per_hour_usd=6.0))
+                          engine=EngineConfig(count=4), gpu=GpuConfig(time_scale=0.5, price_per_hour_usd=6.0))
         changes = pipeline.reconfigure(new, build_policies(new))
         assert "queue.ingress_buffer needs a restart to change (kept as before)" in changes
         assert pipeline.config.queue.ingress_buffer == config.queue.ingress_buffer
         assert "[server] needs a restart to change (kept as before)" in changes
-        assert "gpu.count needs a restart to change (kept as before)" in changes
-        assert (pipeline.config.server.port, pipeline.config.gpu.count, pipeline.config.gpu.time_scale) == (
-            config.server.port, 1, 1.0)
-        assert pipeline.config.gpu.price_per_hour_usd == 6.0 == pipeline.executors[0].model.gpu.price_per_hour_usd
+        assert "[engine] needs a restart to change (kept as before)" in changes
+        assert (pipeline.config.server.port, pipeline.config.engine.count, len(pipeline.engines), pipeline.config.gpu.time_scale) == (
+            config.server.port, 1, 1, 1.0)
+        assert pipeline.config.gpu.price_per_hour_usd == 6.0 == pipeline.engines[0].model.gpu.price_per_hour_usd
 
 
 async def test_reload_applies_the_new_limits_and_names_them(autojump_clock):

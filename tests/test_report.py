@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from apsd.config import TenantConfig
-from apsd.records import Arrival, BatchRecord, GovernorSample, PolicyRun, RequestRecord, Workload
-from apsd.report import (FAIRNESS_DEFINITION, PLOT_FILES, _busy_cumulative, build_figure, format_summary_table,
+from apsd.sim.records import Arrival, BatchRecord, GovernorSample, PolicyRun, RequestRecord, Workload
+from apsd.sim.report import (FAIRNESS_DEFINITION, PLOT_FILES, _busy_cumulative, build_figure, format_summary_table,
                          summarize, write_report)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -437,6 +437,6 @@ def test_gpu_busy_draws_identical_curves_once_naming_every_policy():
 
 
 def test_importing_the_report_does_not_load_matplotlib():
-    code = "import sys, apsd.report; print('matplotlib' in sys.modules)"
+    code = "import sys, apsd.sim.report; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

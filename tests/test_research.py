@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from apsd import cli, research
+from apsd import cli
+from apsd.sim import research
 from apsd.hookspecs import hookimpl
 from apsd.plugins import load_policy_registry, make_plugin_manager
-from apsd.research import POLICIES, plugin_presets, write_research
+from apsd.sim.research import POLICIES, plugin_presets, write_research
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,10 +14,10 @@ from apsd.config import Config
 from apsd.models import Completion
 from apsd.pipeline import open_pipeline
 from apsd.plugins import build_policies, make_plugin_manager
-from apsd.records import Arrival, Workload
-from apsd.report import summarize
-from apsd.simulate import parse_policy_choice, run_policy, simulation_config
-from apsd.workloads import UNTHROTTLED, build_workload, list_workloads
+from apsd.sim.records import Arrival, Workload
+from apsd.sim.report import summarize
+from apsd.sim.runner import parse_policy_choice, run_policy, simulation_config
+from apsd.sim.workloads import UNTHROTTLED, build_workload, list_workloads
 
 APSD = str(Path(sys.executable).with_name("apsd"))
 BUILTIN_PM = make_plugin_manager(load_entry_points=False)

@@ -27,6 +27,7 @@ import trio
 
 from apsd.config import GpuConfig, TenantConfig, load_config
 from apsd.daemon import HTTP_GRACEFUL_TIMEOUT_S, Daemon
+from apsd.pipeline import GovernorView, Health
 from apsd.notify import ProgressProbe, SystemdNotifier, serve_status, serve_watchdog, status_line
 from apsd.pipeline import open_pipeline
 from apsd.scheduler import Scheduler
@@ -326,9 +327,11 @@ async def test_status_is_sent_when_it_changes(tmp_path, autojump_clock):
 
 
 def test_status_line():
-    health = {"status": "ok", "queue_depth": 3, "governor": {"state": "CRITICAL BURST", "window_ms": 4.25}}
+    health = Health(status="ok", policy={}, queue_depth=3,
+                    governor=GovernorView(state="CRITICAL BURST", entropy_bits=3.0, window_ms=4.25))
     assert status_line(health, 5) == "queue=3 in_flight=5 governor=CRITICAL BURST window=4.2ms state=serving"
-    broken = {"status": "draining", "queue_depth": 0, "governor": {"state": "ERROR", "window_ms": None}}
+    broken = Health(status="draining", policy={}, queue_depth=0,
+                    governor=GovernorView(state="ERROR", entropy_bits=None, window_ms=None, error="boom"))
     assert status_line(broken, 0) == "queue=0 in_flight=0 governor=ERROR window=? state=draining"
 
 

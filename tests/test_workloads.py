@@ -11,8 +11,8 @@ import pytest
 
 from apsd.config import TenantConfig
 from apsd.policies.governor import shannon_entropy_bits
-from apsd.records import Arrival, Workload
-from apsd.workloads import (
+from apsd.sim.records import Arrival, Workload
+from apsd.sim.workloads import (
     KV_CAPACITY_TOKENS,
     WorkloadError,
     build_workload,

@@ -18,6 +18,8 @@ from typing import Literal
 
 import attrs
 
+from ..hookspecs import hookimpl
+
 __all__ = [
     "BUILTIN_GPUS",
     "BUILTIN_MODELS",
@@ -324,3 +326,9 @@ def builtin_profiles(registry: ProfileRegistry) -> None:
         registry.gpu(gpu)
     for model in BUILTIN_MODELS:
         registry.model(model)
+
+
+@hookimpl
+def register_profiles(registry: ProfileRegistry) -> None:
+    """The built-ins, registered through the same hook a plugin implements."""
+    builtin_profiles(registry)

@@ -1,10 +1,12 @@
-"""Built-in batching policy ``micro``: KV-cache-aware micro-batches.
+"""Built-in batching policy ``micro``: KV-cache-aware micro-batches, sized to the engine that asks.
 
-A batch takes requests in the queue's order (highest effective priority first)
-until it holds ``max_batch_size`` requests or the next request would push its
-KV tokens (prompt + requested, summed over the batch) past ``kv_cap_tokens``;
-that request then leads the next batch. A request larger than the cap on its
-own is refused at admission (413), so nothing can wait forever.
+A dispatch takes requests in the queue's order (highest effective priority first)
+until it holds ``max_batch_size`` requests or as many as the engine has free
+sequences, or the next request would need more KV tokens than the engine has free
+(``Capacity.need``: prompt + requested for the ``micro`` engine, prompt for the
+``continuous`` one); that request then leads the next dispatch. ``kv_cap_tokens``, when
+set, caps each dispatch's KV tokens further. A request that could never fit is refused
+at admission (413) by its engine, or by this policy's own cap, so nothing waits forever.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import attrs
 
 from ..config import Config, between, parse_section
 from ..hookspecs import hookimpl
-from ..models import InferenceRequest
+from ..models import Capacity, InferenceRequest
 from ..policy import OrderingPolicy
 
 __all__ = ["MicroBatching"]
@@ -24,7 +26,8 @@ __all__ = ["MicroBatching"]
 @attrs.frozen
 class MicroParams:
     max_batch_size: int = attrs.field(default=16, validator=between(1, 1_000_000))
-    kv_cap_tokens: int = attrs.field(default=32_768, validator=between(1, 10**12))
+    #: A cap on each dispatch's KV tokens below the engine's own (0: only the engine's).
+    kv_cap_tokens: int = attrs.field(default=0, validator=between(0, 10**12))
 
 
 class MicroBatching:
@@ -33,26 +36,32 @@ class MicroBatching:
         self.kv_cap_tokens = params.kv_cap_tokens
 
     def refuse_reason(self, request: InferenceRequest) -> str | None:
-        if request.cost_tokens > self.kv_cap_tokens:
+        if self.kv_cap_tokens and request.cost_tokens > self.kv_cap_tokens:
             return (f"request needs {request.cost_tokens} KV tokens (prompt {request.prompt_tokens} + "
                     f"requested {request.tokens_requested}) but a batch holds at most "
                     f"{self.kv_cap_tokens} (policy.micro.kv_cap_tokens)")
         return None
 
-    def is_full(self, queue: OrderingPolicy, now: float) -> bool:
-        # With fewer than max_batch_size queued, summing them is cheap; once they reach the
-        # KV cap the batch cut now would close early, and waiting cannot add to it.
-        return len(queue) >= self.max_batch_size or sum(r.cost_tokens for r in queue) >= self.kv_cap_tokens
+    def _limits(self, free: Capacity) -> tuple[int, int]:
+        kv = min(free.kv_tokens, self.kv_cap_tokens) if self.kv_cap_tokens else free.kv_tokens
+        return min(self.max_batch_size, free.sequences), kv
 
-    def cut(self, queue: OrderingPolicy, now: float) -> list[InferenceRequest]:
+    def is_full(self, queue: OrderingPolicy, now: float, free: Capacity) -> bool:
+        # With fewer than the size limit queued, summing them is cheap; once they reach the
+        # KV limit the dispatch cut now would close early, and waiting cannot add to it.
+        size, kv = self._limits(free)
+        return len(queue) >= size or sum(free.need(r) for r in queue) >= kv
+
+    def cut(self, queue: OrderingPolicy, now: float, free: Capacity) -> list[InferenceRequest]:
+        size, kv_free = self._limits(free)
         batch: list[InferenceRequest] = []
         kv = 0
-        while queue and len(batch) < self.max_batch_size:
-            cost = queue.peek(now).cost_tokens
-            if batch and kv + cost > self.kv_cap_tokens:
+        while queue and len(batch) < size:
+            need = free.need(queue.peek(now))
+            if kv + need > kv_free:
                 break
             batch.append(queue.pop(now))
-            kv += cost
+            kv += need
         return batch
 
 
@@ -62,4 +71,4 @@ def _micro(params: dict[str, Any], config: Config) -> MicroBatching:
 
 @hookimpl
 def register_policies(registry: Any) -> None:
-    registry.batching("micro", _micro, "up to max_batch_size requests within kv_cap_tokens")
+    registry.batching("micro", _micro, "up to max_batch_size requests within the engine's free KV cache")

@@ -5,9 +5,11 @@ tenant ``c`` has a counter ``served[c]`` of the (weighted) service it has
 received. The queue serves the backlogged tenant with the smallest counter,
 first come first served within a tenant. When a request is dispatched, its
 tenant is charged ``(input_weight * prompt_tokens + output_weight *
-tokens_requested) / weight[c]``; when it finishes, the output charge is
-corrected to the tokens really generated, and a request that ends without being
-served (failed, cancelled) is refunded its whole charge.
+tokens_requested) / weight[c]``; when it ends, the charge is corrected to the
+service it really received: its prompt if it started, and the tokens it
+generated (``request.started_at``, ``request.tokens_generated``), whatever the
+outcome (a client that left mid-stream was served what it got), except a
+failure, which is refunded in full.
 
 Counter lift: when a tenant's queue goes from empty to non-empty its counter is
 raised to at least the smallest counter among the other backlogged tenants (or,
@@ -123,6 +125,9 @@ class VtcQueue:
             del self._queues[tenant]
         self._length -= 1
         if not request.answered:  # an answered request is skipped by the scheduler: no service
+            earlier = self._charged.pop(request, None)
+            if earlier is not None:  # popped again after a requeue: its first charge goes back
+                self.counters[tenant] -= earlier
             charge = self.charge(request, request.tokens_requested) / self.weight(tenant)
             self.counters[tenant] += charge
             self._charged[request] = charge
@@ -134,16 +139,17 @@ class VtcQueue:
         return -self.counters[request.tenant_id]
 
     def on_finish(self, request: apsd.InferenceRequest, outcome: Any, now: float) -> None:
-        """Correct the charge made at pop: to the tokens generated, or all of it back if not served."""
+        """Correct the charge made at pop to the service received (nothing if it failed)."""
         charge = self._charged.pop(request, None)
         if charge is None:
             return  # never charged by this queue (not popped yet, or popped by a replaced one)
         tenant = request.tenant_id
-        if isinstance(outcome, apsd.Completion):
-            correction = self.params.output_weight * (outcome.tokens_generated - request.tokens_requested)
-            self.counters[tenant] += correction / self.weight(tenant)
+        failed = isinstance(outcome, apsd.Refusal) and outcome.kind == "failed"
+        if failed or request.started_at is None:
+            served = self.params.output_weight * request.tokens_generated if not failed else 0.0
         else:
-            self.counters[tenant] -= charge
+            served = self.charge(request, request.tokens_generated)
+        self.counters[tenant] += served / self.weight(tenant) - charge
 
     def discard_answered(self) -> None:
         """Drop requests answered while queued (their clients left); O(N)."""

@@ -86,12 +86,22 @@ def test_weights_divide_the_charge_and_output_is_corrected_on_finish():
     q.push(r, 0.0)
     q.pop(0.0)
     assert q.counters["gold"] == (100 + 2 * 50) / 2
-    r.dispatched_at = 0.0
+    r.dispatched_at, r.started_at, r.tokens_generated = 0.0, 0.5, 20
     done = apsd.Completion(request_id="r0", tenant_id="gold", prompt_tokens=100, tokens_generated=20,
-                           queue_ms=0, prefill_ms=0, decode_ms=0, latency_ms=0, batch_id=1, batch_size=1,
-                           effective_priority=0, cost_usd=0)
+                           queue_ms=0, ttft_ms=0, tpot_ms=None, prefill_ms=0, decode_ms=0, latency_ms=0, batch_id=1,
+                           batch_size=1, engine_id=0, effective_priority=0, cost_usd=0)
     q.on_finish(r, done, 1.0)
     assert q.counters["gold"] == (100 + 2 * 20) / 2
+
+
+def test_a_client_that_left_mid_stream_is_charged_what_it_was_served():
+    q = VtcQueue(VtcParams())
+    r = request(0, "a", prompt=100, tokens=50)
+    q.push(r, 0.0)
+    q.pop(0.0)
+    r.dispatched_at, r.started_at, r.tokens_generated = 0.0, 0.5, 7
+    q.on_finish(r, apsd.Refusal(499, "client_disconnected", "left", kind="cancelled"), 1.0)
+    assert q.counters["a"] == 100 + 2 * 7
 
 
 def test_work_conserving():
@@ -145,7 +155,7 @@ async def service_difference(preset):
         done = sorted((o.latency_ms / 1000 + r.arrival, o.tenant_id, o.prompt_tokens + 2 * o.tokens_generated)
                       for r in requests if isinstance(o := r.reply.outcome, apsd.Completion))
         backlog = {t: sum(1 for r in requests if r.tenant_id == t and r.reply.outcome is None) for t in RATES}
-        assert pipeline.metrics()["requests"]["rejected"] == 0      # everything sent was admitted
+        assert pipeline.statistics().books.requests.rejected == 0      # everything sent was admitted
     assert min(backlog.values()) > 100, backlog        # both tenants stay backlogged: a real overload
     served = dict.fromkeys(RATES, 0.0)
     worst = {"half": 0.0, "whole": 0.0}
@@ -186,7 +196,7 @@ async def test_weights_give_proportional_shares(autojump_clock):
                 assert pipeline.submit_nowait(r) is None
                 requests.append(r)
         await pipeline.clock.sleep_until(120.0)   # about 500 of the 1200 served: both still backlogged
-        assert pipeline.metrics()["requests"]["rejected"] == 0
+        assert pipeline.statistics().books.requests.rejected == 0
         assert all(any(r.tenant_id == t and r.reply.outcome is None for r in requests) for t in ("gold", "bronze"))
         tokens = {t: sum(r.reply.outcome.tokens_generated for r in requests
                          if r.tenant_id == t and isinstance(r.reply.outcome, apsd.Completion))

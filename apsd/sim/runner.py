@@ -1,6 +1,6 @@
 """Simulation: workloads through apsd's own pipeline, in virtual time.
 
-Ownership: :func:`run_policy` runs one :class:`~apsd.records.Workload` with one
+Ownership: :func:`run_policy` runs one :class:`~apsd.sim.records.Workload` with one
 :class:`PolicyChoice` in a fresh ``trio.run`` under
 ``trio.testing.MockClock(autojump_threshold=0)``: the daemon's admission,
 scheduler, policies and simulated GPUs, with no HTTP. An hour of traffic takes
@@ -35,13 +35,13 @@ import pluggy
 import trio
 import trio.testing
 
-from .config import Config, ConfigError
-from .hookspecs import hookimpl
-from .models import Completion, InferenceRequest, Refusal
-from .pipeline import Pipeline
-from .plugins import load_policy_registry, make_plugin_manager
-from .policy import POLICY_KINDS
-from .records import BatchRecord, GovernorSample, PolicyRun, RequestRecord, Workload
+from ..config import Config, ConfigError
+from ..hookspecs import hookimpl
+from ..models import Completion, InferenceRequest, Refusal
+from ..pipeline import open_pipeline
+from ..plugins import load_policy_registry, load_profile_registry, make_plugin_manager
+from ..policy import POLICY_KINDS
+from .records import BatchRecord, EngineRecord, GovernorSample, PolicyRun, RequestRecord, Workload
 
 __all__ = ["PolicyChoice", "parse_policy_choice", "run_policy", "run_policies"]
 
@@ -136,22 +136,23 @@ def run_policy(workload: Workload, choice: PolicyChoice, *, base_config: Config 
     pm.register(recorder)
     try:
         policies = load_policy_registry(pm).build(config)
+        profiles = load_profile_registry(pm)
         with _seeded_trio_scheduler(workload.seed):
             started = time.perf_counter()
-            requests, duration = trio.run(
-                _drive, workload, config, policies, progress, clock=trio.testing.MockClock(autojump_threshold=0))
+            requests, duration, engines, gpus = trio.run(
+                _drive, workload, config, policies, progress, profiles,
+                clock=trio.testing.MockClock(autojump_threshold=0))
             wall_s = time.perf_counter() - started
         fresh_governor = load_policy_registry(pm).build(config).governor
     finally:
         pm.unregister(recorder)
     batches = tuple(sorted(recorder.batches, key=lambda b: b.batch_id))
-    finished = {b.batch_id: b.finished_at for b in batches}
-    records = tuple(_record(arrival.at, request, finished) for arrival, request in zip(workload.arrivals, requests))
+    records = tuple(_record(arrival.at, request) for arrival, request in zip(workload.arrivals, requests))
     samples, interval = _sample(records, fresh_governor, duration)
     return PolicyRun(label=choice.label, policy=dict(policies.names), workload=workload, requests=records,
                      batches=batches, samples=samples, sample_interval_s=interval, duration_s=duration,
-                     gpus=config.gpu.count, tenant_rates={n: t.rate for n, t in config.tenants.items()},
-                     wall_s=wall_s)
+                     gpus=gpus, tenant_rates={n: t.rate for n, t in config.tenants.items()},
+                     engine=describe_engine(config), engines=engines, wall_s=wall_s)
 
 
 def run_policies(workload: Workload, choices: Sequence[PolicyChoice], **kwargs: Any) -> list[PolicyRun]:
@@ -159,14 +160,24 @@ def run_policies(workload: Workload, choices: Sequence[PolicyChoice], **kwargs: 
     return [run_policy(workload, choice, **kwargs) for choice in choices]
 
 
-async def _drive(workload: Workload, config: Config, policies: Any,
-                 progress: Callable[[int], None] | None) -> tuple[list[InferenceRequest], float]:
-    pipeline = Pipeline.build(config, policies, request_id_prefix="sim")
-    clock = pipeline.clock
+def describe_engine(config: Config) -> dict[str, Any]:
+    """The ``[engine]`` a run used, for its report."""
+    engine = config.engine
+    if engine.kind == "micro":
+        return {"kind": "micro", "count": engine.count}
+    return {"kind": engine.kind, "gpu": engine.gpu, "model": engine.model, "tp": engine.tp, "count": engine.count}
+
+
+async def _drive(workload: Workload, config: Config, policies: Any, progress: Callable[[int], None] | None,
+                 profiles: Any) -> tuple[list[InferenceRequest], float, tuple[EngineRecord, ...], int]:
     requests: list[InferenceRequest] = []
-    async with trio.open_nursery() as nursery:
-        pipeline.start_stages(nursery)
+    async with open_pipeline(config, policies, request_id_prefix="sim", profiles=profiles) as pipeline:
+        clock = pipeline.clock
         mock = trio.lowlevel.current_clock()
+        # Let the stages start and block (engines ask for work) before the first arrival: they were
+        # made runnable together with this task, and _advance_to only sees tasks that are runnable
+        # for the *next* batch of the run loop, not those still due in the current one.
+        await trio.testing.wait_all_tasks_blocked()
         for n, arrival in enumerate(workload.arrivals, 1):
             if not clock.reached(arrival.at):  # arrivals at one instant all queue before anything else runs
                 await _advance_to(clock, mock, arrival.at)
@@ -180,8 +191,13 @@ async def _drive(workload: Workload, config: Config, policies: Any,
             progress(len(requests) % 1024)
         await pipeline.ledger.wait_idle()
         duration = clock.now()
-        nursery.cancel_scope.cancel()
-    return requests, duration
+        engines = tuple(EngineRecord(engine_id=e.engine_id, kind=e.kind, busy_s=e.busy_s, cost_usd=e.cost_usd,
+                                     dispatches=e.dispatches, tokens_generated=e.tokens_generated,
+                                     preemptions=e.preemptions, kv_tokens_capacity=e.kv_tokens_capacity,
+                                     mfu=e.mfu, mbu=e.mbu)
+                        for e in (engine.statistics() for engine in pipeline.engines))
+        gpus = pipeline.gpus
+    return requests, duration, engines, gpus
 
 
 async def _advance_to(clock: Any, mock: Any, model_time: float) -> None:
@@ -232,14 +248,15 @@ def _sample(records: Sequence[RequestRecord], governor: Any, duration: float) ->
     return tuple(samples), interval
 
 
-def _record(at: float, request: InferenceRequest, finished: dict[int, float]) -> RequestRecord:
+def _record(at: float, request: InferenceRequest) -> RequestRecord:
     outcome = request.reply.outcome
     common = dict(tenant=request.tenant_id, bid=request.priority_bid, prompt_tokens=request.prompt_tokens,
                   output_tokens=request.tokens_requested, arrival=at)
     if isinstance(outcome, Completion):
         return RequestRecord(**common, outcome="completed", dispatched_at=request.dispatched_at,
-                             finished_at=finished[outcome.batch_id], batch_id=outcome.batch_id,
-                             batch_size=outcome.batch_size, cost_usd=outcome.cost_usd)
+                             finished_at=request.finished_at, batch_id=outcome.batch_id,
+                             batch_size=outcome.batch_size, cost_usd=outcome.cost_usd, started_at=request.started_at,
+                             tpot=None if outcome.tpot_ms is None else outcome.tpot_ms / 1000.0)
     assert isinstance(outcome, Refusal)
-    kind = outcome.kind
-    return RequestRecord(**common, outcome=kind, error=outcome.error, dispatched_at=request.dispatched_at)
+    return RequestRecord(**common, outcome=outcome.kind, error=outcome.error, dispatched_at=request.dispatched_at,
+                         started_at=request.started_at)

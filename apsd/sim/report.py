@@ -1,4 +1,4 @@
-"""The report of ``apsd simulate``: numbers, Markdown and plots from :class:`~apsd.records.PolicyRun`.
+"""The report of ``apsd simulate``: numbers, Markdown and plots from :class:`~apsd.sim.records.PolicyRun`.
 
 Ownership: this module only reads runs; it never runs anything. :func:`summarize`
 turns one run into JSON-ready figures, :func:`format_summary_table` puts several
@@ -18,7 +18,7 @@ to :data:`SIGNIFICANT_DIGITS` significant digits, so two identical runs give a
 byte-identical ``summary.json``. The plots are reproducible too: matplotlib's
 Agg canvas is used directly (no pyplot, no global backend switch) and the PNGs
 carry no ``Software`` metadata. matplotlib is imported only inside the plotting
-functions, so ``import apsd.report`` stays light.
+functions, so ``import apsd.sim.report`` stays light.
 
 Fairness is the daemon's own (:mod:`apsd.ledger`): Jain's index over
 ``x_i`` = output tokens served to tenant ``i`` divided by its configured rate,
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .ledger import jain_index
+from ..ledger import jain_index
 from .records import PolicyRun, RequestRecord
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -2,8 +2,8 @@
 
 Ownership: :func:`write_research` runs :data:`POLICIES`, then the presets of the
 installed plugins (:func:`plugin_presets`), on every workload of :data:`WORKLOADS`
-with :mod:`apsd.simulate`, writes each comparison with
-:func:`apsd.report.write_report` under ``<out>/research/<workload>/``, and writes
+with :mod:`apsd.sim.runner`, writes each comparison with
+:func:`apsd.sim.report.write_report` under ``<out>/research/<workload>/``, and writes
 ``<out>/research.md``: which policies ran and which plugins they came from, the
 comparison tables, plots, and a section that states, from the measured numbers,
 which of the seed documents' claims hold on apsd's simulated A100. Every figure and
@@ -21,14 +21,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import Config
-from .executor import GpuModel
-from .ledger import jain_index
-from .plugins import DEFAULT_PLUGINS, describe_plugins, load_policy_registry, make_plugin_manager
-from .policy import PolicyRegistry
+from ..config import Config
+from ..engines.micro import GpuModel
+from ..ledger import jain_index
+from ..plugins import DEFAULT_PLUGINS, describe_plugins, load_policy_registry, make_plugin_manager
+from ..policy import PolicyRegistry
 from .records import PolicyRun
 from .report import format_summary_table, summarize, write_report
-from .simulate import parse_policy_choice, run_policy
+from .runner import parse_policy_choice, run_policy
 from .workloads import build_workload
 
 __all__ = ["POLICIES", "WORKLOADS", "plugin_presets", "write_research"]

@@ -1,8 +1,8 @@
 """What a simulation records, and what a workload is: plain frozen values.
 
-Ownership: :mod:`apsd.workloads` makes :class:`Workload` values;
-:mod:`apsd.simulate` runs them through the real pipeline and produces one
-:class:`PolicyRun` per policy; :mod:`apsd.report` turns runs into numbers,
+Ownership: :mod:`apsd.sim.workloads` makes :class:`Workload` values;
+:mod:`apsd.sim.runner` runs them through the real pipeline and produces one
+:class:`PolicyRun` per policy; :mod:`apsd.sim.report` turns runs into numbers,
 Markdown and plots. All times are model seconds from the start of the run.
 """
 
@@ -12,9 +12,9 @@ from typing import Any
 
 import attrs
 
-from .config import TenantConfig
+from ..config import TenantConfig
 
-__all__ = ["Arrival", "BatchRecord", "GovernorSample", "PolicyRun", "RequestRecord", "Workload"]
+__all__ = ["Arrival", "BatchRecord", "EngineRecord", "GovernorSample", "PolicyRun", "RequestRecord", "Workload"]
 
 
 @attrs.frozen
@@ -56,14 +56,38 @@ class RequestRecord:
     batch_id: int | None = None
     batch_size: int | None = None
     cost_usd: float = 0.0
+    #: Model time of its first token (None: it never produced one).
+    started_at: float | None = None
+    #: Mean model seconds per output token after the first (completed requests of 2+ tokens).
+    tpot: float | None = None
 
     @property
     def queue_wait(self) -> float | None:
         return None if self.dispatched_at is None else self.dispatched_at - self.arrival
 
     @property
+    def ttft(self) -> float | None:
+        return None if self.started_at is None else self.started_at - self.arrival
+
+    @property
     def latency(self) -> float | None:
         return None if self.finished_at is None else self.finished_at - self.arrival
+
+
+@attrs.frozen
+class EngineRecord:
+    """One engine over a whole run (from its :class:`apsd.engines.EngineStatistics`)."""
+
+    engine_id: int
+    kind: str
+    busy_s: float
+    cost_usd: float
+    dispatches: int
+    tokens_generated: int
+    preemptions: int
+    kv_tokens_capacity: int
+    mfu: float | None
+    mbu: float | None
 
 
 @attrs.frozen
@@ -105,4 +129,16 @@ class PolicyRun:
     duration_s: float                      # from 0 to the last outcome
     gpus: int
     tenant_rates: dict[str, float]
+    #: The ``[engine]`` it ran on: kind, and for ``continuous`` gpu, model, tp; and count.
+    engine: dict[str, Any] = attrs.field(factory=lambda: {"kind": "micro", "count": 1})
+    engines: tuple[EngineRecord, ...] = ()
     wall_s: float = attrs.field(default=0.0, eq=False)  # real seconds it took: never in reports' data
+
+    @property
+    def busy_s(self) -> float:
+        """Model seconds the engines computed, summed over engines."""
+        return sum(e.busy_s for e in self.engines) if self.engines else sum(b.busy_s for b in self.batches)
+
+    @property
+    def cost_usd(self) -> float:
+        return sum(e.cost_usd for e in self.engines) if self.engines else sum(b.cost_usd for b in self.batches)

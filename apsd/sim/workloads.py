@@ -1,8 +1,8 @@
 """Workloads for ``apsd simulate``: the built-in generators and the trace loader.
 
 Ownership: this module turns a built-in's name and parameters, or a trace file,
-into a :class:`~apsd.records.Workload`: every arrival generated up front, so
-:mod:`apsd.simulate` replays the very same requests for every policy. It owns
+into a :class:`~apsd.sim.records.Workload`: every arrival generated up front, so
+:mod:`apsd.sim.runner` replays the very same requests for every policy. It owns
 parameter handling (defaults, strict types, ranges, the limit of
 :data:`MAX_ARRIVALS` arrivals) and trace parsing. Every problem is a
 :class:`WorkloadError` whose one-line message names the workload and the
@@ -38,8 +38,8 @@ from typing import Any
 import attrs
 import numpy as np
 
-from . import strictjson
-from .config import TenantConfig, read_text, read_toml
+from .. import strictjson
+from ..config import SEED_KV_CAP_TOKENS, TenantConfig, read_text, read_toml
 from .records import Arrival, Workload
 
 __all__ = [
@@ -59,7 +59,7 @@ UNTHROTTLED = TenantConfig(rate=1e6, burst=10**9)
 #: A workload may hold at most this many arrivals (built or loaded).
 MAX_ARRIVALS = 1_000_000
 #: The seed GPU's KV cache per batch: every built-in request fits it.
-KV_CAPACITY_TOKENS = 32_768
+KV_CAPACITY_TOKENS = SEED_KV_CAP_TOKENS
 #: Random prompt and output sizes are clipped to ``1..MAX_RANDOM_TOKENS`` each.
 MAX_RANDOM_TOKENS = KV_CAPACITY_TOKENS // 2
 #: A trace's sizes may be up to this (what ``POST /infer`` accepts); admission judges the rest.

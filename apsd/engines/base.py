@@ -1,0 +1,98 @@
+"""The engine seam: what the scheduler and the pipeline expect of an engine.
+
+An engine runs admitted requests. It pulls work sized to its free capacity: it sends a
+:class:`Demand` on the pipeline's demand channel and the scheduler answers that engine, on
+the engine's own answer channel (made by the pipeline, one per engine), with a :class:`~apsd.models.Dispatch` cut from the queue
+to fit :meth:`Engine.free` as it is when the dispatch is cut. An empty dispatch means the
+next request in queue order does not fit now: the engine asks again once its capacity grew.
+
+Ownership: the pipeline builds the engines (:func:`apsd.engines.build_engines`) and starts
+each one's :meth:`Engine.serve` in its stages' nursery, with a clone of the demand channel's
+send end and the receive end of that engine's answer channel; ``serve`` closes both when it
+returns. From the moment a request is dispatched to it, the engine owns it until it calls
+:meth:`~apsd.ledger.Ledger.finish` (or :meth:`~apsd.ledger.Ledger.requeued` and hands it back to
+the scheduler): it stamps the first token (:meth:`~apsd.ledger.Ledger.started`), updates
+``tokens_generated`` and ``cost_usd``, and pushes tokens to ``request.stream`` if there is one.
+
+Time: engines schedule in model time (:class:`~apsd.clock.ModelClock`) on absolute deadlines,
+and stamp events with the model time the model gives them, so the host's wake-up latency is
+never magnified into model time by ``gpu.time_scale``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import attrs
+import trio
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..models import Capacity, Dispatch, InferenceRequest, Refusal
+
+__all__ = ["Demand", "Engine", "EngineStatistics", "UNBOUNDED"]
+
+#: A capacity that never limits (the ``micro`` engine's sequence count).
+UNBOUNDED = 2**62
+
+
+@attrs.frozen
+class Demand:
+    """An engine asking for work; the scheduler answers it with one dispatch on the answer
+    channel the pipeline made for that engine (``engine.engine_id``)."""
+
+    engine: Engine
+
+
+@attrs.frozen
+class EngineStatistics:
+    """One engine, as of now (model seconds and tokens)."""
+
+    engine_id: int
+    kind: str
+    #: Sequences running now (a ``micro`` engine: the requests of the batch it runs).
+    running: int
+    #: Sequences it holds but cannot run now (preempted, waiting for KV cache).
+    waiting: int
+    kv_tokens_used: int
+    kv_tokens_capacity: int
+    #: Model seconds spent computing, and its cost.
+    busy_s: float
+    cost_usd: float
+    dispatches: int
+    tokens_generated: int
+    preemptions: int
+    #: Model FLOPs and bytes read over the busy time, as fractions of the hardware's peak (None: the
+    #: engine has no hardware model, e.g. the seed's ``micro`` engine).
+    mfu: float | None = None
+    mbu: float | None = None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Where dispatched requests run. See the module docstring for the protocol."""
+
+    engine_id: int
+    #: ``micro``, ``continuous``, ...: the ``[engine] kind`` that built it.
+    kind: str
+
+    def refuse(self, request: InferenceRequest) -> Refusal | None:
+        """The 413 answer for a request that could never run on this engine, else None."""
+
+    def free(self) -> Capacity:
+        """What it can take on now. Cheap and synchronous: the scheduler calls it when cutting."""
+
+    async def serve(self, demands: trio.MemorySendChannel[Demand],
+                    answers: trio.MemoryReceiveChannel[Dispatch]) -> None:
+        """Ask for work, run it, repeat; until cancelled or a channel closes. Closes both ends."""
+
+    def cancel(self, request: InferenceRequest) -> bool:
+        """Its client left ``request``, which this engine is running: stop it, free its slot and KV
+        cache, and finish it as cancelled (billed for what ran), now or at the next step boundary.
+        False if this engine cannot stop it (it then runs to its end)."""
+
+    def statistics(self) -> EngineStatistics: ...
+
+    def reconfigure(self, config: Config) -> list[str]:
+        """Take a reloaded config's settings that can change while running; returns what changed
+        that the pipeline does not report itself."""

@@ -1,0 +1,471 @@
+"""The ``continuous`` engine: iteration-level batching on a roofline model, as vLLM and Sarathi do.
+
+Sequences join and leave the running batch at every step boundary. Each step spends a token
+budget (``[engine] max_batched_tokens``): one token for every decoding sequence, the rest on
+prefill chunks of the sequences still reading their prompt, first come first served (chunked
+prefill). A step lasts what :meth:`~apsd.engines.roofline.Deployment.step_s` says for that mix on
+the deployment's GPU x model x tp. The step that consumes a prompt's last chunk produces the
+sequence's first token; each later step produces one more; a sequence finishes when it has
+its ``tokens_requested``.
+
+KV cache: a sequence holds its prompt from the moment it joins and one more token per step
+while decoding (``Capacity.need``: prompt + 1 to join). When the decoding sequences' next step
+would not fit, the running sequence the queue policy ranks lowest (the scheduler's ``rank``:
+the aging policy's effective priority; the latest arrival on a tie) is preempted: its cache is
+freed and it waits in this engine, ahead of any new work (the engine asks for nothing while
+one waits), to be recomputed: its prompt and the tokens it had generated are prefilled again,
+then it continues. A request that could never fit (prompt + requested beyond the cache or the
+model's context) is refused at admission.
+
+Events, not tokens: a run of steps in which only decoding happens and nothing joins, finishes,
+runs out of cache or is cancelled is computed in closed form
+(:meth:`~apsd.engines.roofline.Deployment.decode_steps_s`) and slept over at once, so a
+simulation's cost grows with arrivals, finishes and preemptions, not with tokens. A dispatch or
+a cancellation arriving in the middle of such a run takes effect at the end of the step in
+progress. Sequences with a token stream are woken every ``STREAM_INTERVAL_S`` model seconds
+to receive their tokens.
+
+Costs: a step's cost (its seconds at the deployment's price) is shared by the tokens it
+processed: each decoding sequence pays for one token, each prefill chunk for its tokens.
+MFU and MBU are model FLOPs and bytes read over busy time, against the deployment's peaks.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import logging
+from collections.abc import Callable
+
+import attrs
+import trio
+
+from ..clock import ModelClock
+from ..config import Config
+from ..ledger import Ledger
+from ..models import Capacity, Completion, Dispatch, InferenceRequest, Refusal
+from ..streams import TokenChunk
+from .base import Demand, EngineStatistics
+from .roofline import Deployment
+
+__all__ = ["ContinuousEngine"]
+
+log = logging.getLogger("apsd.engines.continuous")
+
+#: Model seconds between two deliveries of tokens to the streams of decoding sequences.
+STREAM_INTERVAL_S = 0.05
+
+
+@attrs.define(eq=False, slots=True)
+class Sequence:
+    """One request inside the engine. While it decodes, its live ``generated`` and ``context``
+    are the stored values plus the engine's decode steps since ``step_base``."""
+
+    request: InferenceRequest
+    #: Tokens still to prefill (its prompt, or after a preemption its prompt and output so far).
+    prompt_left: int
+    #: Tokens in its KV cache (as of ``step_base`` while decoding).
+    context: int = 0
+    #: Output tokens produced (as of ``step_base`` while decoding).
+    generated: int = 0
+    step_base: int = 0
+    cost_base: float = 0.0
+    #: The engine's decode-step count at which it has all its tokens.
+    finish_step: int = 0
+
+
+@attrs.define(eq=False)
+class ContinuousEngine:
+    """One deployment (``tp`` GPUs) running continuous batching; see the module docstring."""
+
+    engine_id: int
+    deployment: Deployment
+    ledger: Ledger
+    clock: ModelClock
+    #: The queue policy's ranking of a request now (higher: served sooner): who is preempted.
+    rank: Callable[[InferenceRequest, float], float]
+    max_sequences: int = 256
+    max_batched_tokens: int = 8192
+    price_per_hour_usd: float = 0.0
+    kind: str = attrs.field(default="continuous", init=False)
+    # -- state ---------------------------------------------------------------------------------
+    #: Model time of the current step boundary (the engine's own schedule).
+    t: float = attrs.field(default=0.0, init=False)
+    _prefilling: collections.deque[Sequence] = attrs.field(factory=collections.deque, init=False)
+    _decoding: dict[InferenceRequest, Sequence] = attrs.field(factory=dict, init=False)
+    _finishes: list[tuple[int, int, Sequence]] = attrs.field(factory=list, init=False)
+    _preempted: list[Sequence] = attrs.field(factory=list, init=False)
+    _streaming: set[Sequence] = attrs.field(factory=set, init=False)
+    #: Decode steps taken so far (every decoding sequence advances one token per step).
+    _step: int = attrs.field(default=0, init=False)
+    #: Tokens in the KV caches of the decoding sequences, summed.
+    _decode_context: int = attrs.field(default=0, init=False)
+    _kv_used: int = attrs.field(default=0, init=False)
+    #: USD one decoding sequence has paid per step, accumulated over every step so far.
+    _cost_per_slot: float = attrs.field(default=0.0, init=False)
+    _inbox: collections.deque[Dispatch] = attrs.field(factory=collections.deque, init=False)
+    _aborts: set[InferenceRequest] = attrs.field(factory=set, init=False)
+    _asked: bool = attrs.field(default=False, init=False)
+    #: Bumped whenever capacity may have grown; an empty dispatch is not asked for again before.
+    _version: int = attrs.field(default=0, init=False)
+    _empty_at: int = attrs.field(default=-1, init=False)
+    _wake_event: trio.Event = attrs.field(factory=trio.Event, init=False)
+    _tiebreak: itertools.count = attrs.field(factory=itertools.count, init=False)
+    #: KV tokens kept free when admitting or resuming (set from the deployment).
+    _watermark: int = attrs.field(default=0, init=False)
+    # -- statistics ----------------------------------------------------------------------------
+    _busy_s: float = attrs.field(default=0.0, init=False)
+    _cost_usd: float = attrs.field(default=0.0, init=False)
+    _flops: float = attrs.field(default=0.0, init=False)
+    _bytes: float = attrs.field(default=0.0, init=False)
+    _dispatches: int = attrs.field(default=0, init=False)
+    _tokens: int = attrs.field(default=0, init=False)
+    _preemptions: int = attrs.field(default=0, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.price_per_hour_usd:
+            self.price_per_hour_usd = self.deployment.price_per_hour_usd
+        self.t = self.clock.now()
+        self._watermark = self.deployment.kv_capacity_tokens // 100
+
+    # -- the seam --------------------------------------------------------------------------------
+    def refuse(self, request: InferenceRequest) -> Refusal | None:
+        """413 for a request that could never fit: beyond the model's context or the KV cache."""
+        d = self.deployment
+        total = request.cost_tokens
+        if total > d.max_context:
+            return Refusal(413, "exceeds_context_length",
+                           f"request needs {total} tokens of context (prompt {request.prompt_tokens} + requested "
+                           f"{request.tokens_requested}) but {d.model.name} serves at most {d.max_context}")
+        if total > d.kv_capacity_tokens:
+            return Refusal(413, "exceeds_kv_capacity",
+                           f"request needs {total} KV tokens (prompt {request.prompt_tokens} + requested "
+                           f"{request.tokens_requested}) but {d.model.name} on {d.tp} x {d.gpu.name} holds "
+                           f"{d.kv_capacity_tokens}")
+        return None
+
+    def free(self) -> Capacity:
+        """Room for new sequences: none while a preempted one waits; KV cache beyond a watermark
+        (1% of it, as vLLM keeps) and the next step's growth of the decoding sequences."""
+        if self._preempted:
+            return Capacity(sequences=0, kv_tokens=0, reserve_output=False)
+        running = len(self._prefilling) + len(self._decoding) + sum(len(d.requests) for d in self._inbox)
+        return Capacity(sequences=max(0, self.max_sequences - running),
+                        kv_tokens=max(0, self._spare_kv() - self._inbox_kv()), reserve_output=False)
+
+    def _spare_kv(self) -> int:
+        """KV tokens that can be given to a sequence joining or resuming now."""
+        return self.deployment.kv_capacity_tokens - self._watermark - self._kv_used - len(self._decoding)
+
+    def _inbox_kv(self) -> int:
+        return sum(r.prompt_tokens + 1 for d in self._inbox for r in d.requests) if self._inbox else 0
+
+    def cancel(self, request: InferenceRequest) -> bool:
+        self._aborts.add(request)
+        self._wake()
+        return True
+
+    def reconfigure(self, config: Config) -> list[str]:
+        return []  # the deployment and its limits need a restart (Pipeline.reconfigure says so)
+
+    def statistics(self) -> EngineStatistics:
+        d = self.deployment
+        return EngineStatistics(
+            engine_id=self.engine_id, kind=self.kind, running=len(self._prefilling) + len(self._decoding),
+            waiting=len(self._preempted), kv_tokens_used=self._kv_used, kv_tokens_capacity=d.kv_capacity_tokens,
+            busy_s=self._busy_s, cost_usd=self._cost_usd, dispatches=self._dispatches, tokens_generated=self._tokens,
+            preemptions=self._preemptions, mfu=d.mfu(self._flops, self._busy_s), mbu=d.mbu(self._bytes, self._busy_s))
+
+    def _wake(self) -> None:
+        self._wake_event.set()
+
+    # -- the loop --------------------------------------------------------------------------------
+    async def serve(self, demands: trio.MemorySendChannel[Demand],
+                    answers: trio.MemoryReceiveChannel[Dispatch]) -> None:
+        """Ask for work whenever there is room, run steps, repeat; until cancelled or a channel closes."""
+        async with demands, answers, trio.open_nursery() as nursery:
+            nursery.start_soon(self._receive, answers)
+            try:
+                await self._run(demands)
+            except (trio.EndOfChannel, trio.BrokenResourceError):
+                pass
+            nursery.cancel_scope.cancel()
+
+    async def _receive(self, answers: trio.MemoryReceiveChannel[Dispatch]) -> None:
+        async for dispatch in answers:
+            self._asked = False
+            if dispatch.requests:
+                self._inbox.append(dispatch)
+            else:
+                self._empty_at = self._version
+            self._wake()
+
+    def _running(self) -> bool:
+        return bool(self._prefilling or self._decoding or self._preempted)
+
+    async def _run(self, demands: trio.MemorySendChannel[Demand]) -> None:
+        while True:
+            self._boundary()
+            headroom = self.deployment.kv_capacity_tokens - self._kv_used
+            if len(self._decoding) > headroom:  # the next step's tokens would not fit: make room
+                self._preempt(len(self._decoding) - headroom)
+                continue
+            if not self._asked and self._empty_at != self._version:
+                free = self.free()
+                if free.sequences > 0 and free.kv_tokens > 0:
+                    self._asked = True
+                    await demands.send(Demand(self))
+            if not self._running() and not self._inbox and not self._aborts:
+                self._wake_event = trio.Event()
+                await self._wake_event.wait()
+                self.t = max(self.t, self.clock.now())  # idle until now
+                continue
+            if not self._running():
+                continue
+            if self._prefilling:
+                await self._mixed_step()
+            else:
+                await self._decode_run()
+
+    def _boundary(self) -> None:
+        """At a step boundary: cancel what must be, take in what was dispatched, resume what fits."""
+        if self._aborts:
+            for request in list(self._aborts):
+                self._abort(request)
+            self._aborts.clear()
+        while self._inbox:
+            dispatch = self._inbox.popleft()
+            self._dispatches += 1
+            for request in dispatch.requests:
+                if request.answered:
+                    continue
+                if request.stream is not None and request.stream.abandoned:
+                    self._aborts.add(request)
+                seq = Sequence(request, prompt_left=request.prompt_tokens)
+                self._kv_used += seq.prompt_left
+                self._prefilling.append(seq)
+                if request.stream is not None:
+                    self._streaming.add(seq)
+            if self._aborts:
+                self._boundary()
+        if self._preempted:
+            self._resume()
+
+    def _resume(self) -> None:
+        """Move preempted sequences whose recomputation fits back to prefilling, highest rank first."""
+        self._preempted.sort(key=lambda s: (-self.rank(s.request, self.t), s.request.seq))
+        while self._preempted and self._preempted[0].prompt_left + 1 <= self._spare_kv():
+            seq = self._preempted.pop(0)
+            self._kv_used += seq.prompt_left
+            self._prefilling.appendleft(seq)
+            self._version += 1
+
+    # -- one step with prefill ---------------------------------------------------------------------
+    async def _mixed_step(self) -> None:
+        d = self.deployment
+        decoding = len(self._decoding)
+        budget = self.max_batched_tokens - decoding
+        chunks: list[tuple[Sequence, int]] = []
+        for seq in self._prefilling:
+            if budget <= 0:
+                break
+            chunk = min(seq.prompt_left, budget)
+            chunks.append((seq, chunk))
+            budget -= chunk
+        pairs = [(chunk, seq.context) for seq, chunk in chunks]
+        duration = d.step_s(pairs, decoding, self._decode_context)
+        end = self.t + duration
+        await self.clock.sleep_until(end)
+        tokens = decoding + sum(chunk for _, chunk in chunks)
+        cost = duration * self.price_per_hour_usd / 3600.0
+        self._account(duration, cost, d.flops(pairs, decoding, self._decode_context),
+                      d.bytes_moved(pairs, decoding, self._decode_context))
+        per_token = cost / tokens if tokens else 0.0
+        if decoding:
+            self._advance(1, per_token)
+        self.t = end
+        for seq, chunk in chunks:
+            seq.request.cost_usd += chunk * per_token
+            seq.context += chunk
+            seq.prompt_left -= chunk
+            if not seq.prompt_left:
+                self._prefilling.remove(seq)
+                self._first_token_after_prefill(seq)
+        self._finish_due()
+
+    def _first_token_after_prefill(self, seq: Sequence) -> None:
+        """The step that read ``seq``'s last prompt chunk produced its next token."""
+        seq.generated += 1
+        request = seq.request
+        request.tokens_generated = seq.generated
+        self._tokens += 1
+        if request.started_at is None:
+            self.ledger.started(request, self.t)
+        if seq in self._streaming:
+            self._deliver(seq)
+        if seq.generated >= request.tokens_requested:
+            self._complete(seq)
+            return
+        seq.step_base, seq.cost_base = self._step, self._cost_per_slot
+        seq.finish_step = self._step + request.tokens_requested - seq.generated
+        self._decoding[request] = seq
+        self._decode_context += seq.context
+        heapq.heappush(self._finishes, (seq.finish_step, next(self._tiebreak), seq))
+
+    # -- runs of decode steps ------------------------------------------------------------------------
+    async def _decode_run(self) -> None:
+        d = self.deployment
+        self._finish_due()  # (aborts and preemptions may have left stale finishes on top)
+        n = len(self._decoding)
+        if not n:
+            return
+        headroom = self.deployment.kv_capacity_tokens - self._kv_used
+        steps = min(self._finishes[0][0] - self._step, headroom // n)
+        if self._streaming:
+            steps = max(1, min(steps, d.decode_steps_within(n, self._decode_context, STREAM_INTERVAL_S)))
+        end = self.t + d.decode_steps_s(n, self._decode_context, steps)
+        self._wake_event = trio.Event()
+        with trio.move_on_at(self.clock.deadline(end)):
+            await self._wake_event.wait()
+        if not self.clock.reached(end):  # woken early: finish the step in progress, then take it in
+            done = d.decode_steps_within(n, self._decode_context, self.clock.now() - self.t)
+            steps = min(steps, done + 1)
+            end = self.t + d.decode_steps_s(n, self._decode_context, steps)
+            await self.clock.sleep_until(end)
+        duration = end - self.t
+        context_read = steps * self._decode_context + n * steps * (steps - 1) // 2
+        cost = duration * self.price_per_hour_usd / 3600.0
+        self._account(duration, cost, d.flops((), n * steps, context_read),
+                      steps * d.model.weight_bytes + context_read * d.kv_bytes_per_token)
+        self._advance(steps, cost / (n * steps))
+        self.t = end
+        if self._streaming:
+            for seq in self._streaming:
+                if seq.request in self._decoding:
+                    self._sync(seq)
+                    self._deliver(seq)
+        self._finish_due()
+
+    def _advance(self, steps: int, cost_per_token: float) -> None:
+        """Every decoding sequence takes ``steps`` more steps, paying ``cost_per_token`` each."""
+        n = len(self._decoding)
+        self._step += steps
+        self._decode_context += n * steps
+        self._kv_used += n * steps
+        self._cost_per_slot += cost_per_token * steps
+        self._tokens += n * steps
+
+    def _account(self, duration: float, cost: float, flops: float, bytes_read: float) -> None:
+        self._busy_s += duration
+        self._cost_usd += cost
+        self._flops += flops
+        self._bytes += bytes_read
+        self.ledger.engine_ran(duration, cost)
+
+    def _sync(self, seq: Sequence) -> None:
+        """Bring a decoding sequence's stored progress up to the current step."""
+        delta = self._step - seq.step_base
+        if delta:
+            seq.generated += delta
+            seq.context += delta
+            seq.request.cost_usd += self._cost_per_slot - seq.cost_base
+            seq.step_base, seq.cost_base = self._step, self._cost_per_slot
+        seq.request.tokens_generated = seq.generated
+
+    def _finish_due(self) -> None:
+        """Complete the decoding sequences that have all their tokens; drop stale heap entries
+        (sequences that left decoding, or re-entered it after a preemption with a new finish)."""
+        finishes = self._finishes
+        while finishes:
+            finish_step, _, seq = finishes[0]
+            live = self._decoding.get(seq.request) is seq and seq.finish_step == finish_step
+            if live and finish_step > self._step:
+                return
+            heapq.heappop(finishes)
+            if live:
+                self._leave_decoding(seq)
+                self._complete(seq)
+
+    def _leave_decoding(self, seq: Sequence) -> None:
+        self._sync(seq)
+        del self._decoding[seq.request]
+        self._decode_context -= seq.context
+
+    # -- endings ----------------------------------------------------------------------------------
+    def _complete(self, seq: Sequence) -> None:
+        self._release(seq)
+        request = seq.request
+        if seq in self._streaming:
+            self._deliver(seq)
+        assert request.dispatched_at is not None and request.started_at is not None
+        n = request.tokens_generated
+        decode_s = self.t - request.started_at
+        self.ledger.finish(request, Completion(
+            request_id=request.request_id,
+            tenant_id=request.tenant_id,
+            prompt_tokens=request.prompt_tokens,
+            tokens_generated=n,
+            queue_ms=(request.dispatched_at - request.arrival) * 1000.0,
+            ttft_ms=(request.started_at - request.arrival) * 1000.0,
+            tpot_ms=decode_s / (n - 1) * 1000.0 if n > 1 else None,
+            prefill_ms=(request.started_at - request.dispatched_at) * 1000.0,
+            decode_ms=decode_s * 1000.0,
+            latency_ms=(self.t - request.arrival) * 1000.0,
+            batch_id=request.dispatch_id or 0,
+            batch_size=request.dispatch_size,
+            engine_id=self.engine_id,
+            effective_priority=request.effective_priority or 0.0,
+            cost_usd=request.cost_usd,
+        ), at=self.t)
+
+    def _release(self, seq: Sequence) -> None:
+        """Free ``seq``'s KV cache and slot (it has left every running structure)."""
+        self._kv_used -= seq.context + seq.prompt_left
+        self._streaming.discard(seq)
+        self._version += 1
+
+    def _abort(self, request: InferenceRequest) -> None:
+        """Its client left: stop it now (a step boundary), free its slot and cache, bill what ran."""
+        seq = self._decoding.get(request)
+        if seq is not None:
+            self._leave_decoding(seq)
+            self._release(seq)
+        elif (seq := next((s for s in self._prefilling if s.request is request), None)) is not None:
+            self._prefilling.remove(seq)
+            self._release(seq)
+        elif (seq := next((s for s in self._preempted if s.request is request), None)) is not None:
+            self._preempted.remove(seq)  # (it holds no cache)
+            self._streaming.discard(seq)
+            self._version += 1
+        else:
+            return  # finished already, or never reached this engine
+        self.ledger.finish(request, Refusal(499, "client_disconnected",
+                                            "the client disconnected while the request was running",
+                                            kind="cancelled"), at=self.t)
+
+    def _preempt(self, tokens: int) -> None:
+        """Free at least ``tokens`` KV tokens by preempting the lowest-ranked running sequences."""
+        while tokens > 0 and (self._decoding or self._prefilling):
+            victim = min((*self._decoding.values(), *self._prefilling),
+                         key=lambda s: (self.rank(s.request, self.t), -s.request.seq))
+            if victim.request in self._decoding:
+                self._leave_decoding(victim)
+                freed = victim.context
+                # recompute: everything it had, the pending token included, is prefilled again
+                victim.prompt_left, victim.context = victim.request.prompt_tokens + victim.generated, 0
+            else:
+                self._prefilling.remove(victim)
+                freed = victim.context + victim.prompt_left
+                victim.prompt_left += victim.context
+                victim.context = 0
+            self._kv_used -= freed
+            tokens -= freed
+            self._preempted.append(victim)
+            self._preemptions += 1
+            log.debug("engine %d preempted %s (%d KV tokens)", self.engine_id, victim.request.request_id, freed)
+
+    def _deliver(self, seq: Sequence) -> None:
+        stream = seq.request.stream
+        assert stream is not None
+        stream.push_nowait(TokenChunk(tokens=seq.generated - stream.tokens, at=self.t))
