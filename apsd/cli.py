@@ -6,6 +6,8 @@
 * ``apsd simulate --workload W [--policy P ...]`` compares policies on one workload in
   virtual time and writes a report (:mod:`apsd.sim.runner`, :mod:`apsd.sim.report`).
 * ``apsd research`` runs the research suite and writes ``docs/research.md`` (:mod:`apsd.sim.research`).
+* ``apsd profile --gpu G --model M --batch B --prompt-tokens P --output-tokens O`` runs a batch on
+  one continuous engine in virtual time and prints its figures (:mod:`apsd.sim.profile`).
 
 Exit status: 0 after a clean shutdown, 2 for a bad config or command line
 (one message naming the file and the key, no traceback), 1 for a plugin that
@@ -23,6 +25,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import attrs
 import trio
 
 from . import __version__
@@ -223,6 +226,70 @@ def _progress(total: int, quiet: bool) -> Iterator[Callable[[int], None] | None]
         yield bar.update
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def profile_main(argv: Sequence[str]) -> int:
+    from .engines.profiles import ProfileError
+    from .plugins import load_profile_registry
+    from .sim.profile import profile_deployment
+
+    parser = argparse.ArgumentParser(
+        prog="apsd profile",
+        description="Run BATCH identical requests, arriving together, on one continuous engine (the roofline model "
+                    "of GPU x MODEL over TP GPUs) in virtual time, and print time to first token, time per output "
+                    "token, throughput, KV cache capacity, MFU and MBU.",
+        epilog="Example: apsd profile --gpu a100-80gb --model llama-2-7b --batch 1 --prompt-tokens 2048 "
+               "--output-tokens 128")
+    parser.add_argument("--list", action="store_true", help="list the GPU and model profiles (plugins' included)")
+    parser.add_argument("--gpu", help="GPU profile, e.g. a100-80gb")
+    parser.add_argument("--model", help="model profile, e.g. llama-3-8b")
+    parser.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel GPUs: 1, 2, 4 or 8 (default 1)")
+    parser.add_argument("--batch", type=_positive_int, help="identical requests arriving together")
+    parser.add_argument("--prompt-tokens", type=_positive_int, help="prompt tokens per request")
+    parser.add_argument("--output-tokens", type=_positive_int, help="output tokens per request")
+    parser.add_argument("--max-batched-tokens", type=_positive_int, default=8192,
+                        help="tokens per engine iteration (default 8192)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    try:
+        profiles = load_profile_registry(make_plugin_manager())
+    except PluginError as exc:
+        parser.exit(1, f"apsd profile: plugin error: {exc}\n")
+    if args.list:
+        for gpu in profiles.gpus():
+            print(f"gpu {gpu.name}: {gpu.bf16_tflops:g} TFLOP/s bf16, {gpu.hbm_gb_s:g} GB/s, {gpu.memory_gib:g} GiB, "
+                  f"${gpu.price_per_hour_usd:g}/hour")
+        for model in profiles.models():
+            print(f"model {model.name}: {model.params / 1e9:.1f}B parameters, {model.layers} layers, "
+                  f"{model.kv_heads} KV heads, context {model.max_context}")
+        return 0
+    missing = [f"--{name.replace('_', '-')}" for name in ("gpu", "model", "batch", "prompt_tokens", "output_tokens")
+               if getattr(args, name) is None]
+    if missing:
+        parser.error(f"missing {', '.join(missing)} (or --list)")
+    try:
+        result = profile_deployment(args.gpu, args.model, tp=args.tp, batch=args.batch,
+                                    prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                                    max_batched_tokens=args.max_batched_tokens, profiles=profiles)
+    except (ConfigError, ProfileError, ValueError) as exc:
+        parser.exit(2, f"apsd profile: error: {exc}\n")
+    figures = attrs.asdict(result)
+    if args.json:
+        print(json.dumps(figures))
+        return 0
+    for name, value in figures.items():
+        print(f"{name:<20} {value:,.4g}" if isinstance(value, float) else f"{name:<20} {value:,}")
+    return 0
+
+
 def research_main(argv: Sequence[str]) -> int:
     from .sim.research import POLICIES, WORKLOADS, write_research
 
@@ -280,6 +347,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return simulate_main(argv[1:])
     if argv[:1] == ["hash-key"]:
         return hash_key_main(argv[1:])
+    if argv[:1] == ["profile"]:
+        return profile_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_format, prompts=args.log_prompts)

@@ -94,6 +94,8 @@ class Scheduler:
     decisions: int = attrs.field(default=0, init=False)
     #: The engine whose demand the dispatcher is answering (None: none is asking).
     _asking: Engine | None = attrs.field(default=None, init=False)
+    #: The scope of the dispatcher's wait (None: it is not waiting): an arrival may move its deadline.
+    _wait_scope: trio.CancelScope | None = attrs.field(default=None, init=False)
     #: (deadline, seq, request) of every queued request with a deadline (and of some that have
     #: left the queue since: dropped lazily). Only enqueue pushes, only serve_timeouts pops.
     _deadlines: list[tuple[float, int, InferenceRequest]] = attrs.field(factory=list, init=False)
@@ -210,8 +212,8 @@ class Scheduler:
         if self._backlog_since is None:
             self._backlog_since = request.arrival
         self._set_deadline(request)
-        if self._arrival_matters():
-            self._wake()
+        if self._waiting_until is not None:
+            self._after_arrival()
 
     def requeue(self, request: InferenceRequest, reason: str) -> None:
         """Put a dispatched request whose engine failed before its first token back in the queue,
@@ -280,25 +282,27 @@ class Scheduler:
         request.prompt = ""  # the queue may hold it a while longer: keep only what ordering needs
         self.note_answered_in_queue()
 
-    def _arrival_matters(self) -> bool:
-        """Whether the dispatcher, as it waits now, could decide differently after this arrival.
-
-        Not waiting (no engine asking): it decides afresh when one asks. Waiting for work:
-        yes. Waiting out a window: only if the dispatch is now full or the window got shorter.
-        Skipping needless wake-ups keeps the simulator fast; when in doubt, wake.
-        """
-        if self._waiting_until is None:
-            return False
-        if self._waiting_until == float("inf"):
-            return True
+    def _after_arrival(self) -> None:
+        """The dispatcher waits: wake it if it could decide differently now (the dispatch is full,
+        the window has passed, or it waited for work with no window to wait out); if only the
+        window's end came closer, move its wake-up there instead (no task switch). Skipping
+        needless wake-ups keeps the simulator fast; when in doubt, wake."""
         try:
             now = self.clock.now()
-            if self._asking is None or self.policies.batching.is_full(self.queue, now, self._asking.free()):
-                return True
-            window = self.policies.governor.reading(now).window_s
-            return self._backlog_since is None or self._backlog_since + window < self._waiting_until
+            engine, scope = self._asking, self._wait_scope
+            if engine is None or scope is None or self._backlog_since is None \
+                    or self.policies.batching.is_full(self.queue, now, engine.free()):
+                self._wake()
+                return
+            window = float(self.policies.governor.reading(now).window_s)
+            cut_at = self._backlog_since + window
+            if not 0.0 <= window < math.inf or self.clock.reached(cut_at):
+                self._wake()
+            elif cut_at < self._waiting_until:
+                self._waiting_until = cut_at
+                scope.deadline = self.clock.deadline(cut_at)
         except Exception:  # the dispatcher will meet (and handle) the same failure
-            return True
+            self._wake()
 
     def drop_queued(self) -> list[InferenceRequest]:
         """Empty the queue (shutdown) and return what it held, unanswered: the caller must answer
@@ -341,10 +345,19 @@ class Scheduler:
         """
         async with demands:
             try:
-                async for demand in demands:
+                while True:
+                    try:  # (no checkpoint when a demand is already there: one task switch less per dispatch)
+                        demand = demands.receive_nowait()
+                    except trio.WouldBlock:
+                        try:
+                            demand = await demands.receive()
+                        except trio.EndOfChannel:
+                            return
+                    except trio.EndOfChannel:
+                        return
                     dispatch = await self.wait_next_dispatch(demand.engine)
-                    try:
-                        await answers[demand.engine.engine_id].send(dispatch)
+                    try:  # (each engine has one ask outstanding and an answer buffer of one: never full)
+                        answers[demand.engine.engine_id].send_nowait(dispatch)
                     except (trio.BrokenResourceError, trio.ClosedResourceError):  # the engine stopped
                         for request in dispatch.requests:
                             self.requeue(request, "its engine stopped before running it")
@@ -385,10 +398,10 @@ class Scheduler:
                 return decision
             self._waiting_until = float("inf") if decision is None else decision
             try:
-                with trio.move_on_at(self.clock.deadline(self._waiting_until)):
+                with trio.move_on_at(self.clock.deadline(self._waiting_until)) as self._wait_scope:
                     await self._changed.wait()
             finally:
-                self._waiting_until = None
+                self._waiting_until = self._wait_scope = None
 
     def _decide(self, now: float, engine: Engine) -> Dispatch | float | None:
         """A dispatch to send now, else the model time to look again (None: when something arrives)."""

@@ -36,6 +36,7 @@ import collections
 import heapq
 import itertools
 import logging
+import math
 from collections.abc import Callable
 
 import attrs
@@ -110,7 +111,11 @@ class ContinuousEngine:
     #: Bumped whenever capacity may have grown; an empty dispatch is not asked for again before.
     _version: int = attrs.field(default=0, init=False)
     _empty_at: int = attrs.field(default=-1, init=False)
-    _wake_event: trio.Event = attrs.field(factory=trio.Event, init=False)
+    _demands: trio.MemorySendChannel[Demand] | None = attrs.field(default=None, init=False)
+    _answers: trio.MemoryReceiveChannel[Dispatch] | None = attrs.field(default=None, init=False)
+    #: The scope of the wait the engine is in (for an answer, or to the end of a run): a cancellation
+    #: cancels it so the engine acts at once.
+    _wait_scope: trio.CancelScope | None = attrs.field(default=None, init=False)
     _tiebreak: itertools.count = attrs.field(factory=itertools.count, init=False)
     #: KV tokens kept free when admitting or resuming (set from the deployment).
     _watermark: int = attrs.field(default=0, init=False)
@@ -163,7 +168,8 @@ class ContinuousEngine:
 
     def cancel(self, request: InferenceRequest) -> bool:
         self._aborts.add(request)
-        self._wake()
+        if self._wait_scope is not None:
+            self._wait_scope.cancel()
         return True
 
     def reconfigure(self, config: Config) -> list[str]:
@@ -177,48 +183,83 @@ class ContinuousEngine:
             busy_s=self._busy_s, cost_usd=self._cost_usd, dispatches=self._dispatches, tokens_generated=self._tokens,
             preemptions=self._preemptions, mfu=d.mfu(self._flops, self._busy_s), mbu=d.mbu(self._bytes, self._busy_s))
 
-    def _wake(self) -> None:
-        self._wake_event.set()
-
     # -- the loop --------------------------------------------------------------------------------
     async def serve(self, demands: trio.MemorySendChannel[Demand],
                     answers: trio.MemoryReceiveChannel[Dispatch]) -> None:
-        """Ask for work whenever there is room, run steps, repeat; until cancelled or a channel closes."""
-        async with demands, answers, trio.open_nursery() as nursery:
-            nursery.start_soon(self._receive, answers)
-            try:
-                await self._run(demands)
-            except (trio.EndOfChannel, trio.BrokenResourceError):
-                pass
-            nursery.cancel_scope.cancel()
+        """Ask for work whenever there is room, run steps, repeat; until cancelled or a channel closes.
 
-    async def _receive(self, answers: trio.MemoryReceiveChannel[Dispatch]) -> None:
-        async for dispatch in answers:
-            self._asked = False
-            if dispatch.requests:
-                self._inbox.append(dispatch)
-            else:
-                self._empty_at = self._version
-            self._wake()
+        One task: it receives its answers itself, waiting for one while idle or during a run of
+        decode steps, and taking any that arrived during a step at the step's end.
+        """
+        async with demands, answers:
+            self._demands, self._answers = demands, answers
+            try:
+                await self._run()
+            except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+    def _on_answer(self, dispatch: Dispatch) -> None:
+        self._asked = False
+        if dispatch.requests:
+            self._inbox.append(dispatch)
+            self._ask()  # keep an ask outstanding: the next arrival is dispatched at once
+        else:
+            self._empty_at = self._version
+
+    def _take_answers(self) -> None:
+        """Take the answers that arrived while the engine was stepping."""
+        assert self._answers is not None
+        while True:
+            try:
+                dispatch = self._answers.receive_nowait()
+            except trio.WouldBlock:
+                return
+            self._on_answer(dispatch)
+
+    async def _step_until(self, end: float) -> None:
+        """Let model time reach ``end`` (a step's end), taking answers that arrive meanwhile (they join
+        at ``end``; the engine asks again at once, so the next arrival is dispatched at once too)."""
+        deadline = self.clock.deadline(end)
+        while not self.clock.reached(end):
+            await self._wait_for_answer(deadline)
+
+    async def _wait_for_answer(self, deadline: float) -> bool:
+        """Wait for an answer until the trio ``deadline`` (or a cancellation); whether one came."""
+        assert self._answers is not None
+        with trio.CancelScope(deadline=deadline) as scope:
+            self._wait_scope = scope
+            try:
+                dispatch = await self._answers.receive()
+            finally:
+                self._wait_scope = None
+            self._on_answer(dispatch)
+            return True
+        return False
+
+    def _ask(self) -> None:
+        """Ask for work if there is none asked for and room for some (never blocks: each engine has at
+        most one ask outstanding, and the demand channel holds one per engine)."""
+        if self._asked or self._empty_at == self._version:
+            return
+        free = self.free()
+        if free.sequences > 0 and free.kv_tokens > 0:
+            self._asked = True
+            self._demands.send_nowait(Demand(self))
 
     def _running(self) -> bool:
         return bool(self._prefilling or self._decoding or self._preempted)
 
-    async def _run(self, demands: trio.MemorySendChannel[Demand]) -> None:
+    async def _run(self) -> None:
         while True:
+            self._take_answers()
             self._boundary()
             headroom = self.deployment.kv_capacity_tokens - self._kv_used
             if len(self._decoding) > headroom:  # the next step's tokens would not fit: make room
                 self._preempt(len(self._decoding) - headroom)
                 continue
-            if not self._asked and self._empty_at != self._version:
-                free = self.free()
-                if free.sequences > 0 and free.kv_tokens > 0:
-                    self._asked = True
-                    await demands.send(Demand(self))
+            self._ask()
             if not self._running() and not self._inbox and not self._aborts:
-                self._wake_event = trio.Event()
-                await self._wake_event.wait()
+                await self._wait_for_answer(math.inf)
                 self.t = max(self.t, self.clock.now())  # idle until now
                 continue
             if not self._running():
@@ -276,7 +317,7 @@ class ContinuousEngine:
         pairs = [(chunk, seq.context) for seq, chunk in chunks]
         duration = d.step_s(pairs, decoding, self._decode_context)
         end = self.t + duration
-        await self.clock.sleep_until(end)
+        await self._step_until(end)
         tokens = decoding + sum(chunk for _, chunk in chunks)
         cost = duration * self.price_per_hour_usd / 3600.0
         self._account(duration, cost, d.flops(pairs, decoding, self._decode_context),
@@ -325,14 +366,12 @@ class ContinuousEngine:
         if self._streaming:
             steps = max(1, min(steps, d.decode_steps_within(n, self._decode_context, STREAM_INTERVAL_S)))
         end = self.t + d.decode_steps_s(n, self._decode_context, steps)
-        self._wake_event = trio.Event()
-        with trio.move_on_at(self.clock.deadline(end)):
-            await self._wake_event.wait()
+        await self._wait_for_answer(self.clock.deadline(end))
         if not self.clock.reached(end):  # woken early: finish the step in progress, then take it in
             done = d.decode_steps_within(n, self._decode_context, self.clock.now() - self.t)
             steps = min(steps, done + 1)
             end = self.t + d.decode_steps_s(n, self._decode_context, steps)
-            await self.clock.sleep_until(end)
+            await self._step_until(end)
         duration = end - self.t
         context_read = steps * self._decode_context + n * steps * (steps - 1) // 2
         cost = duration * self.price_per_hour_usd / 3600.0

@@ -158,7 +158,7 @@ class MicroEngine:
         async with demands, answers:
             while True:
                 try:
-                    await demands.send(Demand(self))
+                    demands.send_nowait(Demand(self))  # (one ask per engine: the channel has room)
                     batch = await answers.receive()
                 except (trio.EndOfChannel, trio.BrokenResourceError):
                     return
