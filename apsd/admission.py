@@ -82,7 +82,8 @@ class TokenBucket:
         return False
 
     def give_back(self, amount: float, now: float) -> None:
-        """Refund tokens of a request that will never run (capped at ``burst``)."""
+        """Refund ``amount`` tokens (capped at ``burst``), or charge ``-amount`` more (the level may
+        then be negative: a debt that refills at ``rate`` like any other shortfall)."""
         self.tokens = min(self.burst, self.level(now) + amount)
 
     def seconds_until(self, amount: float, now: float) -> float:
@@ -196,6 +197,7 @@ class Admission:
                            f"request costs; enough accrue in {wait:.2f} s",
                            headers=headers)
         request.arrival = now
+        request.reserved_tokens = cost
         request.seq = self._next_seq
         self._next_seq += 1
         return None
@@ -227,11 +229,14 @@ class Admission:
         return changes
 
     def settle(self, request: InferenceRequest, outcome: Outcome, now: float) -> None:
-        """Give back what an admitted request that ended did not use (subscribed to ``request_finished``)."""
-        unused = request.cost_tokens - billed_tokens(request, outcome)
+        """Settle the bucket of an admitted request that ended (subscribed to ``request_finished``):
+        give back what it reserved and did not use, or take what it used beyond (a backend's actual
+        prompt can exceed apsd's estimate; the bucket may then go below zero, and the tenant waits
+        longer for its next request)."""
+        difference = request.reserved_tokens - billed_tokens(request, outcome)
         bucket = self.buckets.get(request.tenant_id)
-        if unused > 0 and bucket is not None:
-            bucket.give_back(unused, max(now, bucket.updated))
+        if difference and bucket is not None:
+            bucket.give_back(difference, max(now, bucket.updated))
 
     def handle(self, request: InferenceRequest) -> bool:
         """Decide ``request`` and book it: admitted (True) or answered with its refusal (False)."""

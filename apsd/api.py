@@ -46,7 +46,7 @@ _INFER_FIELDS = {"tenant_id": str, "prompt": str, "tokens_requested": int, "prio
 #: ``[queue] timeout_s`` is not refused but clamped to it (only the config's limit applies).
 _OPTIONAL_INFER_FIELDS = ("timeout_s",)
 #: The fields of a 200 answer, in order (cheaper than attrs.asdict on every answer: no recursion).
-_COMPLETION_FIELDS = tuple(field.name for field in attrs.fields(Completion))
+_COMPLETION_FIELDS = tuple(field.name for field in attrs.fields(Completion) if field.name != "response")
 #: A day, the largest ``[queue] timeout_s``: larger client values are cut to it before any arithmetic.
 MAX_TIMEOUT_S = 86_400.0
 

@@ -59,6 +59,9 @@ class Completion:
     engine_id: int
     effective_priority: float
     cost_usd: float
+    #: The backend's own JSON answer (a forwarded request that did not stream), usage included;
+    #: None for the simulated engines.
+    response: dict | None = None
 
 
 #: How a refused request is counted in the ledger.
@@ -143,6 +146,16 @@ class InferenceRequest:
     deadline: float | None = None
     #: Where a reader receives its tokens as they are produced (None: nobody streams them).
     stream: TokenStream | None = attrs.field(default=None, repr=False)
+    #: The model asked for (OpenAI ``model``; None: ``POST /infer``, any engine's model).
+    model: str | None = None
+    #: The OpenAI API it came through: ``"chat.completions"`` or ``"completions"`` (None: ``/infer``).
+    api: str | None = None
+    #: The client's OpenAI request body, which a forwarding engine relays (parameters apsd does not
+    #: interpret pass through untouched).
+    payload: dict | None = attrs.field(default=None, repr=False)
+    #: Tokens admission took from the tenant's bucket for it (its ``cost_tokens`` then); settlement
+    #: gives back, or takes, the difference with what it used.
+    reserved_tokens: int = 0
     # -- progress (the engine's) -----------------------------------------------------------
     #: The engine it was dispatched to (the last one, after a requeue).
     engine_id: int | None = None

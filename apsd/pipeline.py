@@ -174,9 +174,11 @@ class Pipeline:
         return math.ceil(len(prompt) / self.config.admission.chars_per_token)
 
     def new_request(self, *, tenant_id: str, prompt: str, tokens_requested: int, priority_bid: int,
-                    prompt_tokens: int | None = None, timeout_s: float | None = None) -> InferenceRequest:
+                    prompt_tokens: int | None = None, timeout_s: float | None = None, model: str | None = None,
+                    api: str | None = None, payload: dict | None = None) -> InferenceRequest:
         """A request ready to submit; ``timeout_s`` (model seconds, > 0) may shorten ``[queue] timeout_s``
-        for it (a longer one is clamped to the config's when it is queued)."""
+        for it (a longer one is clamped to the config's when it is queued). ``model``, ``api`` and
+        ``payload`` describe an OpenAI-style request (see :class:`~apsd.models.InferenceRequest`)."""
         if timeout_s is not None and not 0 < timeout_s < math.inf:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self._next_request += 1
@@ -188,7 +190,18 @@ class Pipeline:
             priority_bid=priority_bid,
             prompt=prompt,
             timeout_s=timeout_s,
+            model=model,
+            api=api,
+            payload=payload,
         )
+
+    def models(self) -> list[str]:
+        """The model names requests may ask for: what the engines serve (``GET /v1/models``)."""
+        names: dict[str, None] = {}
+        for engine in self.engines:
+            for name in engine.models():
+                names.setdefault(name, None)
+        return list(names)
 
     @property
     def accepting(self) -> bool:

@@ -304,7 +304,7 @@ async def test_watchdog_stops_pinging_when_the_dispatcher_misses_a_wakeup(tmp_pa
                 await trio.sleep(0.1)
             await trio.sleep(2.5)
             assert drain(sock) == ["WATCHDOG=1"] * 8    # at once, then every second
-            monkeypatch.setattr(Scheduler, "_arrival_matters", lambda self: False)  # a lost wake-up
+            monkeypatch.setattr(Scheduler, "_after_arrival", lambda self: None)  # a lost wake-up
             stuck = pipeline.new_request(tenant_id="a", prompt="", tokens_requested=5, priority_bid=1)
             assert pipeline.submit_nowait(stuck) is None
             await trio.sleep(10)

@@ -86,6 +86,9 @@ class Engine(Protocol):
                     answers: trio.MemoryReceiveChannel[Dispatch]) -> None:
         """Ask for work, run it, repeat; until cancelled or a channel closes. Closes both ends."""
 
+    def models(self) -> list[str]:
+        """The model names it serves (OpenAI ``model``); a request naming another is not for it."""
+
     def cancel(self, request: InferenceRequest) -> bool:
         """Its client left ``request``, which this engine is running: stop it, free its slot and KV
         cache, and finish it as cancelled (billed for what ran), now or at the next step boundary.

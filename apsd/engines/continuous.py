@@ -166,6 +166,9 @@ class ContinuousEngine:
     def _inbox_kv(self) -> int:
         return sum(r.prompt_tokens + 1 for d in self._inbox for r in d.requests) if self._inbox else 0
 
+    def models(self) -> list[str]:
+        return [self.deployment.model.name]
+
     def cancel(self, request: InferenceRequest) -> bool:
         self._aborts.add(request)
         if self._wait_scope is not None:

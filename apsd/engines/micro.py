@@ -42,6 +42,8 @@ __all__ = ["FaultInjector", "GpuModel", "MicroEngine"]
 
 log = logging.getLogger("apsd.engines.micro")
 
+#: The model name the ``micro`` engine answers to on the OpenAI API (``GET /v1/models``).
+MICRO_MODEL_NAME = "apsd-micro"
 #: Model seconds between two deliveries of tokens to the streams of a running batch.
 STREAM_INTERVAL_S = 0.05
 
@@ -134,6 +136,10 @@ class MicroEngine:
         if self._running is not None:
             return Capacity(sequences=0, kv_tokens=0)
         return Capacity(sequences=UNBOUNDED, kv_tokens=self.model.gpu.kv_cap_tokens, reserve_output=True)
+
+    def models(self) -> list[str]:
+        """The seed model has no model name of its own: requests may name ``apsd-micro``."""
+        return [MICRO_MODEL_NAME]
 
     def cancel(self, request: InferenceRequest) -> bool:
         return False  # a batch runs as one: the request finishes with it (and is billed)

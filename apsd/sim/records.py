@@ -60,6 +60,8 @@ class RequestRecord:
     started_at: float | None = None
     #: Mean model seconds per output token after the first (completed requests of 2+ tokens).
     tpot: float | None = None
+    #: The engine that ran it last (None: never dispatched).
+    engine_id: int | None = None
 
     @property
     def queue_wait(self) -> float | None:

@@ -4,13 +4,20 @@ Ownership: this module only reads runs; it never runs anything. :func:`summarize
 turns one run into JSON-ready figures, :func:`format_summary_table` puts several
 summaries side by side in Markdown, :func:`build_figure` draws one of the plots
 and hands the figure back unsaved, and :func:`write_report` writes
-``summary.json``, ``report.md`` and the five PNG plots into a directory.
+``summary.json``, ``report.md`` and the PNG plots of :data:`PLOT_FILES` into a directory.
 
-In ``report.md`` every duration is in seconds (three decimals) and the batch window
+In ``report.md`` every duration is in seconds (three decimals) except the two that
+live at millisecond scale, the batch window and the time per output token, which are
 in milliseconds; every table column with a unit names it. (``summary.json`` keeps
 its ``_ms`` keys.) Every plot names its workload in its suptitle; panels comparing
 policies share their axes; lines that would coincide are drawn once, labelled with
 every policy they stand for.
+
+Engines: busy time and cost are the engines' own (:attr:`PolicyRun.busy_s`,
+:attr:`PolicyRun.cost_usd`), so they hold for every engine kind; batch sizes exist
+only for the ``micro`` engine, which runs fixed batches. Time to first token (TTFT)
+is arrival to first token; time per output token (TPOT) is the engine's mean gap
+between output tokens after the first, for requests of two or more tokens.
 
 Every figure is measured from the run's records (model time, never wall-clock
 time: :attr:`PolicyRun.wall_s` is left out on purpose), and floats are rounded
@@ -64,6 +71,8 @@ FAIRNESS_DEFINITION = (
 #: The plots :func:`write_report` draws, in order (file name -> what it shows).
 PLOT_FILES: dict[str, str] = {
     "latency_cdf.png": "end-to-end latency CDF per tenant",
+    "ttft_cdf.png": "time to first token (TTFT) CDF per tenant",
+    "tpot_cdf.png": "time per output token (TPOT) CDF per tenant",
     "queue_wait.png": "queue wait against arrival time, coloured by bid",
     "governor.png": "governor entropy and batch window over time",
     "gpu_busy.png": "GPU busy fraction over time",
@@ -142,6 +151,20 @@ def _latencies(requests: Iterable[RequestRecord]) -> list[float]:
     return [r.latency for r in requests if r.latency is not None]
 
 
+def _ttfts(requests: Iterable[RequestRecord]) -> list[float]:
+    return [r.ttft for r in requests if r.ttft is not None]
+
+
+def _tpots(requests: Iterable[RequestRecord]) -> list[float]:
+    return [r.tpot for r in requests if r.tpot is not None]
+
+
+def _engine_count(run: PolicyRun) -> int:
+    """Engines the run had (an engine of ``tp`` GPUs counts once); runs recorded without
+    engine records count one per GPU, as the ``micro`` engine has."""
+    return len(run.engines) or run.gpus
+
+
 def _tenant_names(run: PolicyRun) -> list[str]:
     return sorted({r.tenant for r in run.requests} | set(run.workload.tenants))
 
@@ -182,6 +205,28 @@ def _governor(run: PolicyRun) -> dict[str, Any]:
     }
 
 
+def _weighted_mean(values: Sequence[tuple[float, float]]) -> float | None:
+    """Mean of ``(value, weight)`` pairs weighted by weight; the plain mean when every weight is 0."""
+    if not values:
+        return None
+    total = sum(w for _, w in values)
+    if total > 0:
+        return sum(v * w for v, w in values) / total
+    return sum(v for v, _ in values) / len(values)
+
+
+def _engine(run: PolicyRun) -> dict[str, Any]:
+    """The run's ``[engine]``, and its engines' totals: preemptions, and MFU/MBU over their busy
+    time (each engine's figure weighted by its busy seconds; None for engines without a hardware
+    model, such as ``micro``)."""
+    return {
+        **dict(sorted(run.engine.items())),
+        "preemptions": sum(e.preemptions for e in run.engines),
+        "mfu": _weighted_mean([(e.mfu, e.busy_s) for e in run.engines if e.mfu is not None]),
+        "mbu": _weighted_mean([(e.mbu, e.busy_s) for e in run.engines if e.mbu is not None]),
+    }
+
+
 def _batch_sizes(run: PolicyRun) -> dict[str, Any]:
     sizes = collections.Counter(b.size for b in run.batches)
     total = sum(sizes.values())
@@ -195,10 +240,14 @@ def _batch_sizes(run: PolicyRun) -> dict[str, Any]:
 def summarize(run: PolicyRun) -> dict[str, Any]:
     """The run's figures, JSON-ready and deterministic (see the module docstring).
 
-    Queue waits and latencies cover completed requests only; rejected, failed and
-    cancelled requests are counted but never enter a percentile. Times are in
-    milliseconds where a key ends in ``_ms``, model seconds elsewhere. A figure with
-    nothing to measure (no completions, zero duration) is ``None``.
+    Queue waits, TTFT, TPOT and latencies cover completed requests only; rejected,
+    failed and cancelled requests are counted but never enter a percentile. Times are
+    in milliseconds where a key ends in ``_ms``, model seconds elsewhere. A figure
+    with nothing to measure (no completions, zero duration) is ``None``.
+
+    GPU busy time and cost are the engines' (``gpu_busy_s`` counts an engine of ``tp``
+    GPUs once); ``gpu_utilization`` is that busy time over (engines × duration).
+    ``engine`` is the run's ``[engine]`` with its engines' preemptions and MFU/MBU.
     """
     by_tenant: dict[str, list[RequestRecord]] = collections.defaultdict(list)
     for r in run.requests:
@@ -223,21 +272,24 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
             "service_per_rate": tokens / rate if rate else None,
             "cost_usd": sum(r.cost_usd for r in done),
             "queue_wait_ms": _percentiles_ms(_waits(done)),
+            "ttft_ms": _percentiles_ms(_ttfts(done)),
+            "tpot_ms": _percentiles_ms(_tpots(done)),
             "latency_ms": _percentiles_ms(_latencies(done)),
         }
 
     done = _completed(run.requests)
     tokens = sum(r.output_tokens for r in done)
     duration = run.duration_s
-    busy = sum(b.busy_s for b in run.batches)
-    cost = sum(b.cost_usd for b in run.batches)
+    busy = run.busy_s
+    cost = run.cost_usd
+    engines = _engine_count(run)
     overall = {
         **_counts(run.requests),
         "output_tokens": tokens,
         "throughput_tokens_per_s": tokens / duration if duration > 0 else None,
         "batches": len(run.batches),
         "gpu_busy_s": busy,
-        "gpu_utilization": busy / (run.gpus * duration) if duration > 0 and run.gpus else None,
+        "gpu_utilization": busy / (engines * duration) if duration > 0 and engines else None,
         "cost_usd": cost,
         "cost_per_1m_tokens_usd": cost / tokens * 1e6 if tokens else None,
         "fairness": {
@@ -247,6 +299,8 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
         },
         "lowest_bidder": _lowest_bidder(run),
         "queue_wait_ms": _percentiles_ms(_waits(done)),
+        "ttft_ms": _percentiles_ms(_ttfts(done)),
+        "tpot_ms": _percentiles_ms(_tpots(done)),
         "latency_ms": _percentiles_ms(_latencies(done)),
         "governor": _governor(run),
         "batch_sizes": _batch_sizes(run),
@@ -264,6 +318,7 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
             "tenants": len(wl.tenants),
         },
         "gpus": run.gpus,
+        "engine": _engine(run),
         "duration_s": duration,
         "tenants": tenants,
         "overall": overall,

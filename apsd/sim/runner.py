@@ -256,7 +256,8 @@ def _record(at: float, request: InferenceRequest) -> RequestRecord:
         return RequestRecord(**common, outcome="completed", dispatched_at=request.dispatched_at,
                              finished_at=request.finished_at, batch_id=outcome.batch_id,
                              batch_size=outcome.batch_size, cost_usd=outcome.cost_usd, started_at=request.started_at,
-                             tpot=None if outcome.tpot_ms is None else outcome.tpot_ms / 1000.0)
+                             tpot=None if outcome.tpot_ms is None else outcome.tpot_ms / 1000.0,
+                             engine_id=request.engine_id)
     assert isinstance(outcome, Refusal)
     return RequestRecord(**common, outcome=outcome.kind, error=outcome.error, dispatched_at=request.dispatched_at,
-                         started_at=request.started_at)
+                         started_at=request.started_at, engine_id=request.engine_id)
