@@ -21,7 +21,10 @@ __all__ = [
     "AuthConfig",
     "Config",
     "ConfigError",
+    "BackendConfig",
     "EngineConfig",
+    "GatewayConfig",
+    "ForwardConfig",
     "GpuConfig",
     "PolicyConfig",
     "QueueConfig",
@@ -73,8 +76,10 @@ def key_hashes(_inst: object, attribute: attrs.Attribute, value: tuple[str, ...]
         raise ValueError("the same key hash is listed twice")
 
 
-#: Field metadata for values that may hold a secret by mistake: errors never show them.
-SECRET = {"secret": True}
+#: Field metadata for values that may hold a secret (by mistake, or by design): errors never show
+#: them, and say the rule instead.
+SECRET = {"secret": _KEY_HASHES_RULE}
+SECRET_STRING = {"secret": "must be a string"}
 
 
 def port_number(_inst: object, attribute: attrs.Attribute, value: int) -> None:
@@ -112,6 +117,16 @@ class TenantConfig:
     #: Hashes of this tenant's API keys (several, so a key can be rotated without downtime).
     api_key_hashes: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=key_hashes,
                                                   metadata=SECRET)
+    #: The highest bid its requests get (1-10): a higher ``priority_bid``, ``X-Apsd-Priority`` or
+    #: vLLM ``priority`` is served at this bid (clamped, not refused).
+    max_bid: int = attrs.field(default=10, validator=between(1, 10))
+    #: The bid of an OpenAI-API request that asks for no priority (vLLM ``priority`` 0);
+    #: ``priority`` p asks for ``default_bid - p``.
+    default_bid: int = attrs.field(default=5, validator=between(1, 10))
+
+    def __attrs_post_init__(self) -> None:
+        if self.default_bid > self.max_bid:
+            raise ValueError(f"default_bid: must be <= max_bid ({self.max_bid}), got {self.default_bid}")
 
 
 @attrs.frozen
@@ -153,6 +168,15 @@ class AdmissionConfig:
     max_prompt_tokens: int = attrs.field(default=32_768, validator=between(1, 10**9))
 
 
+@attrs.frozen
+class GatewayConfig:
+    """The OpenAI-compatible API (``/v1``)."""
+
+    #: Output tokens a request that sets neither ``max_tokens`` nor ``max_completion_tokens`` may
+    #: generate: what admission reserves for it, and what a simulated engine generates.
+    default_max_tokens: int = attrs.field(default=256, validator=between(1, 1_000_000_000))
+
+
 #: The seed GPU's KV cache, in tokens (prompt + requested, summed over one micro-batch).
 SEED_KV_CAP_TOKENS = 32_768
 
@@ -182,7 +206,7 @@ class GpuConfig:
     fault_seed: int = attrs.field(default=0, validator=between(0, 2**63 - 1))
 
 
-ENGINE_KINDS = ("micro", "continuous")
+ENGINE_KINDS = ("micro", "continuous", "forward")
 
 
 def engine_kind(_inst: object, attribute: attrs.Attribute, value: str) -> None:
@@ -197,7 +221,8 @@ class EngineConfig:
     ``micro`` is the seeds' simulated A100 (its constants are under ``[gpu]``): fixed
     micro-batches, every request of a batch finishing with it. ``continuous`` batches at the
     iteration level on a roofline model of ``gpu`` x ``model`` over ``tp`` GPUs (profiles:
-    ``apsd profile --list``).
+    ``apsd profile --list``). ``forward`` relays to the real servers of ``[[backends]]``
+    (chosen by their presence; ``count`` does not apply: one engine routes to them all).
     """
 
     kind: str = attrs.field(default="micro", validator=engine_kind)
@@ -218,6 +243,66 @@ class EngineConfig:
     #: Times a request whose engine failed before its first token goes back to the queue;
     #: after that it is answered 502.
     max_retries: int = attrs.field(default=0, validator=between(0, 100))
+
+
+def http_url(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+    if not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", value):
+        raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+
+
+@attrs.frozen
+class BackendConfig:
+    """One OpenAI-compatible inference server the ``forward`` engine relays to (``[[backends]]``)."""
+
+    #: Its base URL, without ``/v1`` (``http://10.0.0.5:8000``).
+    url: str = attrs.field(validator=http_url)
+    #: A name for logs and metrics (default: the URL).
+    name: str = ""
+    #: Sent as ``Authorization: Bearer`` to the backend. Prefer ``api_key_env``: the config file
+    #: is world-readable under systemd.
+    api_key: str = attrs.field(default="", metadata=SECRET_STRING, repr=False)
+    #: The environment variable holding that key (e.g. set by systemd's ``EnvironmentFile=``).
+    api_key_env: str = ""
+    #: The models it serves; empty: discovered from its ``/v1/models``.
+    models: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    #: Requests apsd sends it at once, at most.
+    max_concurrency: int = attrs.field(default=8, validator=between(1, 100_000))
+    #: Cost, either per GPU-hour of the backend (``gpus`` of them; a request pays its share:
+    #: its duration x the backend's hourly price / ``max_concurrency``) ...
+    cost_per_gpu_hour_usd: float = attrs.field(default=0.0, validator=between(0, 1e9))
+    gpus: int = attrs.field(default=1, validator=between(1, 1024))
+    #: ... or per token (both may be set: they add up).
+    cost_per_1m_prompt_tokens_usd: float = attrs.field(default=0.0, validator=between(0, 1e9))
+    cost_per_1m_output_tokens_usd: float = attrs.field(default=0.0, validator=between(0, 1e9))
+
+    @property
+    def label(self) -> str:
+        return self.name or self.url
+
+
+@attrs.frozen
+class ForwardConfig:
+    """How the ``forward`` engine talks to its backends (wall seconds)."""
+
+    connect_timeout_s: float = attrs.field(default=5.0, validator=between(0.01, 3600))
+    #: From sending a request to its first token (a non-streamed request: to its whole answer).
+    first_token_timeout_s: float = attrs.field(default=120.0, validator=between(0.01, 86_400))
+    #: Longest silence between two chunks of a stream.
+    read_timeout_s: float = attrs.field(default=60.0, validator=between(0.01, 86_400))
+    #: Times a request whose backend failed before its first token goes back to the queue (and on
+    #: to another backend); then 502 ``backend_failed``.
+    max_retries: int = attrs.field(default=2, validator=between(0, 100))
+    #: How often each backend's health (``/health``, else ``/v1/models``) and its Prometheus
+    #: ``/metrics`` are read.
+    health_interval_s: float = attrs.field(default=2.0, validator=between(0.01, 3600))
+    metrics_interval_s: float = attrs.field(default=1.0, validator=between(0.01, 3600))
+    #: Metrics older than this count as saturated: dispatch waits rather than trusting them.
+    metrics_max_age_s: float = attrs.field(default=5.0, validator=between(0.01, 86_400))
+    #: A backend is saturated (no dispatch to it) with this many requests waiting in its own queue
+    #: (vLLM ``vllm:num_requests_waiting``, llama.cpp ``llamacpp:requests_deferred``) ...
+    max_waiting: int = attrs.field(default=5, validator=between(1, 10**6))
+    #: ... or this share of its KV cache in use (vLLM ``vllm:kv_cache_usage_perc``).
+    max_kv_usage: float = attrs.field(default=0.8, validator=between(0.01, 1.0))
 
 
 @attrs.frozen
@@ -253,8 +338,11 @@ class Config:
     policy: PolicyConfig = PolicyConfig()
     queue: QueueConfig = QueueConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    gateway: GatewayConfig = GatewayConfig()
     engine: EngineConfig = EngineConfig()
     gpu: GpuConfig = GpuConfig()
+    forward: ForwardConfig = ForwardConfig()
+    backends: tuple[BackendConfig, ...] = ()
     tenants: dict[str, TenantConfig] = attrs.field(factory=_default_tenants)
     #: Where this config came from, for error messages ("<defaults>" if embedded).
     source: str = attrs.field(default="<defaults>", metadata={"toml": False})
@@ -321,7 +409,7 @@ def parse_section(cls: type, table: dict[str, Any], prefix: str = "") -> Any:
             value = _check_value(table[name], field.type, key)
         except ConfigError:
             if field.metadata.get("secret"):  # (the usual message shows the value: not for these)
-                raise ConfigError(f"{key}: {_KEY_HASHES_RULE} (the value given is not shown)") from None
+                raise ConfigError(f"{key}: {field.metadata['secret']} (the value given is not shown)") from None
             raise
         if field.validator is not None:
             try:
@@ -329,7 +417,10 @@ def parse_section(cls: type, table: dict[str, Any], prefix: str = "") -> Any:
             except ValueError as exc:
                 raise ConfigError(f"{key}: {exc}") from None
         kwargs[name] = value
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:  # a rule between keys (the message starts with the key it names)
+        raise ConfigError(f"{dotted}{exc}") from None
 
 
 def _parse_policy(table: dict[str, Any]) -> PolicyConfig:
@@ -357,12 +448,31 @@ def parse_config(data: dict[str, Any], source: str = "<string>") -> Config:
                 raise ConfigError("tenants: at least one tenant is required")
             config = attrs.evolve(config, tenants=parsed)
         _check_keys_unique(config)
+        config = _check_backends(config, engine_kind_given="kind" in (data.get("engine") or {}))
         if config.gpu.decode_batch_base + config.gpu.decode_batch_sqrt <= 0:
             raise ConfigError("gpu.decode_batch_sqrt: decode_batch_base + decode_batch_sqrt must be > 0 "
                               "(else nothing ever decodes)")
         return attrs.evolve(config, policy=policy, source=source)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def _check_backends(config: Config, *, engine_kind_given: bool) -> Config:
+    """``[[backends]]`` make the engine ``forward`` (unless ``[engine] kind`` says otherwise, which is
+    an error); ``kind = "forward"`` needs at least one backend."""
+    if config.backends:
+        if engine_kind_given and config.engine.kind != "forward":
+            raise ConfigError(f"engine.kind: [[backends]] are forwarded to by the forward engine; "
+                              f"remove kind = {config.engine.kind!r}, or the [[backends]]")
+        config = attrs.evolve(config, engine=attrs.evolve(config.engine, kind="forward"))
+        labels = [b.label for b in config.backends]
+        if len(set(labels)) != len(labels):
+            raise ConfigError("backends: two backends have the same name (or URL)")
+    elif config.engine.kind == "forward":
+        raise ConfigError("engine.kind: the forward engine needs at least one [[backends]] entry")
+    if config.engine.kind == "forward" and config.gpu.time_scale != 1.0:
+        raise ConfigError("gpu.time_scale: real backends run in real time: it must be 1 with [[backends]]")
+    return config
 
 
 def _check_keys_unique(config: Config) -> None:

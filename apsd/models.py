@@ -203,12 +203,23 @@ class Capacity:
     sequences: int
     kv_tokens: int
     reserve_output: bool = True
+    #: Free slots per model name (the ``forward`` engine: its usable backends' free slots for each
+    #: model they serve); None: one pool for every model. A request naming a model with no slot
+    #: left does not fit; one naming no model (``POST /infer``) fits any slot.
+    slots_per_model: dict[str, int] | None = None
 
     def need(self, request: InferenceRequest) -> int:
         """KV tokens ``request`` needs to join."""
         if self.reserve_output:
             return request.cost_tokens
         return request.prompt_tokens + request.tokens_generated + 1
+
+    def fits(self, request: InferenceRequest) -> bool:
+        """Whether ``request`` alone fits what is free."""
+        if self.sequences <= 0 or self.need(request) > self.kv_tokens:
+            return False
+        slots = self.slots_per_model
+        return slots is None or request.model is None or slots.get(request.model, 0) > 0
 
 
 @attrs.frozen

@@ -36,7 +36,8 @@ import trio
 from .admission import Admission
 from .clock import ModelClock
 from .config import Config
-from .engines import Demand, Engine, EngineStatistics, build_engines
+from .engines import Demand, Engine, EngineStatistics, ForwardEngine, build_engines
+from .engines.backends import BackendClient, BackendStatistics
 from .engines.micro import FaultInjector
 from .engines.profiles import ProfileRegistry
 from .events import EventBus
@@ -78,6 +79,8 @@ class PipelineStatistics:
     engine_kind: str
     #: Engines, and the GPUs they use (``tp`` per continuous engine).
     engines: tuple[EngineStatistics, ...]
+    #: The forward engine's backends (empty for the simulated engines).
+    backends: tuple[BackendStatistics, ...]
     gpus: int
     time_scale: float
     governor: GovernorView
@@ -123,7 +126,7 @@ class Pipeline:
 
     @classmethod
     def build(cls, config: Config, policies: PolicySet, *, request_id_prefix: str | None = None,
-              profiles: ProfileRegistry | None = None) -> Pipeline:
+              profiles: ProfileRegistry | None = None, backend_client: BackendClient | None = None) -> Pipeline:
         """Assemble a pipeline (call inside ``trio.run``: the clock starts now). Raises ConfigError
         for an ``[engine]`` whose profiles are unknown or do not fit."""
         clock = ModelClock(time_scale=config.gpu.time_scale)
@@ -131,7 +134,7 @@ class Pipeline:
         scheduler = Scheduler(policies=policies, ledger=ledger, clock=clock, queue_timeout_s=config.queue.timeout_s)
         faults = FaultInjector(config.gpu)
         engines = build_engines(config, ledger=ledger, clock=clock, faults=faults, rank=scheduler.rank,
-                                requeue=scheduler.requeue, profiles=profiles)
+                                requeue=scheduler.requeue, profiles=profiles, backend_client=backend_client)
         admission = Admission(tenants=dict(config.tenants), batching=policies.batching, ledger=ledger,
                               clock=clock, engine_refuse=engines[0].refuse, max_queued=config.queue.max_requests,
                               max_queued_per_tenant=config.queue.max_requests_per_tenant,
@@ -364,6 +367,8 @@ class Pipeline:
     @property
     def gpus(self) -> int:
         """GPUs behind the engines: one per ``micro`` engine, ``tp`` per ``continuous`` one."""
+        if self.config.engine.kind == "forward":
+            return sum(b.gpus for b in self.config.backends)
         per_engine = self.config.engine.tp if self.config.engine.kind == "continuous" else 1
         return len(self.engines) * per_engine
 
@@ -375,6 +380,8 @@ class Pipeline:
             queue_depth=self.scheduler.queue_depth,
             engine_kind=self.config.engine.kind,
             engines=tuple(engine.statistics() for engine in self.engines),
+            backends=tuple(b for engine in self.engines if isinstance(engine, ForwardEngine)
+                           for b in engine.backend_statistics()),
             gpus=self.gpus,
             time_scale=self.clock.time_scale,
             governor=self.governor_view(),
@@ -396,16 +403,19 @@ class Pipeline:
 
 @asynccontextmanager
 async def open_pipeline(config: Config, policies: PolicySet, *, request_id_prefix: str | None = "sim",
-                        profiles: ProfileRegistry | None = None) -> AsyncIterator[Pipeline]:
+                        profiles: ProfileRegistry | None = None,
+                        backend_client: BackendClient | None = None) -> AsyncIterator[Pipeline]:
     """Build a pipeline, run its stages in a nursery of their own, and yield it.
 
     The one way a pipeline runs: the daemon (which adds HTTP), the simulator and tests.
     Observation hooks of the plugins the policies came from fire in every case. Under
     ``trio.testing.MockClock(autojump_threshold=0)`` it runs in virtual time. On exit, new
     requests are refused, requests still unfinished are answered 503, and the stages stop.
-    Raises ConfigError before anything runs for an ``[engine]`` that cannot be built.
+    Raises ConfigError before anything runs for an ``[engine]`` that cannot be built. The forward
+    engine talks to its backends through ``backend_client`` (default: over HTTP).
     """
-    pipeline = Pipeline.build(config, policies, request_id_prefix=request_id_prefix, profiles=profiles)
+    pipeline = Pipeline.build(config, policies, request_id_prefix=request_id_prefix, profiles=profiles,
+                              backend_client=backend_client)
     async with trio.open_nursery() as nursery:
         await nursery.start(pipeline._run_stages)
         try:

@@ -40,6 +40,15 @@ Metrics (``tenant`` is a configured tenant's name)::
     apsd_engine_busy_seconds_total{engine}    counter
     apsd_engine_mfu_ratio{engine}             gauge    model FLOPs / peak over busy time (continuous)
     apsd_engine_mbu_ratio{engine}             gauge    bytes read / peak bandwidth over busy time
+    apsd_backend_up{backend}                  gauge    the forward engine's backends: health,
+    apsd_backend_saturated{backend}           gauge    saturation, requests in flight, sent,
+    apsd_backend_in_flight{backend}           gauge    failed and retried, tokens by phase
+    apsd_backend_requests_total{backend}      counter  (prompt, completion), cost, and the
+    apsd_backend_failures_total{backend}      counter  waiting requests its own metrics report
+    apsd_backend_retries_total{backend}       counter
+    apsd_backend_tokens_total{backend,phase}  counter
+    apsd_backend_cost_usd_total{backend}      counter
+    apsd_backend_waiting{backend}             gauge
     apsd_batch_window_seconds                 gauge    the governor's current batch window
     apsd_governor_entropy                     gauge    bits (no sample when the governor has none;
                                                        not ..._bits: promtool wants bytes)
@@ -90,6 +99,7 @@ from .events import EventBus
 from .models import Completion, Dispatch, InferenceRequest, Outcome
 
 if TYPE_CHECKING:
+    from .engines.backends import BackendStatistics
     from .engines.base import EngineStatistics
     from .ledger import TenantStats
     from .pipeline import GovernorView, Pipeline
@@ -289,6 +299,7 @@ class PrometheusExporter:
         batch_size.add_metric([], self.observer.batch_size.buckets(), self.observer.batch_size.sum)
         yield batch_size
         yield from self._engines(statistics.engines)
+        yield from self._backends(statistics.backends)
 
         declared = getattr(pipeline.scheduler.policies.governor, "states", ())
         yield from self._governor(statistics.governor, declared if isinstance(declared, (tuple, list)) else ())
@@ -342,6 +353,43 @@ class PrometheusExporter:
                 gauges["mbu"].add_metric(label, engine.mbu)
         yield from gauges.values()
 
+    @staticmethod
+    def _backends(backends: Sequence[BackendStatistics]) -> Iterator[Metric]:
+        """The forward engine's backends (no samples for the simulated engines)."""
+        labels = ["backend"]
+        families = {
+            "up": GaugeMetricFamily("apsd_backend_up", "1 while the backend passes its health checks",
+                                    labels=labels),
+            "saturated": GaugeMetricFamily("apsd_backend_saturated", "1 while the backend takes no more work "
+                                           "(its own queue or KV cache past the limits, or its metrics stale)",
+                                           labels=labels),
+            "in_flight": GaugeMetricFamily("apsd_backend_in_flight", "Requests apsd has at the backend now",
+                                           labels=labels),
+            "requests": CounterMetricFamily("apsd_backend_requests", "Requests sent to the backend", labels=labels),
+            "failures": CounterMetricFamily("apsd_backend_failures", "Requests the backend failed", labels=labels),
+            "retries": CounterMetricFamily("apsd_backend_retries", "Requests sent back to the queue after the "
+                                           "backend failed before their first token", labels=labels),
+            "tokens": CounterMetricFamily("apsd_backend_tokens", "Tokens the backend reported, by phase",
+                                          labels=["backend", "phase"]),
+            "cost": CounterMetricFamily("apsd_backend_cost_usd", "Cost in USD of the requests it ran", labels=labels),
+            "waiting": GaugeMetricFamily("apsd_backend_waiting", "Requests waiting in the backend's own queue, as "
+                                         "its metrics last said", labels=labels),
+        }
+        for b in backends:
+            label = [b.name]
+            families["up"].add_metric(label, 1 if b.healthy else 0)
+            families["saturated"].add_metric(label, 1 if b.saturated else 0)
+            families["in_flight"].add_metric(label, b.in_flight)
+            families["requests"].add_metric(label, b.requests)
+            families["failures"].add_metric(label, b.failures)
+            families["retries"].add_metric(label, b.retries)
+            families["tokens"].add_metric([b.name, "prompt"], b.prompt_tokens)
+            families["tokens"].add_metric([b.name, "completion"], b.completion_tokens)
+            families["cost"].add_metric(label, b.cost_usd)
+            if b.waiting is not None:
+                families["waiting"].add_metric(label, b.waiting)
+        yield from families.values()
+
     def _governor(self, view: GovernorView, declared: Iterable[str]) -> Iterator[Metric]:
         state = view.state
         for name in (*declared, state):
@@ -389,7 +437,7 @@ def exporter_for(pipeline: Pipeline) -> PrometheusExporter:
     """The pipeline's exporter, made (and its histograms attached) on the first call.
 
     Call it before the pipeline dispatches anything you want in the histograms
-    (:func:`apsd.api.create_app` does, before the daemon serves a request).
+    (:func:`apsd.http.create_app` does, before the daemon serves a request).
     """
     exporter = _exporters.get(pipeline)
     if exporter is None:

@@ -436,7 +436,7 @@ class Scheduler:
             head = self.queue.peek(now)
         except Exception:
             return True
-        return free.sequences > 0 and free.need(head) <= free.kv_tokens
+        return free.fits(head)
 
     def _fail_queued(self, failure: PolicyFailure) -> None:
         """After a failed cut: fail every admitted request not yet dispatched, start a fresh queue."""

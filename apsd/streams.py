@@ -28,11 +28,14 @@ __all__ = ["TokenChunk", "TokenStream"]
 @attrs.frozen
 class TokenChunk:
     """``tokens`` output tokens (and their ``text``, when the engine has text), the last of which
-    was produced at model time ``at``."""
+    was produced at model time ``at``. ``data`` is a forwarded backend's own stream chunk (an
+    OpenAI ``chat.completion.chunk`` or ``text_completion`` object) to relay as it is; None from
+    the simulated engines. Chunks with ``data`` are never merged."""
 
     tokens: int
     text: str = ""
     at: float = 0.0
+    data: dict | None = None
 
 
 class TokenStream:
@@ -59,10 +62,10 @@ class TokenStream:
 
     def push_nowait(self, chunk: TokenChunk) -> None:
         """Add a chunk without ever blocking (merging it into the last one when the buffer is full)."""
-        if self.closed or self.abandoned or chunk.tokens <= 0 and not chunk.text:
+        if self.closed or self.abandoned or chunk.tokens <= 0 and not chunk.text and chunk.data is None:
             return
         self.tokens += chunk.tokens
-        if len(self._chunks) >= self.max_chunks:
+        if len(self._chunks) >= self.max_chunks and chunk.data is None and self._chunks[-1].data is None:
             last = self._chunks.pop()
             chunk = TokenChunk(last.tokens + chunk.tokens, last.text + chunk.text, chunk.at)
         self._chunks.append(chunk)

@@ -4,6 +4,8 @@
 * :mod:`apsd.engines.micro` — the seeds' simulated A100, fixed micro-batches (the default).
 * :mod:`apsd.engines.continuous` — iteration-level batching on a roofline model
   (:mod:`apsd.engines.roofline`) of a GPU and a model profile (:mod:`apsd.engines.profiles`).
+* :mod:`apsd.engines.forward` — relays to real OpenAI-compatible servers through a backend client
+  (:mod:`apsd.engines.backends`: over HTTP, or simulated in virtual time).
 
 :func:`build_engines` makes the ``[engine] count`` engines of ``[engine] kind`` a config asks
 for; :func:`deployment_for` checks the profiles a config names (a ConfigError listing the
@@ -20,11 +22,13 @@ from ..ledger import Ledger
 from ..models import InferenceRequest
 from .base import Demand, Engine, EngineStatistics
 from .continuous import ContinuousEngine
+from .backends import Backend, BackendClient, HttpBackendClient
+from .forward import ForwardEngine
 from .micro import FaultInjector, GpuModel, MicroEngine
 from .profiles import ProfileError, ProfileRegistry, builtin_profiles
 from .roofline import Deployment
 
-__all__ = ["Demand", "Engine", "EngineStatistics", "build_engines", "deployment_for"]
+__all__ = ["Demand", "Engine", "EngineStatistics", "ForwardEngine", "build_engines", "deployment_for"]
 
 
 def deployment_for(config: Config, profiles: ProfileRegistry | None = None) -> Deployment:
@@ -51,9 +55,16 @@ def deployment_for(config: Config, profiles: ProfileRegistry | None = None) -> D
 def build_engines(config: Config, *, ledger: Ledger, clock: ModelClock, faults: FaultInjector,
                   rank: Callable[[InferenceRequest, float], float],
                   requeue: Callable[[InferenceRequest, str], None],
-                  profiles: ProfileRegistry | None = None) -> list[Engine]:
-    """``[engine] count`` engines of ``[engine] kind``, numbered from 0 (raises ConfigError)."""
+                  profiles: ProfileRegistry | None = None,
+                  backend_client: BackendClient | None = None) -> list[Engine]:
+    """``[engine] count`` engines of ``[engine] kind``, numbered from 0 (raises ConfigError); for
+    ``forward``, one engine over every ``[[backends]]`` entry, talking through ``backend_client``
+    (default: a new :class:`~apsd.engines.backends.HttpBackendClient`, which the engine closes)."""
     engine = config.engine
+    if engine.kind == "forward":
+        client = backend_client or HttpBackendClient(config.forward)
+        return [ForwardEngine(0, [Backend(b) for b in config.backends], client, ledger, clock, config.forward,
+                              requeue)]
     if engine.kind == "micro":
         model = GpuModel(config.gpu)
         return [MicroEngine(i, model, ledger, clock, faults, max_retries=engine.max_retries, requeue=requeue)

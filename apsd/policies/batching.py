@@ -4,7 +4,8 @@ A dispatch takes requests in the queue's order (highest effective priority first
 until it holds ``max_batch_size`` requests or as many as the engine has free
 sequences, or the next request would need more KV tokens than the engine has free
 (``Capacity.need``: prompt + requested for the ``micro`` engine, prompt for the
-``continuous`` one); that request then leads the next dispatch. ``kv_cap_tokens``, when
+``continuous`` one), or names a model with no free slot (the ``forward`` engine); that
+request then leads the next dispatch. ``kv_cap_tokens``, when
 set, caps each dispatch's KV tokens further. A request that could never fit is refused
 at admission (413) by its engine, or by this policy's own cap, so nothing waits forever.
 """
@@ -54,12 +55,18 @@ class MicroBatching:
 
     def cut(self, queue: OrderingPolicy, now: float, free: Capacity) -> list[InferenceRequest]:
         size, kv_free = self._limits(free)
+        slots = dict(free.slots_per_model) if free.slots_per_model is not None else None
         batch: list[InferenceRequest] = []
         kv = 0
         while queue and len(batch) < size:
-            need = free.need(queue.peek(now))
+            head = queue.peek(now)
+            need = free.need(head)
             if kv + need > kv_free:
                 break
+            if slots is not None and head.model is not None:
+                if slots.get(head.model, 0) <= 0:
+                    break  # (queue order is kept: no request overtakes the head)
+                slots[head.model] -= 1
             batch.append(queue.pop(now))
             kv += need
         return batch

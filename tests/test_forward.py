@@ -1,0 +1,261 @@
+"""The forward engine in virtual time, against simulated backends: routing, saturation, stale metrics,
+retries before the first token, failures after it, backends going down and coming back, cancellation
+and settlement against usage. (tests/test_gateway.py runs it against real llama.cpp servers.)"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from apsd.clock import ModelClock
+from apsd.config import BackendConfig, ForwardConfig, TenantConfig, parse_config
+from apsd.engines.backends import SimulatedBackendClient, SimulatedServer, parse_load
+from apsd.models import Completion, Refusal
+from apsd.pipeline import open_pipeline
+from apsd.streams import TokenStream
+
+from .helpers import build_policies
+
+TENANTS = {"t": TenantConfig(rate=1e9, burst=10**9)}
+
+
+def forward_config(names, *, preset="fifo", max_concurrency=2, **forward):
+    config = parse_config({"policy": {"preset": preset, "fixed": {"window_ms": 0.0}},
+                           "backends": [{"url": f"http://{name}.test", "name": name,
+                                         "max_concurrency": max_concurrency} for name in names]}, "<test>")
+    settings = {"health_interval_s": 1.0, "metrics_interval_s": 0.1, **forward}
+    return attrs.evolve(config, tenants=TENANTS, forward=ForwardConfig(**settings))
+
+
+def request(pipeline, *, tokens=20, bid=5, stream=False, model="sim", prompt="hello"):
+    r = pipeline.new_request(tenant_id="t", prompt=prompt, tokens_requested=tokens, priority_bid=bid, model=model,
+                             api="chat.completions",
+                             payload={"model": model, "messages": [{"role": "user", "content": prompt}],
+                                      "temperature": 0.5, "user": f"bid{bid}"})
+    if stream:
+        r.stream = TokenStream()
+    return r
+
+
+async def started(pipeline, servers):
+    """Let the engine see its backends healthy (their first health check) before requests come."""
+    await trio.testing.wait_all_tasks_blocked()
+    await pipeline.clock.sleep(0.01)
+    engine = pipeline.engines[0]
+    assert all(b.healthy for b in engine.backends if not servers[b.name].down)
+
+
+async def test_requests_go_to_the_least_loaded_backend_and_pass_parameters_through(autojump_clock):
+    servers = {"a": SimulatedServer(), "b": SimulatedServer()}
+    config = forward_config(servers)
+    async with open_pipeline(config, build_policies(config),
+                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
+        await started(pipeline, servers)
+        requests = [request(pipeline) for _ in range(4)]
+        for r in requests:
+            assert pipeline.admit_now(r)
+        await trio.testing.wait_all_tasks_blocked()
+        assert [b.in_flight for b in pipeline.engines[0].backends] == [2, 2]
+        outcomes = [await r.reply.wait() for r in requests]
+        assert all(isinstance(o, Completion) and o.response is not None for o in outcomes)
+        assert outcomes[0].response["usage"]["completion_tokens"] == 20
+        statistics = pipeline.statistics()
+        assert [(b.name, b.requests, b.in_flight, b.healthy) for b in statistics.backends] == [
+            ("a", 2, 0, True), ("b", 2, 0, True)]
+        assert pipeline.models() == ["sim"]
+
+
+async def test_saturated_backends_keep_the_queue_and_its_priority_order_in_apsd(autojump_clock):
+    """A backend reporting requests waiting in its own queue gets nothing more; the requests wait in
+    apsd's queue, where a late high bid overtakes earlier low ones."""
+    servers = {"a": SimulatedServer(slots=1, ttft_s=0.5, tpot_s=0.05)}
+    config = forward_config(servers, preset="static", max_concurrency=8, max_waiting=1)
+    async with open_pipeline(config, build_policies(config),
+                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
+        await started(pipeline, servers)
+        low = [request(pipeline, bid=1) for _ in range(6)]
+        for r in low[:2]:
+            assert pipeline.admit_now(r)
+        await pipeline.clock.sleep(0.3)         # one runs, one waits in the backend, and it says so
+        backend = pipeline.engines[0].backends[0]
+        assert backend.saturated(pipeline.clock.now(), config.forward) and backend.in_flight == 2
+        for r in low[2:]:
+            assert pipeline.admit_now(r)
+        await pipeline.clock.sleep(0.1)
+        assert pipeline.scheduler.queue_depth == 4 and backend.in_flight == 2  # they wait in apsd
+        vip = request(pipeline, bid=10)
+        assert pipeline.admit_now(vip)
+        for r in [*low, vip]:
+            assert isinstance(await r.reply.wait(), Completion)
+        assert servers["a"].started == ["bid1", "bid1", "bid10", "bid1", "bid1", "bid1", "bid1"]
+
+
+async def test_stale_metrics_count_as_saturated(autojump_clock):
+    servers = {"a": SimulatedServer()}
+    config = forward_config(servers, metrics_interval_s=5.0, metrics_max_age_s=1.0)
+    async with open_pipeline(config, build_policies(config),
+                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
+        await started(pipeline, servers)
+        await pipeline.clock.sleep(2.0)          # the last reading is 2 s old: too old to trust
+        late = request(pipeline)
+        assert pipeline.admit_now(late)
+        await pipeline.clock.sleep(1.0)
+        assert late.dispatched_at is None       # waits for fresh metrics
+        outcome = await late.reply.wait()
+        assert isinstance(outcome, Completion) and late.dispatched_at == pytest.approx(5.0, abs=0.2)
+
+
+async def test_a_backend_that_fails_before_the_first_token_sends_the_request_elsewhere(autojump_clock):
+    servers = {"a": SimulatedServer(fail_next=1), "b": SimulatedServer()}
+    config = forward_config(servers, max_concurrency=1, max_retries=2)
+    async with open_pipeline(config, build_policies(config),
+                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
+        await started(pipeline, servers)
+        r = request(pipeline, stream=True)
+        assert pipeline.admit_now(r)
+        outcome = await r.reply.wait()
+        assert isinstance(outcome, Completion) and r.retries == 1
+        chunks = [c async for c in r.stream]
+        assert sum(c.tokens for c in chunks) == 20 and r.stream.error is None
+        a, b = pipeline.statistics().backends
+        assert (a.failures, a.retries, b.requests) == (1, 1, 1)
+
+
+async def test_retries_are_bounded_then_502(autojump_clock):
+    servers = {"a": SimulatedServer(fail_next=10)}
+    config = forward_config(servers, max_retries=2)
+    async with open_pipeline(config, build_policies(config),
+                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
+        await started(pipeline, servers)
+        r = request(pipeline)
+        assert pipeline.admit_now(r)
+        outcome = await r.reply.wait()
+        assert (outcome.status, outcome.error, outcome.kind, r.retries) == (502, "backend_failed", "failed", 2)
+        assert pipeline.admission.buckets["t"].level(pipeline.clock.now()) == 10**9   # failed: nothing charged
+
+
+async def test_a_failure_after_the_first_token_ends_the_stream_with_an_error(autojump_clock):
+    servers = {"a": SimulatedServer(fail_after_tokens=5)}
+    config = forward_config(servers)
+    async with open_pipeline(config, build_policies(config),
+                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
+        await started(pipeline, servers)
+        r = request(pipeline, stream=True)
+        assert pipeline.admit_now(r)
+        outcome = await r.reply.wait()
+        assert (outcome.status, outcome.kind, r.retries) == (502, "failed", 0)
+        chunks = [c async for c in r.stream]
+        assert 0 < sum(c.tokens for c in chunks) <= 5 and "broke" in r.stream.error
+
+
+async def test_a_down_backend_takes_no_work_and_comes_back_by_itself(autojump_clock):
+    servers = {"a": SimulatedServer(down=True), "b": SimulatedServer()}
+    config = forward_config(servers)
+    async with open_pipeline(config, build_policies(config),
+                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
+        await started(pipeline, servers)
+        a, b = pipeline.engines[0].backends
+        assert (a.healthy, b.healthy) == (False, True)
+        first = [request(pipeline) for _ in range(3)]
+        for r in first:
+            assert pipeline.admit_now(r)
+        for r in first:
+            await r.reply.wait()
+        assert (a.requests, b.requests) == (0, 3)
+        servers["a"].down = False
+        await pipeline.clock.sleep(1.5)          # the next health check finds it up
+        assert a.healthy and a.models == ("sim",)
+        more = [request(pipeline) for _ in range(4)]
+        for r in more:
+            assert pipeline.admit_now(r)
+        for r in more:
+            await r.reply.wait()
+        assert a.requests == 2 and b.requests == 5
+
+
+async def test_a_client_that_leaves_mid_stream_frees_the_slot_and_is_billed_what_arrived(autojump_clock):
+    servers = {"a": SimulatedServer(tpot_s=0.1)}
+    config = forward_config(servers, max_concurrency=1)
+    async with open_pipeline(config, build_policies(config),
+                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
+        await started(pipeline, servers)
+        r = request(pipeline, tokens=200, stream=True, prompt="x" * 400)   # about 100 prompt tokens
+        assert pipeline.admit_now(r)
+        waiting = request(pipeline, tokens=5)
+        assert pipeline.admit_now(waiting)
+        await pipeline.clock.sleep(2.0)
+        assert 0 < r.tokens_generated < 200 and waiting.dispatched_at is None
+        assert pipeline.cancel(r)
+        outcome = await r.reply.wait()
+        assert (outcome.status, outcome.error, outcome.kind) == (499, "client_disconnected", "cancelled")
+        bucket = pipeline.admission.buckets["t"]
+        assert bucket.level(pipeline.clock.now()) == pytest.approx(10**9 - r.prompt_tokens - r.tokens_generated)
+        assert isinstance(await waiting.reply.wait(), Completion)      # the freed slot went to it
+
+
+async def test_settlement_uses_the_backends_usage(autojump_clock):
+    servers = {"a": SimulatedServer()}
+    config = forward_config(servers)
+    async with open_pipeline(config, build_policies(config),
+                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
+        await started(pipeline, servers)
+        r = request(pipeline, tokens=30, prompt="y" * 2000)
+        estimate = r.prompt_tokens
+        assert pipeline.admit_now(r)
+        assert r.reserved_tokens == estimate + 30
+        outcome = await r.reply.wait()
+        usage = outcome.response["usage"]
+        assert r.prompt_tokens == usage["prompt_tokens"] != estimate   # the backend's count, not apsd's estimate
+        level = pipeline.admission.buckets["t"].level(pipeline.clock.now())
+        assert level == pytest.approx(10**9 - usage["prompt_tokens"] - usage["completion_tokens"])
+        assert pipeline.tenant_status("t").prompt_tokens == usage["prompt_tokens"]
+
+
+def test_load_is_read_from_vllm_and_llama_cpp_metrics():
+    vllm = ('# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="m"} 7.0\n'
+            '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 3.0\n'
+            '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name="m"} 0.42\n')
+    load = parse_load(vllm)
+    assert (load.waiting, load.running, load.kv_usage) == (7.0, 3.0, 0.42)
+    llama = ("# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 2\n"
+             "# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 1\n")
+    load = parse_load(llama)
+    assert (load.waiting, load.running, load.kv_usage) == (1.0, 2.0, None)
+    assert parse_load("# TYPE other gauge\nother 1\n") is None
+
+
+def test_backends_config_is_checked():
+    from apsd.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"backends\[0\].max_concurrency: must be between 1"):
+        parse_config({"backends": [{"url": "http://a", "max_concurrency": 0}]}, "x")
+    with pytest.raises(ConfigError, match="gpu.time_scale: real backends run in real time"):
+        parse_config({"backends": [{"url": "http://a"}], "gpu": {"time_scale": 0.5}}, "x")
+    config = parse_config({"backends": [{"url": "http://a", "models": ["m"]}]}, "x")
+    assert config.engine.kind == "forward" and config.backends[0] == BackendConfig(url="http://a", models=("m",))
+
+
+async def test_per_backend_statistics_reach_prometheus(autojump_clock):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from apsd.prometheus import exporter_for
+
+    servers = {"a": SimulatedServer(), "b": SimulatedServer(down=True)}
+    config = forward_config(servers)
+    async with open_pipeline(config, build_policies(config),
+                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
+        exporter = exporter_for(pipeline)
+        await started(pipeline, servers)
+        r = request(pipeline, tokens=7)
+        assert pipeline.admit_now(r)
+        await r.reply.wait()
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(exporter.exposition().decode())
+                   for s in family.samples}
+    assert samples[("apsd_backend_up", (("backend", "a"),))] == 1
+    assert samples[("apsd_backend_up", (("backend", "b"),))] == 0
+    assert samples[("apsd_backend_requests_total", (("backend", "a"),))] == 1
+    assert samples[("apsd_backend_tokens_total", (("backend", "a"), ("phase", "completion")))] == 7
+    assert samples[("apsd_backend_in_flight", (("backend", "a"),))] == 0
