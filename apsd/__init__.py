@@ -12,8 +12,13 @@ from .config import load_config as load_config
 from .config import parse_config as parse_config
 from .config import parse_section as parse_section
 from .hookspecs import hookimpl as hookimpl
+from .engines.profiles import GpuProfile as GpuProfile
+from .engines.profiles import ModelProfile as ModelProfile
+from .engines.profiles import ProfileRegistry as ProfileRegistry
 from .models import Batch as Batch
+from .models import Capacity as Capacity
 from .models import Completion as Completion
+from .models import Dispatch as Dispatch
 from .models import InferenceRequest as InferenceRequest
 from .models import Refusal as Refusal
 from .pipeline import Pipeline as Pipeline

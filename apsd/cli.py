@@ -32,7 +32,7 @@ from . import __version__
 from .config import ConfigError, load_config
 from .daemon import Daemon
 from .logs import configure_logging
-from .plugins import PluginError, describe_plugins, load_policy_registry, make_plugin_manager
+from .plugins import PluginError, describe_plugins, load_policy_registry, load_profile_registry, make_plugin_manager
 
 __all__ = ["main"]
 
@@ -78,7 +78,7 @@ def plugins_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     try:
         pm = make_plugin_manager()
-        described = describe_plugins(pm, load_policy_registry(pm))
+        described = describe_plugins(pm, load_policy_registry(pm), load_profile_registry(pm))
     except PluginError as exc:
         parser.exit(1, f"apsd: plugin error: {exc}\n")
     if args.json:
@@ -291,13 +291,16 @@ def profile_main(argv: Sequence[str]) -> int:
 
 
 def research_main(argv: Sequence[str]) -> int:
-    from .sim.research import POLICIES, WORKLOADS, write_research
+    from .sim.research import CONTINUOUS_ENGINE, POLICIES, SCALED, WORKLOADS, write_research
 
+    engine = CONTINUOUS_ENGINE
     parser = argparse.ArgumentParser(
         prog="apsd research",
         description="Regenerate the research report: policies "
                     f"{', '.join(POLICIES)}, then the presets of installed plugins (APSD_PLUGINS applies), "
-                    f"on workloads {', '.join(WORKLOADS)}, in virtual time.")
+                    f"on workloads {', '.join(WORKLOADS)}, in virtual time, on the seed engine (micro) and on "
+                    f"the continuous engine ({engine['gpu']}, {engine['model']}), plus "
+                    f"{', '.join(s.name for s in SCALED)} on the continuous engine only.")
     parser.add_argument("--out", default="docs", metavar="DIR", help="where research.md and research/ go "
                         "(default docs)")
     parser.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")

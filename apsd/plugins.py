@@ -113,7 +113,7 @@ def load_profile_registry(pm: pluggy.PluginManager) -> ProfileRegistry:
     """Call every plugin's ``register_profiles`` (registration order) and return the registry."""
     registry = ProfileRegistry()
     for impl in pm.hook.register_profiles.get_hookimpls():
-        registry.current_plugin = f"plugin {impl.plugin_name!r}"
+        registry.current_plugin = impl.plugin_name
         try:
             impl.function(registry=registry)
         except Exception as exc:
@@ -132,8 +132,10 @@ def build_policies(config: Config, preset: str | None = None, *,
     return load_policy_registry(pm).build(config, preset)
 
 
-def describe_plugins(pm: pluggy.PluginManager, registry: PolicyRegistry) -> list[dict[str, Any]]:
-    """One dict per registered plugin: name, distribution, version, built-in, what it provides."""
+def describe_plugins(pm: pluggy.PluginManager, registry: PolicyRegistry,
+                     profiles: ProfileRegistry | None = None) -> list[dict[str, Any]]:
+    """One dict per registered plugin: name, distribution, version, built-in, what it provides
+    (policies, presets and, given ``profiles``, GPU and model profiles)."""
     from . import __version__
 
     dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
@@ -147,6 +149,10 @@ def describe_plugins(pm: pluggy.PluginManager, registry: PolicyRegistry) -> list
             for kind in POLICY_KINDS
         }
         provides["presets"] = [p.name for p in registry.presets.values() if p.plugin == name]
+        if profiles is not None:
+            provides["gpus"] = [g.name for g in profiles.gpus() if profiles.registered_by("gpu", g.name) == name]
+            provides["models"] = [m.name for m in profiles.models()
+                                  if profiles.registered_by("model", m.name) == name]
         hooks = sorted(impl.name for impl in pm.get_hookcallers(plugin) or [])
         described.append({
             "name": name,

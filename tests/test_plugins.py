@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ import pytest
 
 import apsd
 from apsd import hookspecs
-from apsd.api import metrics_document
+from apsd.http import metrics_document
 from apsd.config import EngineConfig, GpuConfig, ServerConfig, TenantConfig
 from apsd.daemon import Daemon
 from apsd.events import EventBus
@@ -131,6 +132,48 @@ def test_a_working_third_party_plugin_is_listed_and_selectable(tmp_path):
     refused = subprocess.run([APSD, str(config)], capture_output=True, text=True, timeout=60,
                              env={**env, "APSD_PLUGINS": ""})   # not loaded: the name is unknown
     assert refused.returncode == 2 and "unknown aging policy 'lifo' (available: aps, fifo, static)" in refused.stderr
+
+
+def test_an_installed_plugin_adds_gpu_and_model_profiles(tmp_path):
+    install_fake_plugin(tmp_path, """
+        import apsd
+
+        @apsd.hookimpl
+        def register_profiles(registry):
+            registry.gpu(apsd.GpuProfile(name="mi300x", bf16_tflops=1307, hbm_gb_s=5300, memory_gib=192,
+                                         price_per_hour_usd=4.0, mfu=0.6, mbu=0.75))
+            registry.model(apsd.ModelProfile(name="my-7b", params=6_740_000_000, layers=32, hidden=4096,
+                                             heads=32, kv_heads=32, head_dim=128, intermediate=11008,
+                                             vocab=32000, max_context=4096))
+        """, name="mi")
+    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin", "APSD_PLUGINS": "mi"}
+    listed = subprocess.run([APSD, "plugins"], capture_output=True, text=True, timeout=60, env=env)
+    assert "mi  [mi-plugin 0.3]  gpus: mi300x; models: my-7b" in listed.stdout
+    profiles = subprocess.run([APSD, "profile", "--list"], capture_output=True, text=True, timeout=60, env=env)
+    assert "gpu mi300x: 1307 TFLOP/s" in profiles.stdout and "model my-7b" in profiles.stdout
+    run = subprocess.run([APSD, "profile", "--gpu", "mi300x", "--model", "my-7b", "--batch", "1",
+                          "--prompt-tokens", "1", "--output-tokens", "64", "--json"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    figures = json.loads(run.stdout)
+    # decode is weight streaming: 13.5 GB of weights at 5.3 TB/s x 0.75 = 3.4 ms, plus the step overhead
+    assert 3.5 < figures["tpot_ms"] < 6
+    config = tmp_path / "mi.toml"
+    config.write_text('[engine]\nkind = "continuous"\ngpu = "mi300x"\nmodel = "my-7b"\n')
+    unknown = subprocess.run([APSD, str(config)], capture_output=True, text=True, timeout=60,
+                             env={**env, "APSD_PLUGINS": ""})   # not loaded: the profile is unknown
+    assert unknown.returncode == 2 and "engine.gpu: unknown gpu profile 'mi300x' (known: a100-40gb" in unknown.stderr
+    install_fake_plugin(tmp_path, """
+        import apsd
+
+        @apsd.hookimpl
+        def register_profiles(registry):
+            registry.gpu(apsd.GpuProfile(name="a100-80gb", bf16_tflops=1, hbm_gb_s=1, memory_gib=1,
+                                         price_per_hour_usd=1, mfu=0.5, mbu=0.5))
+        """, name="dup")
+    twice = subprocess.run([APSD, "profile", "--list"], capture_output=True, text=True, timeout=60,
+                           env={**env, "APSD_PLUGINS": "dup"})
+    assert twice.returncode == 1
+    assert "gpu profile 'a100-80gb' is registered twice: by apsd.engines.profiles and by dup" in twice.stderr
 
 
 # -- the observation hooks ----------------------------------------------------------------------
