@@ -34,7 +34,7 @@ import hypercorn.trio
 import pluggy
 import trio
 
-from .api import create_app
+from .http import create_app
 from . import __version__
 from .auth import KeyRing, check_exposure
 from .config import Config, ConfigError, load_config

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +65,14 @@ class LiveDaemon:
     client: httpx.AsyncClient
 
 
-async def start_daemon(nursery: trio.Nursery, config: Config, preset: str | None = None) -> LiveDaemon:
-    """A daemon in this process on the config's address (port 0: any free one), built-in plugins only."""
-    daemon = Daemon.from_config(config, preset=preset, handle_signals=False,
-                                plugin_manager=make_plugin_manager(load_entry_points=False))
+async def start_daemon(nursery: trio.Nursery, config: Config, preset: str | None = None,
+                       plugins: Sequence[object] = ()) -> LiveDaemon:
+    """A daemon in this process on the config's address (port 0: any free one), built-in plugins
+    only, and ``plugins`` (objects with ``@apsd.hookspecs.hookimpl`` methods, e.g. recorders)."""
+    plugin_manager = make_plugin_manager(load_entry_points=False)
+    for plugin in plugins:
+        plugin_manager.register(plugin)
+    daemon = Daemon.from_config(config, preset=preset, handle_signals=False, plugin_manager=plugin_manager)
     binds = await nursery.start(daemon.run)
     url = binds[0]
     return LiveDaemon(daemon, url, httpx.AsyncClient(base_url=url, timeout=30))

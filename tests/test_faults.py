@@ -15,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 
-from apsd.api import metrics_document
+from apsd.http import metrics_document
 from apsd.config import ConfigError, GpuConfig, QueueConfig, TenantConfig
 from apsd.engines.micro import FaultInjector
 from apsd.models import Completion, InferenceRequest, Refusal

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import trio
 
-from apsd.api import metrics_document
+from apsd.http import metrics_document
 from apsd.config import AdmissionConfig, GpuConfig, ServerConfig, TenantConfig
 
 from .helpers import make_config, start_daemon

@@ -7,7 +7,7 @@ import math
 import pytest
 import trio
 
-from apsd.api import metrics_document
+from apsd.http import metrics_document
 from apsd.config import EngineConfig, GpuConfig, TenantConfig
 from apsd.models import Completion
 from apsd.pipeline import open_pipeline

@@ -11,7 +11,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from apsd.api import create_app
+from apsd.http import create_app
 from apsd.config import ServerConfig, TenantConfig
 from apsd.pipeline import open_pipeline
 from apsd.prometheus import exporter_for, negotiate

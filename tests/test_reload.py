@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import trio
 
-from apsd.api import metrics_document
+from apsd.http import metrics_document
 from apsd.config import EngineConfig, GpuConfig, ServerConfig, TenantConfig
 from apsd.models import Completion
 from apsd.pipeline import open_pipeline

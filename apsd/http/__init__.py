@@ -1,0 +1,102 @@
+"""HTTP API (Quart-Trio on Hypercorn): turns requests into pipeline submissions and outcomes into answers.
+
+One blueprint per protocol:
+
+* :mod:`apsd.http.infer`: apsd's own ``POST /infer``;
+* :mod:`apsd.http.openai`: the OpenAI-compatible ``/v1/chat/completions``, ``/v1/completions``
+  and ``/v1/models``;
+* :mod:`apsd.http.ops`: ``/health``, ``/metrics``, ``/metrics.json``, ``/tenants/<id>/status``.
+
+What they share (the app's state, the :func:`~apsd.http.common.authenticated` decorator, body
+parsing, answers) is in :mod:`apsd.http.common`.
+
+Ownership: the app owns no tasks and no state of its own beyond :class:`~apsd.http.common.HttpState`;
+it reads and submits through the :class:`~apsd.pipeline.Pipeline` it is given. Hypercorn, run
+by the daemon's nursery, serves it. Nothing a client sends produces a 500 or a traceback; an
+error is answered in the shape of the protocol its path belongs to (OpenAI's under ``/v1/``,
+apsd's ``{"error", "message"[, "field"]}`` elsewhere).
+
+Access (:mod:`apsd.auth`): with API keys configured, ``POST /infer`` and the ``/v1`` completions
+need a tenant's key and run as that tenant; ``/v1/models`` needs any valid key;
+``/tenants/<id>/status`` needs that tenant's key or the admin key; ``/metrics`` needs the admin
+key; ``/health`` is open. The key is checked before the body is parsed. Without keys (loopback
+only) everything is open, and ``X-Apsd-Tenant`` names a ``/v1`` request's tenant.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from ..models import Refusal
+from ..pipeline import Pipeline
+from ..prometheus import exporter_for
+from . import infer, openai, ops
+from .common import HttpState, ShieldResponseEnd, error_response, read_unread_body
+from .infer import parse_infer_body
+from .ops import metrics_document
+
+__all__ = ["create_app", "metrics_document", "parse_infer_body"]
+
+log = logging.getLogger("apsd.http")
+
+
+def _answer_for_path(refusal: Refusal) -> Response:
+    """``refusal`` in the shape of the protocol the request's path belongs to."""
+    if request.path.startswith("/v1/"):
+        return openai.error_response(refusal)
+    return error_response(refusal)
+
+
+def create_app(pipeline: Pipeline) -> QuartTrio:
+    """The API over ``pipeline``; the app is cheap, make one per pipeline."""
+    app = QuartTrio("apsd")
+    app.config["MAX_CONTENT_LENGTH"] = pipeline.config.server.max_body_bytes
+    app.config["BODY_TIMEOUT"] = pipeline.config.server.body_timeout_s  # then 408 request_timeout
+    app.json.sort_keys = False  # type: ignore[attr-defined]
+    app.url_map.merge_slashes = False  # an empty path segment ("a//b") is a 404, not an HTML 308 redirect
+    app.asgi_app = ShieldResponseEnd(app.asgi_app)  # type: ignore[method-assign]
+    # the exporter is made before serving: its histograms see every dispatch
+    app.extensions["apsd"] = HttpState(pipeline=pipeline, exporter=exporter_for(pipeline), created=openai.unix_time())
+    for blueprint in (infer.blueprint, openai.blueprint, ops.blueprint):
+        app.register_blueprint(blueprint)
+
+    @app.after_request
+    async def close_when_unread_or_draining(response: Response) -> Response:
+        """``Connection: close`` when a body the answer did not need cannot be read (a 413) or apsd
+        is draining: a client then opens a new connection instead of waiting on one hypercorn will
+        not read again (or will drop at the end of the drain)."""
+        if response.headers.get("Connection") == "close":  # (a 408: nothing more to read)
+            return response
+        if not pipeline.accepting or not await read_unread_body():
+            response.headers["Connection"] = "close"
+        return response
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        code = exc.code or 500
+        names = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+        message = exc.description or exc.name
+        # keep werkzeug's own headers (a 405's Allow, RFC 9110 15.5.6), not its HTML content type
+        headers = {k: v for k, v in exc.get_headers() if k.lower() != "content-type"}
+        if code == 413:
+            pipeline.ledger.count_refusal(None, "body_too_large")
+            message = f"request body exceeds {pipeline.config.server.max_body_bytes} bytes (server.max_body_bytes)"
+        elif code == 408:
+            pipeline.ledger.count_refusal(None, "request_timeout")
+            message = (f"the request body did not arrive within {pipeline.config.server.body_timeout_s:g} s "
+                       "(server.body_timeout_s)")
+            headers["Connection"] = "close"  # the rest of that body is not worth waiting for
+        return _answer_for_path(Refusal(code, names.get(code, exc.name.lower().replace(" ", "_")), message,
+                                        headers=headers))
+
+    @app.errorhandler(Exception)
+    async def internal_error(exc: Exception) -> Response:
+        log.exception("internal error answering %s %s", request.method, request.path)
+        pipeline.ledger.count_refusal(None, "internal_error")
+        return _answer_for_path(Refusal(500, "internal_error", "internal error; see the daemon's log"))
+
+    return app

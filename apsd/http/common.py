@@ -1,0 +1,240 @@
+"""What every protocol's handlers share: the app's state, authentication, bodies and answers.
+
+Ownership: :class:`HttpState` is made once per app by :func:`apsd.http.create_app` and kept in
+``app.extensions["apsd"]``; handlers reach it with :func:`http_state`. It holds no tasks: the
+app reads and submits through the :class:`~apsd.pipeline.Pipeline` it was given.
+
+Authentication is one decorator, :func:`authenticated`: it identifies the caller from the
+``Authorization`` header (:mod:`apsd.auth`) before the body is read, refuses what the
+endpoint does not allow (counted as a refusal in the ledger), and hands the handler the
+:class:`~apsd.auth.Caller`. Each protocol renders refusals in its own shape: apsd's
+``{"error", "message"[, "field"]}`` (:func:`error_response`) or OpenAI's (:mod:`apsd.http.openai`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import attrs
+import trio
+from quart import Response, current_app, request
+from werkzeug.exceptions import HTTPException
+
+from .. import strictjson
+from ..auth import Caller, KeyRing
+from ..config import Config
+from ..models import Refusal
+from ..pipeline import Pipeline
+from ..prometheus import PrometheusExporter
+
+__all__ = ["BodyError", "HttpState", "MAX_TENANT_ID_CHARS", "MAX_TOKENS_REQUESTED", "ShieldResponseEnd",
+           "authenticated", "check_prompt_length", "error_response", "http_state", "json_response",
+           "parse_json_object", "read_unread_body", "rounded", "shown"]
+
+MAX_TENANT_ID_CHARS = 256
+#: Far beyond any real request; bounds client integers before any arithmetic or formatting.
+MAX_TOKENS_REQUESTED = 1_000_000_000
+#: Wall seconds an answer waits for the rest of a body it did not need (see :func:`read_unread_body`).
+UNREAD_BODY_WAIT_S = 1.0
+
+
+class BodyError(Exception):
+    """A request the handler refuses before it reaches the pipeline; ``refusal`` is the answer."""
+
+    def __init__(self, status: int, error: str, message: str, field: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.refusal = Refusal(status, error, message, field=field, headers=headers or {})
+
+
+class KeyRingCache:
+    """The KeyRing of the pipeline's current config (a reload replaces the config, and so the keys)."""
+
+    def __init__(self) -> None:
+        self._config: Config | None = None
+        self._keyring = KeyRing()
+
+    def get(self, config: Config) -> KeyRing:
+        if config is not self._config:
+            self._keyring, self._config = KeyRing.from_config(config), config
+        return self._keyring
+
+
+@attrs.define(eq=False)
+class HttpState:
+    """What the handlers of one app share: its pipeline, the pipeline's Prometheus exporter, the
+    keys of the current config, and when the app was made (Unix seconds: ``GET /v1/models``)."""
+
+    pipeline: Pipeline
+    exporter: PrometheusExporter
+    created: int
+    keyring: KeyRingCache = attrs.field(factory=KeyRingCache)
+
+    def identify(self, authorization: list[str]) -> Caller | Refusal:
+        return self.keyring.get(self.pipeline.config).identify_headers(authorization)
+
+
+def http_state() -> HttpState:
+    """The current app's :class:`HttpState` (call inside a request)."""
+    return current_app.extensions["apsd"]
+
+
+Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
+
+
+def authenticated(*, admin: bool = False, submits: bool = False,
+                  answer: Callable[[Refusal], Response] | None = None) -> Callable[[Handler], Handler]:
+    """Decorate a route: it runs only for a caller the endpoint allows, given as ``caller=``.
+
+    Every caller must present a valid key once keys are configured (401 otherwise, with
+    ``WWW-Authenticate``); without keys everyone is :data:`~apsd.auth.OPEN_ACCESS`. ``admin``:
+    the operator's key only (403 ``admin_only``). ``submits``: the endpoint submits requests,
+    which the admin key may not do (403 ``admin_cannot_submit``: it has no tenant to bill).
+    A refusal is counted in the ledger (unattributed) and rendered by ``answer`` (default
+    :func:`error_response`). The key is checked before anything reads the body.
+    """
+    render = answer or error_response
+
+    def decorate(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def guarded(*args: Any, **kwargs: Any) -> Any:
+            state = http_state()
+            caller = state.identify(request.headers.getlist("Authorization"))
+            if isinstance(caller, Caller):
+                if admin and not caller.admin:
+                    caller = Refusal(403, "admin_only", "this endpoint needs the admin key")
+                elif submits and not caller.anonymous and caller.tenant is None:
+                    caller = Refusal(403, "admin_cannot_submit",
+                                     "the admin key cannot submit requests; use the tenant's own key")
+            if isinstance(caller, Refusal):
+                state.pipeline.ledger.count_refusal(None, caller.error)
+                return render(caller)
+            return await handler(*args, caller=caller, **kwargs)
+        return guarded  # type: ignore[return-value]
+    return decorate
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; BodyError 400 unless it is exactly one.
+
+    A key repeated in any object of the document is refused (``duplicate_key``, naming it):
+    parsers disagree on which value wins, so a proxy and apsd could read different requests.
+    """
+    try:
+        data = strictjson.loads(raw)
+    except strictjson.DuplicateKeyError as exc:
+        key = exc.key if len(exc.key) <= 64 else exc.key[:64] + "..."
+        raise BodyError(400, "duplicate_key", f"the request body repeats the key {key!r}; "
+                        "each key may appear once per object", field=exc.key[:256]) from None
+    except (ValueError, RecursionError):
+        raise BodyError(400, "invalid_json", "the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise BodyError(400, "invalid_json", "the request body must be a JSON object")
+    return data
+
+
+def shown(number: int) -> str:
+    """A client's integer for a message: never formatted in full beyond 18 digits (a 5000-digit
+    int cannot even be printed)."""
+    return str(number) if -10**18 < number < 10**18 else "an integer of more than 18 digits"
+
+
+def check_prompt_length(tokens: int, characters: int, pipeline: Pipeline, field: str = "prompt") -> None:
+    """413 ``prompt_too_long`` when ``tokens`` (the estimate for ``characters`` of prompt) exceeds
+    ``[admission] max_prompt_tokens``."""
+    limit = pipeline.config.admission.max_prompt_tokens
+    if tokens > limit:
+        raise BodyError(413, "prompt_too_long",
+                        f"the prompt is about {tokens} tokens ({characters} characters at "
+                        f"{pipeline.config.admission.chars_per_token:g} per token); the limit is {limit} "
+                        "(admission.max_prompt_tokens)", field=field)
+
+
+async def read_unread_body() -> bool:
+    """Read and drop the rest of a body the answer did not need (a 401, a routing 404/405); False
+    when it cannot be (over ``max_body_bytes``, or not all there within UNREAD_BODY_WAIT_S).
+
+    An answer sent before its request's body has arrived leaves hypercorn 0.18 with a keep-alive
+    connection it never reads again; reading the body first avoids that. When it cannot be read the
+    answer says ``Connection: close`` instead. A request without a body has nothing unread.
+    """
+    announced = request.content_length or "chunked" in request.headers.get("Transfer-Encoding", "").lower()
+    if not announced or request.body._complete.is_set():  # (quart's Body has no public flag)
+        return True
+    with trio.move_on_after(UNREAD_BODY_WAIT_S):
+        try:
+            await request.body
+        except HTTPException:  # RequestEntityTooLarge: the 413 case
+            return False
+        return True
+    return False
+
+
+def rounded(value: Any, key: str = "") -> Any:
+    """``value`` with every float rounded for an answer: milliseconds (keys ending ``_ms``) to the
+    microsecond, US dollars (``_usd``) to the nano-dollar, anything else to 6 significant digits.
+
+    Binary floats print as ``0.00042480468749999994``; no client needs those digits, and the
+    figures are model estimates anyway. Non-finite floats become null (JSON has no NaN).
+    """
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return None
+        if key.endswith("_ms"):
+            return round(value, 3)
+        if key.endswith("_usd"):
+            return round(value, 9)
+        return float(f"{value:.6g}")
+    if isinstance(value, dict):
+        return {k: rounded(v, k if isinstance(k, str) else key) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [rounded(v, key) for v in value]
+    return value
+
+
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """A JSON answer, floats :func:`rounded`."""
+    return Response(json.dumps(rounded(data)), status=status, headers=headers or {},
+                    content_type="application/json")
+
+
+def error_response(refusal: Refusal) -> Response:
+    """apsd's error answer: ``{"error": code, "message": text[, "field": name]}`` and the refusal's headers."""
+    body: dict[str, Any] = {"error": refusal.error, "message": refusal.message}
+    if refusal.field is not None:
+        body["field"] = refusal.field
+    return Response(json.dumps(body), status=refusal.status, headers=refusal.headers,
+                    content_type="application/json")
+
+
+class ShieldResponseEnd:
+    """ASGI middleware: the last message of a response is sent shielded from cancellation.
+
+    Sending it makes hypercorn (0.18) close the request's stream and then, in the same call,
+    either close the connection (its client still owes body, or asked to close) or restart the
+    keep-alive timer. Meanwhile that stream's ``http.disconnect`` reaches quart-trio, which
+    cancels the request's task group, the very task still inside that call: the close or the
+    timer restart is cut off at its first checkpoint, and the connection stays open, idle and
+    untimed, until the client leaves (a slow-body client got its 408 and kept its socket).
+    Shielding that one ``send`` lets hypercorn finish its bookkeeping.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_last_shielded(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
+        await self.app(scope, receive, send_last_shielded)

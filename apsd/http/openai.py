@@ -1,0 +1,521 @@
+"""The OpenAI-compatible API: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``.
+
+Requests go through the same pipeline as ``POST /infer`` (admission, queue, engines, ledger,
+Prometheus counters); this module only translates. The README's "OpenAI-compatible API"
+section states the rules for clients; the contract with engines is:
+
+* A request carries ``model``, ``api`` (``"chat.completions"`` or ``"completions"``) and
+  ``payload``: the client's body as sent, minus ``priority`` (apsd's to interpret: a backend
+  such as vLLM refuses it unless it schedules by priority itself). Every other parameter,
+  interpreted by apsd or not (``temperature``, ``tools``, ...), is in the payload untouched.
+  ``tokens_requested`` is the client's ``max_completion_tokens``/``max_tokens``, or
+  ``[gateway] default_max_tokens`` when it sent neither (the payload then has neither either).
+* Not streaming: a :class:`~apsd.models.Completion` with a ``response`` (a forwarding engine's
+  backend answer) is relayed as it is; without one (the simulated engines) the answer is built
+  here, with placeholder text of ``tokens_generated`` tokens (:func:`placeholder_text`).
+* Streaming: the handler sets ``request.stream`` before submitting. A chunk with ``data`` (a
+  forwarding engine: the backend's SSE chunk, usage already stripped unless the client asked)
+  is relayed as it is; a chunk without (the simulated engines) becomes an OpenAI chunk of
+  ``tokens`` placeholder tokens (or its ``text``), and the finish chunk and, with
+  ``stream_options.include_usage``, the usage chunk are built here. ``data: [DONE]`` ends a
+  stream that completed. Until the first token nothing is sent, so a request refused or failed
+  before it (429, 503, 504, ...) gets an ordinary HTTP error, which clients retry; after it, an
+  error event in OpenAI's shape ends the stream, without ``[DONE]``.
+* A client that leaves (before or during its answer) cancels its request
+  (:meth:`~apsd.pipeline.Pipeline.cancel`): billed for what ran.
+
+Every error answer is OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with apsd's
+status codes; ``code`` is apsd's error code (:func:`error_response`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+import trio
+from quart import Blueprint, Response, request
+
+from ..auth import Caller
+from ..config import Config, TenantConfig
+from ..models import Completion, InferenceRequest, Refusal
+from ..pipeline import Pipeline
+from ..streams import TokenChunk, TokenStream
+from .common import (MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated, check_prompt_length,
+                     http_state, parse_json_object, shown)
+
+__all__ = ["CHAT", "COMPLETIONS", "MESSAGE_OVERHEAD_TOKENS", "OpenAIBody", "PRIORITY_HEADER", "TENANT_HEADER",
+           "blueprint", "error_body", "error_response", "error_type", "parse_openai_body", "placeholder_text",
+           "priority_bid", "unix_time"]
+
+blueprint = Blueprint("openai", __name__, url_prefix="/v1")
+
+CHAT = "chat.completions"
+COMPLETIONS = "completions"
+#: Without API keys (loopback only) this header names the tenant a request runs as.
+TENANT_HEADER = "X-Apsd-Tenant"
+#: apsd's own bid, 1-10, higher served sooner (clamped to the tenant's ``max_bid``); it takes
+#: precedence over the body's vLLM-style ``priority``.
+PRIORITY_HEADER = "X-Apsd-Priority"
+#: Tokens added per chat message to the estimate of its text (role and delimiters, as chat
+#: templates add; OpenAI's own count is 3-4 per message).
+MESSAGE_OVERHEAD_TOKENS = 4
+#: The words a simulated engine's placeholder answer cycles through, one per token.
+_WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do",
+          "eiusmod", "tempor", "incididunt", "ut", "labore", "et", "dolore", "magna", "aliqua")
+_INTEGER = re.compile(r"[+-]?[0-9]{1,18}")
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+                413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+                499: "client_disconnected"}
+
+
+def unix_time() -> int:
+    """Seconds since the epoch, for OpenAI's ``created`` fields (never used to time anything)."""
+    return int(time.time())
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error ``type`` for an HTTP status."""
+    return _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(refusal: Refusal) -> dict[str, Any]:
+    """OpenAI's error object for ``refusal``: ``code`` is apsd's error code, ``param`` its field."""
+    return {"error": {"message": refusal.message, "type": error_type(refusal.status), "param": refusal.field,
+                      "code": refusal.error}}
+
+
+def error_response(refusal: Refusal) -> Response:
+    """An error answer in OpenAI's shape, with the refusal's status and headers (``Retry-After``,
+    ``RateLimit``, ``WWW-Authenticate``)."""
+    return Response(json.dumps(error_body(refusal)), status=refusal.status, headers=refusal.headers,
+                    content_type="application/json")
+
+
+def _answer(data: dict[str, Any], headers: dict[str, str]) -> Response:
+    # (not json_response: a backend's floats, logprobs for one, are relayed as they are, not rounded)
+    return Response(json.dumps(data), status=200, headers=headers, content_type="application/json")
+
+
+# -- request bodies ------------------------------------------------------------------------------
+
+@attrs.frozen
+class OpenAIBody:
+    """A validated OpenAI request body: what apsd interprets, and the ``payload`` to relay."""
+
+    api: str
+    model: str
+    #: The prompt's text (chat: every message's text, one per line): for the estimate and the log.
+    prompt: str
+    prompt_tokens: int
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    #: vLLM's ``priority`` (lower is served sooner; None: not given).
+    priority: int | None
+    payload: dict[str, Any] = attrs.field(repr=False)
+
+
+def _invalid(field: str, rule: str, status: int = 422, error: str = "invalid_field") -> BodyError:
+    return BodyError(status, error, f"{field} {rule}", field=field)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _message_text(message: Any, i: int) -> str:
+    """The text of chat message ``i`` (its content, name and tool calls), checking its shape."""
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise _invalid(where, "must be an object with role and content")
+    role = message.get("role")
+    if not isinstance(role, str) or not role.strip():
+        raise (_invalid(f"{where}.role", "is required", error="missing_field") if role is None
+               else _invalid(f"{where}.role", "must be a non-empty string"))
+    parts = [message["name"]] if isinstance(message.get("name"), str) else []
+    content = message.get("content")
+    if isinstance(content, str):
+        parts.append(content)
+    elif isinstance(content, list):
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _invalid(f"{where}.content[{j}]", 'must be a text part: {"type": "text", "text": "..."} '
+                               "(apsd estimates prompts from text; other parts are not supported)")
+            parts.append(part["text"])
+    elif content is None and role == "assistant" and ("tool_calls" in message or "function_call" in message):
+        pass  # an assistant turn that only called tools
+    elif content is None:
+        raise _invalid(f"{where}.content", "is required", error="missing_field")
+    else:
+        raise _invalid(f"{where}.content", "must be a string or a list of text parts")
+    for key in ("tool_calls", "function_call"):
+        if key in message:
+            parts.append(json.dumps(message[key]))
+    return "\n".join(parts)
+
+
+def _prompt(data: dict[str, Any], api: str, chars_per_token: float) -> tuple[str, int]:
+    """The prompt's text and its estimated tokens."""
+    if api == CHAT:
+        messages = data.get("messages")
+        if messages is None:
+            raise _invalid("messages", "is required", error="missing_field")
+        if not isinstance(messages, list) or not messages:
+            raise _invalid("messages", "must be a non-empty list of messages")
+        texts = [_message_text(message, i) for i, message in enumerate(messages)]
+        characters = sum(len(text) for text in texts)
+        return "\n".join(texts), math.ceil(characters / chars_per_token) + MESSAGE_OVERHEAD_TOKENS * len(messages)
+    prompt = data.get("prompt")
+    if prompt is None:
+        raise _invalid("prompt", "is required", error="missing_field")
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise _invalid("prompt", "must be a string, or a list of exactly one string: several prompts are "
+                           "several completions, which apsd schedules and bills as separate requests "
+                           "(send one request per prompt)")
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise _invalid("prompt", "must be a string (token arrays are not supported)")
+    return prompt, math.ceil(len(prompt) / chars_per_token)
+
+
+def _max_tokens(data: dict[str, Any], default: int) -> int:
+    given = {}
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = data.get(name)
+        if value is None:
+            continue
+        if not _is_int(value) or not 1 <= value <= MAX_TOKENS_REQUESTED:
+            got = shown(value) if _is_int(value) else json.dumps(value)[:40]
+            raise _invalid(name, f"must be an integer 1-{MAX_TOKENS_REQUESTED}, got {got}")
+        given[name] = value
+    if len(set(given.values())) > 1:
+        raise _invalid("max_tokens", "and max_completion_tokens differ; send one of them")
+    return next(iter(given.values()), default)
+
+
+def parse_openai_body(raw: bytes, api: str, config: Config) -> OpenAIBody:
+    """Validate the body of an OpenAI request to ``api`` (:data:`CHAT` or :data:`COMPLETIONS`).
+
+    BodyError names the field (OpenAI's ``param``) and the rule: 400 for JSON that is not one
+    object or repeats a key, 422 for a field missing, of the wrong type or out of range. Does
+    not check that the model exists (the pipeline's engines say which do). Parameters apsd does
+    not interpret are kept in ``payload`` as they are.
+    """
+    data = parse_json_object(raw)
+    model = data.get("model")
+    if model is None:
+        raise _invalid("model", "is required", error="missing_field")
+    if not isinstance(model, str) or not model.strip():
+        raise _invalid("model", "must be a non-empty string")
+    prompt, prompt_tokens = _prompt(data, api, config.admission.chars_per_token)
+    max_tokens = _max_tokens(data, config.gateway.default_max_tokens)
+    stream = data.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise _invalid("stream", "must be true or false")
+    options = data.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise _invalid("stream_options", "must be an object")
+        if not stream:
+            raise _invalid("stream_options", "is only allowed with stream: true")
+        if "include_usage" in options and not isinstance(options["include_usage"], bool):
+            raise _invalid("stream_options.include_usage", "must be true or false")
+    for name in ("n", "best_of"):
+        value = data.get(name)
+        if value is not None and (not _is_int(value) or value != 1):
+            raise _invalid(name, "must be 1: apsd schedules, reserves and bills one sequence per request "
+                           "(send several requests for several choices)")
+    priority = data.get("priority")
+    if priority is not None and not _is_int(priority):
+        raise _invalid("priority", "must be an integer (lower is served sooner, as in vLLM; default 0)")
+    payload = {key: value for key, value in data.items() if key != "priority"}
+    return OpenAIBody(api=api, model=model, prompt=prompt, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                      stream=bool(stream), include_usage=bool(options and options.get("include_usage")),
+                      priority=priority, payload=payload)
+
+
+def priority_bid(tenant: TenantConfig | None, *, priority: int | None = None, header: int | None = None) -> int:
+    """apsd's bid (1-10, higher sooner) for a request, within the tenant's contract.
+
+    ``header`` (``X-Apsd-Priority``, apsd's polarity) gives ``clamp(header, 1, max_bid)``;
+    otherwise the body's ``priority`` (vLLM's polarity: lower sooner, default 0) gives
+    ``clamp(default_bid - priority, 1, max_bid)``. An unknown tenant (None: admission will
+    answer 404) is taken as the defaults' (5, 10).
+    """
+    default_bid, max_bid = (5, 10) if tenant is None else (tenant.default_bid, tenant.max_bid)
+    wanted = header if header is not None else default_bid - (priority or 0)
+    return max(1, min(wanted, max_bid))
+
+
+def _tenant(caller: Caller) -> str:
+    """The tenant a request runs as: the key's, or (no keys) the one :data:`TENANT_HEADER` names."""
+    named = request.headers.getlist(TENANT_HEADER)
+    if len(named) > 1:
+        raise BodyError(400, "invalid_header", f"more than one {TENANT_HEADER} header", field=TENANT_HEADER)
+    name = named[0] if named else None
+    if caller.anonymous:
+        if name is None:
+            raise BodyError(400, "missing_tenant", f"the {TENANT_HEADER} header must name the tenant "
+                            "(no API keys are configured, so nothing else says who is calling)",
+                            field=TENANT_HEADER)
+        if not name.strip() or len(name) > MAX_TENANT_ID_CHARS:
+            raise BodyError(400, "invalid_header", f"{TENANT_HEADER} must be 1-{MAX_TENANT_ID_CHARS} characters",
+                            field=TENANT_HEADER)
+        return name
+    if name is not None and name != caller.tenant:
+        raise BodyError(403, "tenant_mismatch", f"{TENANT_HEADER} names a tenant other than the API key's "
+                        "(leave it out, or name the key's own tenant)", field=TENANT_HEADER)
+    assert caller.tenant is not None  # (the admin key was refused by @authenticated(submits=True))
+    return caller.tenant
+
+
+def _priority_header() -> int | None:
+    values = request.headers.getlist(PRIORITY_HEADER)
+    if not values:
+        return None
+    if len(values) > 1 or not _INTEGER.fullmatch(values[0].strip()):
+        raise BodyError(400, "invalid_header", f"{PRIORITY_HEADER} must be one integer bid, 1-10 "
+                        "(higher is served sooner)", field=PRIORITY_HEADER)
+    return int(values[0])
+
+
+def _refused(refusal: Refusal) -> Response:
+    """The pipeline's refusal of a ``/v1`` request: its tenant came from a header, not a field."""
+    if refusal.field == "tenant_id":
+        refusal = attrs.evolve(refusal, field=TENANT_HEADER)
+    return error_response(refusal)
+
+
+# -- answers --------------------------------------------------------------------------------------
+
+def placeholder_text(start: int, tokens: int) -> str:
+    """Tokens ``start`` to ``start + tokens`` of a simulated engine's answer: one word per token,
+    separated by spaces, so the pieces of a stream join into the whole answer."""
+    words = (_WORDS[i % len(_WORDS)] for i in range(start, start + tokens))
+    text = " ".join(words)
+    return f" {text}" if start > 0 and text else text
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _finish_reason(inference: InferenceRequest, tokens: int) -> str:
+    return "length" if tokens >= inference.tokens_requested else "stop"
+
+
+def _built_answer(body: OpenAIBody, completion: Completion) -> dict[str, Any]:
+    """A simulated engine's answer in OpenAI's shape: placeholder text, usage from apsd's counts."""
+    text = placeholder_text(0, completion.tokens_generated)
+    reason = "length" if completion.tokens_generated >= body.max_tokens else "stop"
+    if body.api == CHAT:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                  "logprobs": None, "finish_reason": reason}
+        kind, prefix = "chat.completion", "chatcmpl-"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        kind, prefix = "text_completion", "cmpl-"
+    return {"id": prefix + completion.request_id, "object": kind, "created": unix_time(), "model": body.model,
+            "choices": [choice], "usage": _usage(completion.prompt_tokens, completion.tokens_generated)}
+
+
+@attrs.define
+class _ChunkMaker:
+    """Builds a simulated engine's stream chunks, in OpenAI's shape."""
+
+    body: OpenAIBody
+    request_id: str
+    created: int
+    sent: int = 0
+
+    def chunk(self, choice: dict[str, Any] | None, usage: dict[str, int] | None = None) -> bytes:
+        """A chunk with ``choice`` (None: no choice, the usage chunk); with ``include_usage`` every
+        chunk has a ``usage`` field, null but in the last (as OpenAI sends them)."""
+        chat = self.body.api == CHAT
+        data: dict[str, Any] = {"id": ("chatcmpl-" if chat else "cmpl-") + self.request_id,
+                                "object": "chat.completion.chunk" if chat else "text_completion",
+                                "created": self.created, "model": self.body.model,
+                                "choices": [] if choice is None else [choice]}
+        if self.body.include_usage:
+            data["usage"] = usage
+        return sse(data)
+
+    def _choice(self, text: str, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+        if self.body.api == CHAT:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if role else \
+                {"content": text} if text or finish_reason is None else {}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def start(self) -> bytes | None:
+        """The chat role chunk (OpenAI sends it first, with empty content); None for completions."""
+        return self.chunk(self._choice("", None, role=True)) if self.body.api == CHAT else None
+
+    def tokens(self, chunk: TokenChunk) -> bytes:
+        text = chunk.text or placeholder_text(self.sent, chunk.tokens)
+        self.sent += chunk.tokens
+        return self.chunk(self._choice(text, None))
+
+    def finish(self, reason: str) -> bytes:
+        return self.chunk(self._choice("", reason))
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return self.chunk(None, _usage(prompt_tokens, completion_tokens))
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    """One Server-Sent Event carrying ``data`` as JSON."""
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+async def _first_chunk(inference: InferenceRequest) -> TokenChunk | None:
+    """The stream's first chunk, or None once the request has its outcome without one (refused,
+    failed or cancelled before its first token; or a completion that streamed nothing).
+
+    (A request refused before admission is answered without its stream being closed: hence the
+    wait on both.)
+    """
+    stream = inference.stream
+    assert stream is not None
+    first: TokenChunk | None = None
+    async with trio.open_nursery() as nursery:
+        async def read() -> None:
+            nonlocal first
+            first = await stream.receive()
+            nursery.cancel_scope.cancel()
+
+        async def outcome() -> None:
+            await inference.reply.wait()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(read)
+        nursery.start_soon(outcome)
+    return first
+
+
+async def _events(pipeline: Pipeline, inference: InferenceRequest, body: OpenAIBody,
+                  first: TokenChunk | None) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed answer, from its first chunk on; a client that leaves cancels
+    the request (in ``finally``: quart closes this generator when its send is cancelled)."""
+    stream = inference.stream
+    assert stream is not None
+    maker = _ChunkMaker(body, inference.request_id, unix_time())
+    relayed = False  # (a forwarding engine's chunks carry the backend's own JSON: relayed, never built)
+    try:
+        chunk = first
+        if chunk is None or getattr(chunk, "data", None) is None:
+            if (start := maker.start()) is not None:
+                yield start
+        while chunk is not None:
+            data = getattr(chunk, "data", None)
+            if data is not None:
+                relayed = True
+                yield sse(data)
+            elif chunk.tokens or chunk.text:
+                yield maker.tokens(chunk)
+            chunk = await stream.receive()
+        outcome = inference.reply.outcome
+        if not isinstance(outcome, Completion):
+            refusal = outcome if isinstance(outcome, Refusal) else Refusal(
+                500, "stream_error", stream.error or "the stream ended without an outcome", kind="failed")
+            yield sse(error_body(refusal))
+            return
+        if not relayed:
+            yield maker.finish(_finish_reason(inference, outcome.tokens_generated))
+            if body.include_usage:
+                yield maker.usage(outcome.prompt_tokens, outcome.tokens_generated)
+        yield DONE
+    finally:
+        if not inference.answered:
+            pipeline.cancel(inference)
+
+
+async def _stream_answer(pipeline: Pipeline, inference: InferenceRequest, body: OpenAIBody) -> Response:
+    """Wait for the first token (or the outcome), then answer with the event stream; an outcome
+    before any token is an ordinary HTTP error."""
+    try:
+        first = await _first_chunk(inference)
+    except BaseException:  # the client left while the request waited
+        if not inference.answered:
+            pipeline.cancel(inference)
+        raise
+    outcome = inference.reply.outcome
+    if first is None and isinstance(outcome, Refusal):
+        return _refused(outcome)
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": inference.request_id,
+               **pipeline.admission.rate_limit_headers(inference.tenant_id)}
+    response = Response(_events(pipeline, inference, body, first), status=200, headers=headers,
+                        content_type="text/event-stream")
+    response.timeout = None  # (quart's RESPONSE_TIMEOUT, 60 s, would cut a long stream silently)
+    return response
+
+
+async def _complete(api: str, caller: Caller) -> Response:
+    pipeline = http_state().pipeline
+    try:
+        tenant_id = _tenant(caller)
+        header_bid = _priority_header()
+        body = parse_openai_body(await request.get_data(cache=False), api, pipeline.config)
+        models = pipeline.models()
+        if body.model not in models:
+            raise BodyError(404, "model_not_found", f"the model {body.model[:256]!r} is not served here "
+                            f"(GET /v1/models lists them: {', '.join(models)})", field="model")
+        check_prompt_length(body.prompt_tokens, len(body.prompt), pipeline,
+                            field="messages" if api == CHAT else "prompt")
+    except BodyError as exc:
+        pipeline.ledger.count_refusal(None, exc.refusal.error)
+        return error_response(exc.refusal)
+    bid = priority_bid(pipeline.config.tenants.get(tenant_id), priority=body.priority, header=header_bid)
+    inference = pipeline.new_request(tenant_id=tenant_id, prompt=body.prompt, tokens_requested=body.max_tokens,
+                                     priority_bid=bid, prompt_tokens=body.prompt_tokens, model=body.model,
+                                     api=api, payload=body.payload)
+    if body.stream:
+        inference.stream = TokenStream()
+    refusal = pipeline.submit_nowait(inference)
+    if refusal is not None:
+        return _refused(refusal)
+    if body.stream:
+        return await _stream_answer(pipeline, inference, body)
+    try:
+        outcome = await inference.reply.wait()
+    finally:  # the client went away (the handler is cancelled): the request is cancelled
+        if not inference.answered:
+            pipeline.cancel(inference)
+    if isinstance(outcome, Refusal):
+        return _refused(outcome)
+    headers = {"X-Request-Id": outcome.request_id, **pipeline.admission.rate_limit_headers(outcome.tenant_id)}
+    return _answer(outcome.response if outcome.response is not None else _built_answer(body, outcome), headers)
+
+
+@blueprint.post("/chat/completions")
+@authenticated(submits=True, answer=error_response)
+async def chat_completions(caller: Caller) -> Response:
+    return await _complete(CHAT, caller)
+
+
+@blueprint.post("/completions")
+@authenticated(submits=True, answer=error_response)
+async def completions(caller: Caller) -> Response:
+    return await _complete(COMPLETIONS, caller)
+
+
+@blueprint.get("/models")
+@authenticated(answer=error_response)
+async def models(caller: Caller) -> Response:
+    """The models the engines serve, in OpenAI's list shape (any valid key may read it)."""
+    state = http_state()
+    return _answer({"object": "list", "data": [{"id": name, "object": "model", "created": state.created,
+                                                "owned_by": "apsd"} for name in state.pipeline.models()]}, {})

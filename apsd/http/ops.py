@@ -1,0 +1,77 @@
+"""The operator's endpoints: ``/health``, ``/metrics``, ``/metrics.json``, ``/tenants/<id>/status``.
+
+Access: ``/health`` is open (liveness probes carry no credentials; it names no tenant);
+``/metrics`` and ``/metrics.json`` need the admin key; a tenant's status needs that tenant's key
+or the admin key. Without keys (loopback only) everything is open.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from quart import Blueprint, Response, request
+
+from ..auth import Caller
+from ..models import Refusal
+from ..pipeline import Pipeline
+from ..prometheus import negotiate
+from .common import authenticated, error_response, http_state, json_response
+
+__all__ = ["blueprint", "metrics_document"]
+
+blueprint = Blueprint("ops", __name__)
+
+
+def metrics_document(pipeline: Pipeline) -> dict[str, Any]:
+    """The JSON view of ``/metrics``: the books' figures, then the configuration and state."""
+    statistics = pipeline.statistics()
+    document = attrs.asdict(statistics.books)
+    document.update(attrs.asdict(statistics, filter=lambda field, _: field.name != "books"))
+    return document
+
+
+@blueprint.get("/health")
+async def health() -> Response:
+    return json_response(attrs.asdict(http_state().pipeline.health()))
+
+
+@blueprint.get("/metrics")
+@authenticated(admin=True)
+async def metrics(caller: Caller) -> Any:
+    """Prometheus text exposition by default; JSON (as ``/metrics.json``) on request.
+
+    ``?format=json`` or ``?format=prometheus`` decides (any other value: 400). Otherwise
+    JSON only when the Accept header names ``application/json`` with a higher quality
+    than every Prometheus type it names (``text/plain``, ``application/openmetrics-text``);
+    Prometheus text in every other case: no Accept header, a scraper's, wildcards only
+    (curl's ``*/*``), a browser's, or a tie. See :func:`apsd.prometheus.negotiate`.
+    """
+    state = http_state()
+    view = negotiate(request.args.get("format"), request.headers.get("Accept"))
+    if view is None:
+        return error_response(Refusal(400, "invalid_format", "format must be json or prometheus", field="format"))
+    if view == "json":
+        return json_response(metrics_document(state.pipeline), headers={"Vary": "Accept"})
+    return Response(state.exporter.exposition(), status=200, content_type=state.exporter.content_type,
+                    headers={"Vary": "Accept"})
+
+
+@blueprint.get("/metrics.json")
+@authenticated(admin=True)
+async def metrics_json(caller: Caller) -> Any:
+    """The JSON view of ``/metrics``, whatever the Accept header."""
+    return json_response(metrics_document(http_state().pipeline))
+
+
+@blueprint.get("/tenants/<tenant_id>/status")
+@authenticated()
+async def tenant_status(tenant_id: str, caller: Caller) -> Any:
+    pipeline = http_state().pipeline
+    if not caller.may_read_tenant(tenant_id):  # (whether that tenant exists is not revealed)
+        pipeline.ledger.count_refusal(None, "forbidden")
+        return error_response(Refusal(403, "forbidden", "an API key reads only its own tenant's status"))
+    status = pipeline.tenant_status(tenant_id)
+    if status is None:
+        return error_response(Refusal(404, "unknown_tenant", f"no tenant named {tenant_id!r}"))
+    return json_response(attrs.asdict(status))
