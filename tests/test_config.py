@@ -42,7 +42,7 @@ def write(tmp_path, text):
         ("[tenants.a]\nrate = true\nburst = 10\n", "tenants.a.rate: must be a number"),
         ("[engine]\ncount = 1.5\n", "engine.count: must be an integer"),
         ("[gpu]\ncount = 2\n", "gpu.count: moved to [engine] count"),
-        ("[engine]\nkind = 'turbo'\n", "engine.kind: must be one of micro, continuous, got 'turbo'"),
+        ("[engine]\nkind = 'turbo'\n", "engine.kind: must be one of micro, continuous, forward, got 'turbo'"),
         ("[gpu]\ntime_scale = 0\n", "gpu.time_scale: must be between 1e-06 and 1e+06"),
         ("tenants = 3\n", "tenants: must be a table"),
         ("[tenants]\n", "tenants: at least one tenant is required"),
