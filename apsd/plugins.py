@@ -96,29 +96,28 @@ def make_plugin_manager(*, load_entry_points: bool = True,
     return pm
 
 
-def load_policy_registry(pm: pluggy.PluginManager) -> PolicyRegistry:
-    """Call every plugin's ``register_policies`` (registration order) and return the registry."""
-    registry = PolicyRegistry(plugin_manager=pm)
-    for impl in pm.hook.register_policies.get_hookimpls():
+def _register(pm: pluggy.PluginManager, hook: str, registry: Any) -> None:
+    """Call every plugin's ``hook`` with ``registry``, in registration order (built-ins first), telling
+    the registry who is registering; PluginError naming the plugin if one raises."""
+    for impl in getattr(pm.hook, hook).get_hookimpls():
         registry.current_plugin = impl.plugin_name
         try:
             impl.function(registry=registry)
         except Exception as exc:
-            raise PluginError(f"plugin {impl.plugin_name!r} failed in register_policies: "
-                              f"{type(exc).__name__}: {exc}") from exc
+            raise PluginError(f"plugin {impl.plugin_name!r} failed in {hook}: {type(exc).__name__}: {exc}") from exc
+
+
+def load_policy_registry(pm: pluggy.PluginManager) -> PolicyRegistry:
+    """Call every plugin's ``register_policies`` (registration order) and return the registry."""
+    registry = PolicyRegistry(plugin_manager=pm)
+    _register(pm, "register_policies", registry)
     return registry
 
 
 def load_profile_registry(pm: pluggy.PluginManager) -> ProfileRegistry:
     """Call every plugin's ``register_profiles`` (registration order) and return the registry."""
     registry = ProfileRegistry()
-    for impl in pm.hook.register_profiles.get_hookimpls():
-        registry.current_plugin = impl.plugin_name
-        try:
-            impl.function(registry=registry)
-        except Exception as exc:
-            raise PluginError(f"plugin {impl.plugin_name!r} failed in register_profiles: "
-                              f"{type(exc).__name__}: {exc}") from exc
+    _register(pm, "register_profiles", registry)
     return registry
 
 

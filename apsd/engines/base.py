@@ -26,11 +26,13 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import attrs
 import trio
 
+from ..models import Completion
+
 if TYPE_CHECKING:
     from ..config import Config
     from ..models import Capacity, Dispatch, InferenceRequest, Refusal
 
-__all__ = ["Demand", "Engine", "EngineStatistics", "UNBOUNDED"]
+__all__ = ["Demand", "Engine", "EngineStatistics", "UNBOUNDED", "completion"]
 
 #: A capacity that never limits (the ``micro`` engine's sequence count).
 UNBOUNDED = 2**62
@@ -99,3 +101,20 @@ class Engine(Protocol):
     def reconfigure(self, config: Config) -> list[str]:
         """Take a reloaded config's settings that can change while running; returns what changed
         that the pipeline does not report itself."""
+
+
+def completion(request: InferenceRequest, *, engine_id: int, end: float, response: dict | None = None) -> Completion:
+    """The :class:`~apsd.models.Completion` of a request its engine finished at model time ``end``,
+    from the times stamped on it (dispatched, first token) and its progress (tokens, cost)."""
+    assert request.dispatched_at is not None and request.started_at is not None
+    n = request.tokens_generated
+    decode = end - request.started_at
+    return Completion(
+        request_id=request.request_id, tenant_id=request.tenant_id, prompt_tokens=request.prompt_tokens,
+        tokens_generated=n, queue_ms=(request.dispatched_at - request.arrival) * 1000.0,
+        ttft_ms=(request.started_at - request.arrival) * 1000.0,
+        tpot_ms=decode / (n - 1) * 1000.0 if n > 1 and decode > 0 else None,
+        prefill_ms=(request.started_at - request.dispatched_at) * 1000.0, decode_ms=decode * 1000.0,
+        latency_ms=(end - request.arrival) * 1000.0, batch_id=request.dispatch_id or 0,
+        batch_size=request.dispatch_size, engine_id=engine_id, effective_priority=request.effective_priority or 0.0,
+        cost_usd=request.cost_usd, response=response)

@@ -45,9 +45,9 @@ import trio
 from ..clock import ModelClock
 from ..config import Config
 from ..ledger import Ledger
-from ..models import Capacity, Completion, Dispatch, InferenceRequest, Refusal
+from ..models import Capacity, Dispatch, InferenceRequest, Refusal
 from ..streams import TokenChunk
-from .base import Demand, EngineStatistics
+from .base import Demand, EngineStatistics, completion
 from .roofline import Deployment
 
 __all__ = ["ContinuousEngine"]
@@ -440,26 +440,7 @@ class ContinuousEngine:
         request = seq.request
         if seq in self._streaming:
             self._deliver(seq)
-        assert request.dispatched_at is not None and request.started_at is not None
-        n = request.tokens_generated
-        decode_s = self.t - request.started_at
-        self.ledger.finish(request, Completion(
-            request_id=request.request_id,
-            tenant_id=request.tenant_id,
-            prompt_tokens=request.prompt_tokens,
-            tokens_generated=n,
-            queue_ms=(request.dispatched_at - request.arrival) * 1000.0,
-            ttft_ms=(request.started_at - request.arrival) * 1000.0,
-            tpot_ms=decode_s / (n - 1) * 1000.0 if n > 1 else None,
-            prefill_ms=(request.started_at - request.dispatched_at) * 1000.0,
-            decode_ms=decode_s * 1000.0,
-            latency_ms=(self.t - request.arrival) * 1000.0,
-            batch_id=request.dispatch_id or 0,
-            batch_size=request.dispatch_size,
-            engine_id=self.engine_id,
-            effective_priority=request.effective_priority or 0.0,
-            cost_usd=request.cost_usd,
-        ), at=self.t)
+        self.ledger.finish(request, completion(request, engine_id=self.engine_id, end=self.t), at=self.t)
 
     def _release(self, seq: Sequence) -> None:
         """Free ``seq``'s KV cache and slot (it has left every running structure)."""

@@ -47,7 +47,7 @@ from ..ledger import Ledger
 from ..models import Capacity, Completion, Dispatch, InferenceRequest, Refusal
 from ..streams import TokenChunk
 from .backends import Backend, BackendClient, BackendError, BackendStatistics
-from .base import UNBOUNDED, Demand, EngineStatistics
+from .base import UNBOUNDED, Demand, EngineStatistics, completion
 
 __all__ = ["ForwardEngine"]
 
@@ -289,19 +289,8 @@ class ForwardEngine:
             request.tokens_generated = int(answer.completion_tokens)
         if request.started_at is None:  # not streamed: its first token is seen with its last
             self.ledger.started(request, now)
-        assert request.dispatched_at is not None and request.started_at is not None
-        n = request.tokens_generated
-        decode = now - request.started_at
-        return Completion(
-            request_id=request.request_id, tenant_id=request.tenant_id, prompt_tokens=request.prompt_tokens,
-            tokens_generated=n, queue_ms=(request.dispatched_at - request.arrival) * 1000.0,
-            ttft_ms=(request.started_at - request.arrival) * 1000.0,
-            tpot_ms=decode / (n - 1) * 1000.0 if n > 1 and decode > 0 else None,
-            prefill_ms=(request.started_at - request.dispatched_at) * 1000.0, decode_ms=decode * 1000.0,
-            latency_ms=(now - request.arrival) * 1000.0, batch_id=request.dispatch_id or 0,
-            batch_size=request.dispatch_size, engine_id=self.engine_id,
-            effective_priority=request.effective_priority or 0.0,
-            cost_usd=self._cost(request, backend, now - start), response=answer.response)
+        request.cost_usd = self._cost(request, backend, now - start)
+        return completion(request, engine_id=self.engine_id, end=now, response=answer.response)
 
     def _failed(self, request: InferenceRequest, backend: Backend,
                 error: BackendError) -> tuple[Refusal | None, str | None]:

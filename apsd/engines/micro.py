@@ -34,9 +34,9 @@ import trio
 from ..clock import ModelClock
 from ..config import Config, GpuConfig
 from ..ledger import Ledger
-from ..models import Capacity, Completion, Dispatch, InferenceRequest, Refusal
+from ..models import Capacity, Dispatch, InferenceRequest, Refusal
 from ..streams import TokenChunk
-from .base import UNBOUNDED, Demand, EngineStatistics
+from .base import UNBOUNDED, Demand, EngineStatistics, completion
 
 __all__ = ["FaultInjector", "GpuModel", "MicroEngine"]
 
@@ -209,24 +209,7 @@ class MicroEngine:
             self._tokens += request.tokens_generated
             if request.stream is not None:
                 self._deliver(request, end)
-            n = request.tokens_generated
-            self.ledger.finish(request, Completion(
-                request_id=request.request_id,
-                tenant_id=request.tenant_id,
-                prompt_tokens=request.prompt_tokens,
-                tokens_generated=n,
-                queue_ms=(request.dispatched_at - request.arrival) * 1000.0,
-                ttft_ms=(first_token - request.arrival) * 1000.0,
-                tpot_ms=decode_s / (n - 1) * 1000.0 if n > 1 else None,
-                prefill_ms=prefill_s * 1000.0,
-                decode_ms=decode_s * 1000.0,
-                latency_ms=(end - request.arrival) * 1000.0,
-                batch_id=batch.dispatch_id,
-                batch_size=len(batch.requests),
-                engine_id=self.engine_id,
-                effective_priority=request.effective_priority,
-                cost_usd=request.cost_usd,
-            ), at=end)
+            self.ledger.finish(request, completion(request, engine_id=self.engine_id, end=end), at=end)
 
     async def _decode(self, batch: Dispatch, start: float, end: float) -> None:
         """Deliver the first token to every stream, then the rest evenly until ``end``."""
