@@ -416,14 +416,13 @@ async def _events(pipeline: Pipeline, inference: InferenceRequest, body: OpenAIB
     relayed = False  # (a forwarding engine's chunks carry the backend's own JSON: relayed, never built)
     try:
         chunk = first
-        if chunk is None or getattr(chunk, "data", None) is None:
+        if chunk is None or chunk.data is None:
             if (start := maker.start()) is not None:
                 yield start
         while chunk is not None:
-            data = getattr(chunk, "data", None)
-            if data is not None:
+            if chunk.data is not None:
                 relayed = True
-                yield sse(data)
+                yield sse(chunk.data)
             elif chunk.tokens or chunk.text:
                 yield maker.tokens(chunk)
             chunk = await stream.receive()
