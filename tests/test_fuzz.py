@@ -15,6 +15,10 @@ for ``/metrics``. What must hold for every answer:
   and ``message`` on errors (except the Prometheus text of ``GET /metrics``);
 * ``POST /infer`` answers exactly what the README's rules say (an oracle below recomputes the
   expected status and error code from the body sent);
+* ``POST /v1/chat/completions`` and ``/v1/completions`` (OpenAI-shaped bodies, valid or with one
+  field or header wrong) answer either OpenAI's error object (string ``message``, ``type`` and
+  ``code``; ``param`` a string or null) or exactly the tokens asked for, as one answer or as a
+  stream that ends ``[DONE]``;
 * clients that give up at random moments (queued, running, not yet read) leave the books balanced;
 * afterwards the daemon still answers ``/health``, ``/metrics.json`` shows ``conservation_ok``,
   nothing in flight, no ``internal_error``, and its log holds no traceback.
@@ -421,6 +425,101 @@ def test_tenant_status_by_any_name(apsd, name):
         assert response.status_code == 200 and data["tenant_id"] == name and data["burst"] == TENANTS[name]
     else:
         assert response.status_code == 404 and data["error"] in {"unknown_tenant", "not_found"}
+
+
+# -- the OpenAI-compatible API ----------------------------------------------------------------------
+
+MODEL = "apsd-micro"
+message_values = st.dictionaries(st.sampled_from(["role", "content", "name", "tool_calls"]), json_values, max_size=3)
+
+
+@st.composite
+def openai_requests(draw: st.DrawFn) -> tuple[str, dict, dict]:
+    """A path, a body shaped like an OpenAI request and its headers: valid, or with one field or
+    header wrong or missing (hypothesis favours small draws: "== 3" makes a rarer branch)."""
+    chat = draw(st.booleans())
+    body: dict = {"model": MODEL}
+    if chat:
+        body["messages"] = draw(st.lists(st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "assistant"]),
+             "content": any_text | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": any_text}),
+                                            max_size=3)}), min_size=1, max_size=3))
+    else:
+        body["prompt"] = draw(any_text | st.lists(any_text, min_size=1, max_size=1))
+    optional = {"max_tokens": st.integers(1, 60), "stream": st.booleans(), "priority": st.integers(-20, 20),
+                "temperature": st.floats(0, 2), "stop": st.lists(any_text, max_size=2), "n": st.just(1)}
+    for name, values in optional.items():
+        if draw(st.booleans()):
+            body[name] = draw(values)
+    if body.get("stream") and draw(st.booleans()):
+        body["stream_options"] = {"include_usage": draw(st.booleans())}
+    if draw(st.integers(0, 1)) == 1:  # one field made wrong, or taken out, or a key added
+        name = draw(st.sampled_from([*sorted(body), "max_completion_tokens", "stream_options", "n", "best_of"]))
+        how = draw(st.integers(0, 2))
+        if how == 0:
+            body.pop(name, None)
+        elif how == 1:
+            body[name] = draw(json_values | token_values | st.lists(message_values, min_size=1, max_size=2)
+                              | st.sampled_from([[{"role": "user", "content": [{"type": "image_url"}]}],
+                                                 ["a", "b"], 0, 2]))
+        else:
+            body[draw(any_text)] = draw(json_values)
+    headers = {"content-type": "application/json"}
+    tenant = draw(st.sampled_from(sorted(TENANTS)))
+    if draw(st.integers(0, 5)) == 5:
+        tenant = draw(header_values | st.none())
+    if tenant is not None:
+        headers["x-apsd-tenant"] = tenant.encode()  # (UTF-8: "ünï cødé" too)
+    if draw(st.integers(0, 5)) == 5:
+        headers["x-apsd-priority"] = draw(st.integers(-3, 13).map(str) | header_values)
+    return ("/v1/chat/completions" if chat else "/v1/completions"), body, headers
+
+
+def check_openai_error(response: httpx.Response) -> dict:
+    check_no_leak(response)
+    assert response.headers["content-type"].startswith("application/json"), response.headers
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert all(isinstance(error[k], str) and error[k] for k in ("message", "type", "code")), error
+    assert error["param"] is None or isinstance(error["param"], str), error
+    return error
+
+
+def check_openai_answer(response: httpx.Response, body: dict) -> None:
+    """A 200: every token announced is delivered, as one answer or as a stream ending [DONE]."""
+    asked = body.get("max_completion_tokens") or body.get("max_tokens") or 256
+    if body.get("stream") is True:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+        assert events[-1] == "[DONE]", events[-3:]
+        chunks = [json.loads(event) for event in events[:-1]]
+        text = "".join(c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or ""
+                       for c in chunks if c["choices"])
+        if (body.get("stream_options") or {}).get("include_usage"):
+            assert chunks[-1]["usage"]["completion_tokens"] == asked
+    else:
+        data = response.json()
+        choice = data["choices"][0]
+        text = choice["text"] if "text" in choice else choice["message"]["content"]
+        assert data["usage"]["completion_tokens"] == asked and data["model"] == MODEL
+    assert len(text.split()) == asked
+
+
+@FUZZ
+@given(request=openai_requests())
+def test_openai_bodies_get_an_openai_answer(apsd, request):
+    path, body, headers = request
+    response = apsd.client.post(path, content=json.dumps(body, allow_nan=True).encode(), headers=headers)
+    assert response.status_code in ALLOWED_STATUSES, (response.status_code, response.text)
+    if response.status_code == 200:
+        check_no_leak(response)
+        check_openai_answer(response, body)
+        return
+    error = check_openai_error(response)
+    if "x-apsd-tenant" not in headers and response.status_code == 400 and error["param"] == "X-Apsd-Tenant":
+        assert error["code"] == "missing_tenant"
+    if response.status_code == 429:
+        assert int(response.headers["Retry-After"]) >= 1
 
 
 async def test_clients_that_give_up_at_random_moments_leave_the_books_balanced(apsd):

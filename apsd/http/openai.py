@@ -261,7 +261,7 @@ def _tenant(caller: Caller) -> str:
     named = request.headers.getlist(TENANT_HEADER)
     if len(named) > 1:
         raise BodyError(400, "invalid_header", f"more than one {TENANT_HEADER} header", field=TENANT_HEADER)
-    name = named[0] if named else None
+    name = _utf8(named[0]) if named else None
     if caller.anonymous:
         if name is None:
             raise BodyError(400, "missing_tenant", f"the {TENANT_HEADER} header must name the tenant "
@@ -276,6 +276,15 @@ def _tenant(caller: Caller) -> str:
                         "(leave it out, or name the key's own tenant)", field=TENANT_HEADER)
     assert caller.tenant is not None  # (the admin key was refused by @authenticated(submits=True))
     return caller.tenant
+
+
+def _utf8(value: str) -> str:
+    """A header value as the UTF-8 its bytes usually are (a non-ASCII tenant name); the server hands
+    them over as Latin-1, which it stays when it is not UTF-8."""
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return value
 
 
 def _priority_header() -> int | None:
