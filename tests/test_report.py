@@ -9,10 +9,13 @@ import attrs
 import numpy as np
 import pytest
 
-from apsd.config import TenantConfig
-from apsd.sim.records import Arrival, BatchRecord, GovernorSample, PolicyRun, RequestRecord, Workload
+from apsd.config import Config, EngineConfig, TenantConfig
+from apsd.plugins import make_plugin_manager
+from apsd.sim.records import Arrival, BatchRecord, EngineRecord, GovernorSample, PolicyRun, RequestRecord, Workload
 from apsd.sim.report import (FAIRNESS_DEFINITION, PLOT_FILES, _busy_cumulative, build_figure, format_summary_table,
-                         summarize, write_report)
+                             summarize, write_report)
+from apsd.sim.runner import parse_policy_choice, run_policy
+from apsd.sim.workloads import UNTHROTTLED
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -34,14 +37,19 @@ def tiny_workload(name="tiny", seed=7):
 
 
 def tiny_run(label="aps", workload=None, **changes):
-    """2 tenants, 4 requests (3 completed, 1 rejected), 2 batches on 2 GPUs, 4 s."""
+    """2 tenants, 4 requests (3 completed, 1 rejected), 2 batches on 2 GPUs (micro engines), 4 s.
+
+    First tokens: a's at 0.6 and 2.55 s (TTFT 0.6, 1.55 s), b's at 0.55 s (TTFT 0.35 s); time per
+    output token after the first: (1.5 - 0.6) / 9 = 100 ms, (1.5 - 0.55) / 19 = 50 ms,
+    (4.0 - 2.55) / 29 = 50 ms.
+    """
     requests = (
         RequestRecord("a", 1, 5, 10, arrival=0.0, outcome="completed", dispatched_at=0.5, finished_at=1.5,
-                      batch_id=0, batch_size=2, cost_usd=0.001),
+                      batch_id=0, batch_size=2, cost_usd=0.001, started_at=0.6, tpot=0.1, engine_id=0),
         RequestRecord("b", 5, 5, 20, arrival=0.2, outcome="completed", dispatched_at=0.5, finished_at=1.5,
-                      batch_id=0, batch_size=2, cost_usd=0.001),
+                      batch_id=0, batch_size=2, cost_usd=0.001, started_at=0.55, tpot=0.05, engine_id=0),
         RequestRecord("a", 1, 5, 30, arrival=1.0, outcome="completed", dispatched_at=2.0, finished_at=4.0,
-                      batch_id=1, batch_size=1, cost_usd=0.003),
+                      batch_id=1, batch_size=1, cost_usd=0.003, started_at=2.55, tpot=0.05, engine_id=1),
         RequestRecord("b", 5, 5, 40, arrival=1.1, outcome="rejected", error="rate_limited"),
     )
     batches = (
@@ -67,10 +75,31 @@ def tiny_run(label="aps", workload=None, **changes):
         duration_s=4.0,
         gpus=2,
         tenant_rates={"a": 10.0, "b": 20.0},
+        engine={"kind": "micro", "count": 2},
         wall_s=0.123,
     )
     fields.update(changes)
     return PolicyRun(**fields)
+
+
+CONTINUOUS = {"kind": "continuous", "gpu": "a100-80gb", "model": "llama-3-8b", "tp": 1, "count": 2}
+
+
+def continuous_run(label="aps"):
+    """tiny_run's requests on two continuous engines: no batches, the engines' own busy time and cost.
+
+    Engine 0 ran a's requests ([0.5, 1.5] and [2, 4]: busy 3 s), engine 1 b's ([0.5, 1.5]: busy 1 s).
+    """
+    run = tiny_run(label)
+    requests = tuple(attrs.evolve(r, engine_id=None if r.outcome == "rejected" else (0 if r.tenant == "a" else 1),
+                                  batch_id=None, batch_size=None) for r in run.requests)
+    engines = (
+        EngineRecord(0, "continuous", busy_s=3.0, cost_usd=0.006, dispatches=2, tokens_generated=40, preemptions=1,
+                     kv_tokens_capacity=1000, mfu=0.3, mbu=0.7),
+        EngineRecord(1, "continuous", busy_s=1.0, cost_usd=0.002, dispatches=1, tokens_generated=20, preemptions=2,
+                     kv_tokens_capacity=1000, mfu=0.1, mbu=0.5),
+    )
+    return attrs.evolve(run, requests=requests, batches=(), engines=engines, engine=CONTINUOUS)
 
 
 def empty_run(label="empty"):
@@ -85,7 +114,7 @@ def empty_run(label="empty"):
 
 def test_summary_top_level_and_workload():
     s = summarize(tiny_run())
-    assert set(s) == {"label", "policy", "workload", "gpus", "duration_s", "tenants", "overall"}
+    assert set(s) == {"label", "policy", "workload", "gpus", "engine", "duration_s", "tenants", "overall"}
     assert s["label"] == "aps"
     assert s["policy"]["governor"] == "entropy"
     assert s["workload"] == {"name": "tiny", "description": "Two tenants, four requests",
@@ -110,6 +139,10 @@ def test_overall_figures_match_hand_computation():
     assert o["latency_ms"]["p50"] == 1500.0
     assert o["latency_ms"]["p99"] == pytest.approx(2970.0)
     assert o["latency_ms"]["max"] == 3000.0
+    # TTFTs 0.35, 0.6, 1.55 s: p95 at rank 1.9 is 600 + 0.9 * 950 ms, p99 at rank 1.98 is 600 + 0.98 * 950 ms.
+    assert o["ttft_ms"] == {"p50": 600.0, "p95": 1455.0, "p99": 1531.0, "max": 1550.0}
+    # TPOTs 50, 50, 100 ms.
+    assert o["tpot_ms"] == {"p50": 50.0, "p95": 95.0, "p99": 99.0, "max": 100.0}
 
 
 def test_per_tenant_figures():
@@ -127,6 +160,69 @@ def test_per_tenant_figures():
     assert b["queue_wait_ms"] == {"p50": 300.0, "p95": 300.0, "p99": 300.0, "max": 300.0}
     assert b["latency_ms"]["max"] == 1300.0
     assert a["service_per_rate"] == 4.0 and b["service_per_rate"] == 1.0
+    # a's first tokens came 0.6 and 1.55 s after arrival, at 100 and 50 ms per later token.
+    assert a["ttft_ms"] == {"p50": 1075.0, "p95": 1502.5, "p99": 1540.5, "max": 1550.0}
+    assert a["tpot_ms"] == {"p50": 75.0, "p95": 97.5, "p99": 99.5, "max": 100.0}
+    assert b["ttft_ms"] == {"p50": 350.0, "p95": 350.0, "p99": 350.0, "max": 350.0}
+    assert b["tpot_ms"]["max"] == 50.0
+
+
+def test_ttft_and_tpot_skip_requests_without_them():
+    run = tiny_run()
+    # A one-token request has no TPOT; a request with no first token recorded has no TTFT.
+    one_token = attrs.evolve(run.requests[0], output_tokens=1, tpot=None)
+    unstamped = attrs.evolve(run.requests[2], started_at=None)
+    s = summarize(attrs.evolve(run, requests=(one_token, run.requests[1], unstamped, run.requests[3])))
+    assert s["tenants"]["a"]["ttft_ms"] == {"p50": 600.0, "p95": 600.0, "p99": 600.0, "max": 600.0}
+    assert s["tenants"]["a"]["tpot_ms"] == {"p50": 50.0, "p95": 50.0, "p99": 50.0, "max": 50.0}
+    assert s["tenants"]["a"]["latency_ms"]["max"] == 3000.0  # latency still counts both
+
+
+def test_micro_engine_block():
+    assert summarize(tiny_run())["engine"] == {"kind": "micro", "count": 2, "preemptions": 0, "mfu": None,
+                                               "mbu": None}
+
+
+def test_continuous_engine_busy_time_and_cost_come_from_the_engines():
+    s = summarize(continuous_run())
+    o = s["overall"]
+    assert o["batches"] == 0
+    assert o["gpu_busy_s"] == 4.0                          # 3 s + 1 s
+    assert o["gpu_utilization"] == 0.5                     # 4 s busy / (2 engines * 4 s)
+    assert o["cost_usd"] == 0.008
+    assert o["cost_per_1m_tokens_usd"] == 133.333          # 0.008 / 60 * 1e6, to 6 significant digits
+    assert o["batch_sizes"] == {"count": 0, "distribution": {}, "mean": None}
+    # MFU and MBU over the engines' busy time: (0.3 * 3 + 0.1 * 1) / 4 and (0.7 * 3 + 0.5 * 1) / 4.
+    assert s["engine"] == {**CONTINUOUS, "preemptions": 3, "mfu": 0.25, "mbu": 0.65}
+    # The request figures do not depend on the engine kind.
+    assert o["ttft_ms"] == summarize(tiny_run())["overall"]["ttft_ms"]
+
+
+def test_engine_mfu_is_a_plain_mean_when_no_engine_was_busy():
+    run = continuous_run()
+    idle = tuple(attrs.evolve(e, busy_s=0.0) for e in run.engines)
+    assert summarize(attrs.evolve(run, engines=idle))["engine"]["mfu"] == 0.2
+
+
+def test_a_continuous_engine_run_has_utilization_cost_and_token_times():
+    workload = Workload(name="two", description="", tenants={"t": UNTHROTTLED, "u": UNTHROTTLED}, params={},
+                        arrivals=(Arrival(0.0, "t", 512, 64, 5), Arrival(0.5, "u", 128, 32, 5)))
+    config = attrs.evolve(Config(), engine=EngineConfig(kind="continuous", gpu="a100-80gb", model="llama-3-8b"))
+    run = run_policy(workload, parse_policy_choice("fifo"), base_config=config,
+                     plugin_manager=make_plugin_manager(load_entry_points=False))
+    s = summarize(run)
+    o = s["overall"]
+    assert run.batches == () and o["completed"] == 2
+    assert 0 < o["gpu_utilization"] <= 1 and o["gpu_busy_s"] == pytest.approx(run.engines[0].busy_s, rel=1e-5)
+    assert o["gpu_utilization"] == pytest.approx(run.engines[0].busy_s / run.duration_s, rel=1e-5)
+    assert o["cost_usd"] > 0 and o["cost_usd"] == pytest.approx(run.engines[0].cost_usd, rel=1e-5)
+    assert o["cost_per_1m_tokens_usd"] == pytest.approx(run.engines[0].cost_usd / 96 * 1e6, rel=1e-5)
+    assert s["engine"]["kind"] == "continuous" and 0 < s["engine"]["mfu"] < s["engine"]["mbu"] < 1
+    first = run.requests[0]
+    assert o["ttft_ms"]["max"] >= 1000 * first.ttft > 0 and 0 < o["tpot_ms"]["p50"] < 100
+    # gpu_busy.png's curve (busy while a sequence is in the engine) adds up to the engine's busy time.
+    total = _busy_cumulative(run, np.array([0.0, run.duration_s]))[-1]
+    assert total == pytest.approx(run.engines[0].busy_s, rel=1e-6)
 
 
 def test_jain_index_uses_tokens_over_rate():
@@ -213,6 +309,7 @@ def test_empty_run_does_not_crash(tmp_path):
     o = s["overall"]
     assert o["sent"] == 0 and s["tenants"] == {}
     assert o["throughput_tokens_per_s"] is None and o["gpu_utilization"] is None
+    assert o["ttft_ms"]["p99"] is None and o["tpot_ms"]["p99"] is None
     assert o["lowest_bidder"]["bid"] is None
     paths = write_report([empty_run()], tmp_path)
     assert {p.name for p in paths} == {"summary.json", "report.md", *PLOT_FILES}
@@ -236,6 +333,17 @@ def test_busy_curve_spreads_busy_time_over_each_batch():
     assert _busy_cumulative(tiny_run(), edges).tolist() == [0.0, 0.5, 1.0, 2.0, 3.0]
     instant = attrs.evolve(tiny_run(), batches=(BatchRecord(0, 0, 1, 1, 1.0, 1.0, 1.0, 0.25, 0.0, 0.0),))
     assert _busy_cumulative(instant, edges).tolist() == [0.0, 0.25, 0.25, 0.25, 0.25]
+
+
+def test_busy_curve_without_batches_is_each_engines_time_with_a_sequence():
+    edges = np.array([0.0, 1.0, 2.0, 3.0, 4.0])
+    # Engine 0 holds a sequence over [0.5, 1.5] and [2, 4], engine 1 over [0.5, 1.5].
+    assert _busy_cumulative(continuous_run(), edges).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    # Overlapping sequences on one engine count once: b's [0.5, 1.5] moved to engine 0 adds nothing.
+    run = continuous_run()
+    moved = attrs.evolve(run, requests=(run.requests[0], attrs.evolve(run.requests[1], engine_id=0),
+                                        *run.requests[2:]))
+    assert _busy_cumulative(moved, edges).tolist() == [0.0, 0.5, 1.0, 2.0, 3.0]
 
 
 # -- files ------------------------------------------------------------------------------
@@ -262,7 +370,7 @@ def test_plots_written_as_reproducible_pngs(tmp_path):
     first = write_report(runs, tmp_path / "one")
     second = write_report(runs, tmp_path / "two")
     assert [p.name for p in first] == ["summary.json", "report.md", *PLOT_FILES]
-    assert len(PLOT_FILES) == 5
+    assert len(PLOT_FILES) == 7
     for p, q in zip(first, second):
         assert p.is_file() and p.stat().st_size > 0
         if p.suffix == ".png":
@@ -283,15 +391,21 @@ def test_report_markdown_holds_the_measured_numbers(tmp_path):
     write_report([tiny_run("aps"), tiny_run("static")], tmp_path, title="My comparison")
     md = (tmp_path / "report.md").read_text()
     assert md.startswith("# My comparison\n")
-    assert "| policy | completed | rejected | throughput (tok/s) | GPU util (%) |" in md
+    assert ("| policy | completed | rejected | throughput (tok/s) | GPU util (%) | cost per 1M tokens (USD) | Jain | "
+            "lowest bidder max wait (s) | p99 TTFT (s) | p99 TPOT (ms) | p99 latency (s) |") in md
     # One comparison row per run: 3 completed, 1 rejected, 15.0 tok/s, 37.5 %, $83.33 per 1M,
-    # Jain 25/34, lowest bidder max wait 1 s, p99 latency 2.97 s, mean batch 1.5.
-    row = "| `aps` | 3 | 1 | 15.0 | 37.5 | $83.33 | 0.735 | 1.000 | 2.970 | 1.50 |"
+    # Jain 25/34, lowest bidder max wait 1 s, p99 TTFT 1.531 s, p99 TPOT 99 ms, p99 latency 2.97 s,
+    # mean batch 1.5.
+    row = "| `aps` | 3 | 1 | 15.0 | 37.5 | $83.33 | 0.735 | 1.000 | 1.531 | 99.00 | 2.970 | 1.50 |"
     assert row in md
     assert row.replace("`aps`", "`static`") in md
     assert "### `aps`" in md and "### `static`" in md
-    # Per-tenant table: a's waits and latencies in s, and b's rejection by error code.
-    assert "| `a` | 1 | 2 | 2 | 0 | 0 | 0 | 0.750 / 0.975 / 0.995 / 1.000 | 2.250 / 2.925 / 2.985 / 3.000 | 40 | — |" in md
+    # Per-tenant table: a's waits, TTFT and latencies in s, TPOT in ms, and b's rejection by error code.
+    assert ("| `a` | 1 | 2 | 2 | 0 | 0 | 0 | 0.750 / 0.975 / 0.995 / 1.000 | 1.075 / 1.502 / 1.540 / 1.550 | "
+            "75.00 / 97.50 / 99.50 / 100.00 | 2.250 / 2.925 / 2.985 / 3.000 | 40 | — |") in md
+    # The engine it ran on; the micro engine has no MFU to report.
+    assert "run on 2 `micro` engines (the seeds' simulated A100, `[gpu]`);" in md
+    assert "Engine: MFU" not in md
     assert "rate_limited: 1" in md
     assert "| `STABLE` | 2.500 | 62.5 |" in md
     assert "| 2 | 1 | 50.0 |" in md
@@ -299,6 +413,16 @@ def test_report_markdown_holds_the_measured_numbers(tmp_path):
     assert "seed 7" in md and '`rps=3.5`' in md and "4 arrivals from 2 tenants" in md
     for name in PLOT_FILES:
         assert f"]({name})" in md
+
+
+def test_report_names_the_continuous_engine_and_its_figures(tmp_path):
+    write_report([continuous_run("aps"), continuous_run("fifo")], tmp_path, plots=False)
+    md = (tmp_path / "report.md").read_text()
+    assert "run on 2 `continuous` engines (a100-80gb × llama-3-8b, tp 1);" in md
+    # 4 s busy of 2 engines over 4 s; $0.008 for 60 tokens; no batch sizes.
+    assert "| `aps` | 3 | 1 | 15.0 | 50.0 | $133.33 | 0.735 | 1.000 | 1.531 | 99.00 | 2.970 | — |" in md
+    assert "Engine: MFU 25.0%, MBU 65.0% over its busy time; 3 preemptions." in md
+    assert "No fixed batches: the `continuous` engine batches at the iteration level" in md
 
 
 def test_summary_table_follows_the_summaries():
@@ -344,17 +468,26 @@ def test_report_gives_every_duration_in_seconds_and_every_unit_in_its_header(tmp
     md = (tmp_path / "report.md").read_text()
     tables = markdown_tables(md)
     assert len(tables) == 1 + 3 * 2  # the comparison; per run tenants, governor states, batch sizes
-    timed = 0
+    timed = per_token = 0
     for header, rows in tables:
         for col, name in enumerate(header):
+            if "TPOT" in name:  # the one duration at millisecond scale in a table: ms, two decimals
+                assert name.endswith("(ms)"), f"{name!r} names no unit"
+                per_token += 1
+                for row in rows:
+                    for value in row[col].split(" / "):
+                        assert re.fullmatch(r"\d+\.\d{2}", value), (name, row[col])
+                continue
             assert "(ms)" not in name, header
-            if re.search(r"wait|latency|time", name):
+            if re.search(r"wait|latency|time|TTFT", name):
                 assert name.endswith("(s)"), f"{name!r} names no unit"
                 timed += 1
                 for row in rows:  # one unit, one precision: seconds with three decimals
                     for value in row[col].split(" / "):
                         assert re.fullmatch(r"\d+\.\d{3}", value), (name, row[col])
-    assert timed == 1 * 2 + 2 * 2 + 1 * 2  # comparison: max wait, p99 latency; tenants: wait, latency; governor
+    # comparison: max wait, p99 TTFT, p99 latency; tenants: wait, TTFT, latency; governor: time
+    assert timed == 3 + 2 * 3 + 2 * 1
+    assert per_token == 1 + 2 * 1  # p99 TPOT in the comparison, TPOT in each tenants table
     # The lowest bidder's waits in the prose are seconds too (1.000 s, not 1000.0 ms).
     assert "queue wait p99 0.995 s, max 1.000 s." in md
     assert "mean window 6.5 ms" in md  # the governor's window, configured in ms, is the only thing in ms
@@ -387,7 +520,7 @@ def legend(ax):
     return [t.get_text() for t in ax.get_legend().get_texts()]
 
 
-@pytest.mark.parametrize("name", ["latency_cdf.png", "queue_wait.png", "service.png"])
+@pytest.mark.parametrize("name", ["latency_cdf.png", "ttft_cdf.png", "tpot_cdf.png", "queue_wait.png", "service.png"])
 def test_panels_comparing_policies_share_their_axes(name):
     fig = build_figure(name, [tiny_run("aps"), slower_run("fifo"), tiny_run("static")])
     axes = panels(fig)
@@ -440,3 +573,17 @@ def test_importing_the_report_does_not_load_matplotlib():
     code = "import sys, apsd.sim.report; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_token_time_figures_draw_each_tenants_ttft_in_s_and_tpot_in_ms():
+    (ax,) = build_figure("ttft_cdf.png", [tiny_run()]).axes
+    assert [max(line.get_xdata()) for line in ax.get_lines()] == pytest.approx([1.55, 0.35])  # tenants a, b
+    (ax,) = build_figure("tpot_cdf.png", [tiny_run()]).axes
+    assert [max(line.get_xdata()) for line in ax.get_lines()] == pytest.approx([100.0, 50.0])
+    assert ax.get_xlabel() == "time per output token (ms)"
+
+
+def test_gpu_busy_says_how_a_continuous_engine_is_busy():
+    (ax,) = build_figure("gpu_busy.png", [continuous_run()]).axes
+    assert "busy while any sequence is in it" in ax.get_title()
+    assert max(ax.patches[0].get_data().values) == pytest.approx(1.0)  # engine 0 over [2, 4]

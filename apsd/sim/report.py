@@ -55,6 +55,7 @@ __all__ = [
     "PLOT_FILES",
     "SIGNIFICANT_DIGITS",
     "build_figure",
+    "describe_engine",
     "format_summary_table",
     "summarize",
     "write_report",
@@ -344,14 +345,20 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[str]], align: str) -> 
     return "\n".join(lines)
 
 
-#: Units in report.md: every duration (wait, latency, run time, time in a state) in seconds with
-#: :data:`_S` (three decimals, millisecond resolution); the governor's batch window, configured in
-#: milliseconds (``window_ms``), in milliseconds. Every column with a unit names it in its header.
+#: Units in report.md: every duration (wait, TTFT, latency, run time, time in a state) in seconds
+#: with :data:`_S` (three decimals, millisecond resolution). Two durations live at millisecond
+#: scale and are in milliseconds: the governor's batch window, configured in milliseconds
+#: (``window_ms``), and the time per output token (TPOT, a decode step or a share of one), with
+#: :data:`_MS` in tables (two decimals, 10 µs resolution: seconds with three decimals would round
+#: 9.6 ms and 10.4 ms alike). Every column with a unit names it in its header.
 _S = ".3f"
+_MS = ".2f"
+_QUANTILES = ("p50", "p95", "p99", "max")
 
 _SUMMARY_HEADER = (
     "policy", "completed", "rejected", "throughput (tok/s)", "GPU util (%)", "cost per 1M tokens (USD)",
-    "Jain", "lowest bidder max wait (s)", "p99 latency (s)", "mean batch size (requests)",
+    "Jain", "lowest bidder max wait (s)", "p99 TTFT (s)", "p99 TPOT (ms)", "p99 latency (s)",
+    "mean batch size (requests)",
 )
 
 
@@ -369,28 +376,36 @@ def format_summary_table(summaries: Sequence[dict[str, Any]]) -> str:
             _f(o["cost_per_1m_tokens_usd"], ".2f", prefix="$"),
             _f(o["fairness"]["jain_index"], ".3f"),
             _f(o["lowest_bidder"]["max_queue_wait_ms"], _S, 1e-3),
+            _f(o["ttft_ms"]["p99"], _S, 1e-3),
+            _f(o["tpot_ms"]["p99"], _MS),
             _f(o["latency_ms"]["p99"], _S, 1e-3),
             _f(o["batch_sizes"]["mean"], ".2f"),
         ))
-    return _table(_SUMMARY_HEADER, rows, "lrrrrrrrrr")
+    return _table(_SUMMARY_HEADER, rows, "l" + "r" * (len(_SUMMARY_HEADER) - 1))
+
+
+def _quantiles(p: dict[str, float | None], spec: str, scale: float) -> str:
+    return " / ".join(_f(p[k], spec, scale) for k in _QUANTILES)
 
 
 def _tenant_table(summary: dict[str, Any]) -> str:
     header = ("tenant", "bids", "sent", "completed", "rejected", "failed", "cancelled",
-              "wait p50/p95/p99/max (s)", "latency p50/p95/p99/max (s)", "output tokens", "rejections")
+              "wait p50/p95/p99/max (s)", "TTFT p50/p95/p99/max (s)", "TPOT p50/p95/p99/max (ms)",
+              "latency p50/p95/p99/max (s)", "output tokens", "rejections")
     rows = []
     for name, t in summary["tenants"].items():
-        w, lat = t["queue_wait_ms"], t["latency_ms"]
         rows.append((
             f"`{name}`",
             ", ".join(str(b) for b in t["bids"]) or "—",
             str(t["sent"]), str(t["completed"]), str(t["rejected"]), str(t["failed"]), str(t["cancelled"]),
-            " / ".join(_f(w[k], _S, 1e-3) for k in ("p50", "p95", "p99", "max")),
-            " / ".join(_f(lat[k], _S, 1e-3) for k in ("p50", "p95", "p99", "max")),
+            _quantiles(t["queue_wait_ms"], _S, 1e-3),
+            _quantiles(t["ttft_ms"], _S, 1e-3),
+            _quantiles(t["tpot_ms"], _MS, 1.0),
+            _quantiles(t["latency_ms"], _S, 1e-3),
             str(t["output_tokens"]),
             ", ".join(f"{code}: {n}" for code, n in t["rejected_by_error"].items()) or "—",
         ))
-    return _table(header, rows, "llrrrrrrrrl")
+    return _table(header, rows, "llrrrrrrrrrrl")
 
 
 def _governor_table(summary: dict[str, Any]) -> str:
@@ -408,6 +423,9 @@ def _governor_table(summary: dict[str, Any]) -> str:
 def _batch_table(summary: dict[str, Any]) -> str:
     b = summary["overall"]["batch_sizes"]
     if not b["count"]:
+        if summary["engine"].get("kind", "micro") != "micro":
+            return (f"No fixed batches: the `{summary['engine']['kind']}` engine batches at the iteration "
+                    "level (sequences join and leave at every step).")
         return "No batches ran."
     items = sorted(b["distribution"].items(), key=lambda kv: int(kv[0]))
     rows = [(size, str(n), _f(n / b["count"], ".1f", 100)) for size, n in items]
@@ -415,10 +433,36 @@ def _batch_table(summary: dict[str, Any]) -> str:
             + f"\n\n{b['count']} batches, mean size {_f(b['mean'], '.2f')}.")
 
 
+def describe_engine(engine: dict[str, Any], gpus: int | None = None) -> str:
+    """An ``engine`` block of a summary in words: "1 `continuous` engine (a100-80gb × llama-3-8b, tp 1)"."""
+    count = engine.get("count", 1)
+    kind = engine.get("kind", "?")
+    noun = "engine" if count == 1 else "engines"
+    if kind == "micro":
+        what = "the seeds' simulated A100, `[gpu]`"
+    elif "gpu" in engine:
+        what = f"{engine['gpu']} × {engine['model']}, tp {engine.get('tp', 1)}"
+    else:
+        what = ""
+    text = f"{count} `{kind}` {noun}" + (f" ({what})" if what else "")
+    if gpus is not None and gpus != count:
+        text += f", {gpus} GPUs"
+    return text
+
+
+def _engine_figures(summary: dict[str, Any]) -> str:
+    """The engines' own figures, for a policy's section ("" when the engine has none)."""
+    e = summary["engine"]
+    if e["mfu"] is None and e["mbu"] is None and not e["preemptions"]:
+        return ""
+    return (" Engine: MFU " + _f(e["mfu"], ".1f", 100, suffix="%") + ", MBU " + _f(e["mbu"], ".1f", 100, suffix="%")
+            + f" over its busy time; {e['preemptions']} preemption{'' if e['preemptions'] == 1 else 's'}.")
+
+
 def _describe_workload(summary: dict[str, Any], runs: Sequence[dict[str, Any]]) -> str:
     wl = summary["workload"]
     params = ", ".join(f"`{k}={json.dumps(v)}`" for k, v in sorted(wl["params"].items())) or "none"
-    gpus = sorted({s["gpus"] for s in runs})
+    engines = list(dict.fromkeys(describe_engine(s["engine"], s["gpus"]) for s in runs))
     durations = ", ".join(f"`{s['label']}` {_f(s['duration_s'], _S)} s" for s in runs)
     description = wl["description"].strip()
     if description and description[-1] not in ".!?":
@@ -426,7 +470,7 @@ def _describe_workload(summary: dict[str, Any], runs: Sequence[dict[str, Any]]) 
     return (
         f"{description} {wl['arrivals']} arrivals from {wl['tenants']} tenants, "
         f"generated with seed {wl['seed']} and parameters {params}; "
-        f"{' or '.join(str(g) for g in gpus)} simulated GPU(s); "
+        f"run on {' or '.join(engines)}; "
         f"model time to the last outcome: {durations}."
     ).strip()
 
@@ -454,9 +498,13 @@ def _markdown(title: str, summaries: Sequence[dict[str, Any]], groups: Sequence[
                 _describe_workload(first, group), "",
                 "### Comparison", "", format_summary_table(group), "",
                 "Throughput is output tokens per model second to the last outcome; GPU utilization is "
-                "busy time over (GPUs × duration); cost per 1M tokens is the batches' cost over the output "
-                "tokens produced; the lowest bidder is every request with the smallest bid among the "
-                "arrivals, and its wait is the longest queue wait among its completed requests.", ""]
+                "busy time over (engines × duration), where an engine is busy while it computes (a `micro` "
+                "engine while a batch runs, a `continuous` one while any sequence is in it); cost per 1M "
+                "tokens is the engines' cost over the output tokens produced; TTFT is arrival to first "
+                "token and TPOT the mean time between output tokens after the first (requests of two or "
+                "more tokens); the lowest bidder is every request with the smallest bid among the "
+                "arrivals, and its wait is the longest queue wait among its completed requests. Batch "
+                "sizes exist only for the `micro` engine (—: none ran).", ""]
         for s in group:
             lb = s["overall"]["lowest_bidder"]
             out += [f"### `{s['label']}`", "",
@@ -464,7 +512,7 @@ def _markdown(title: str, summaries: Sequence[dict[str, Any]], groups: Sequence[
                     + f". Lowest bid {lb['bid'] if lb['bid'] is not None else '—'}: "
                     + f"{lb['completed']} of {lb['requests']} requests completed, queue wait p99 "
                     + _f(lb["p99_queue_wait_ms"], _S, 1e-3, suffix=" s") + ", max "
-                    + _f(lb["max_queue_wait_ms"], _S, 1e-3, suffix=" s") + ".", "",
+                    + _f(lb["max_queue_wait_ms"], _S, 1e-3, suffix=" s") + "." + _engine_figures(s), "",
                     "#### Tenants", "", _tenant_table(s), "",
                     "#### Governor time in state", "", _governor_table(s), "",
                     "#### Batch sizes", "", _batch_table(s), ""]
@@ -590,35 +638,53 @@ def _thin(x: np.ndarray, limit: int) -> np.ndarray:
     return x[np.unique(np.linspace(0, x.size - 1, limit).round().astype(int))]
 
 
-def _draw_latency_cdf(runs: Sequence[PolicyRun], several: bool) -> Figure:
+def _draw_cdf(runs: Sequence[PolicyRun], several: bool, values: Callable[[Sequence[RequestRecord]], list[float]],
+              xlabel: str, ylabel: str, scale: float = 1.0, missing: str = "no completed requests",
+              legend: str = "lower right") -> Figure:
+    """One panel per run: the CDF of ``values(requests) * scale`` over its completed requests, a line per tenant."""
     fig, axes = _figure(len(runs))
     low, high = math.inf, 0.0
     for ax, run in zip(axes, runs):
         groups = _tenant_lines(run, _completed(run.requests))
         drawn = False
         for name, reqs, colour in groups:
-            lat = np.sort(np.asarray(_latencies(reqs), dtype=float))
-            if not lat.size:
+            v = np.sort(np.asarray(values(reqs), dtype=float)) * scale
+            if not v.size:
                 continue
-            idx = _thin(np.arange(lat.size), _MAX_CURVE_POINTS)
+            idx = _thin(np.arange(v.size), _MAX_CURVE_POINTS)
             # The step starts at 0 at the fastest request, so even one request draws a line.
-            x = np.concatenate(([lat[0]], lat[idx]))
-            y = np.concatenate(([0.0], (idx + 1) / lat.size))
+            x = np.concatenate(([v[0]], v[idx]))
+            y = np.concatenate(([0.0], (idx + 1) / v.size))
             ax.step(x, y, where="post", color=colour, label=name, linewidth=1.2)
-            low, high = min(low, float(lat[0])), max(high, float(lat[-1]))
+            low, high = min(low, float(v[0])), max(high, float(v[-1]))
             drawn = True
         if drawn:
-            ax.legend(fontsize="x-small", loc="lower right")
+            ax.legend(fontsize="x-small", loc=legend)
         else:
-            _no_data(ax, "no completed requests")
-        ax.set_xlabel("end-to-end latency (s)")
-        ax.set_ylabel("fraction of completed requests")
+            _no_data(ax, missing)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
         ax.set_title(_run_title(run, several))
         ax.grid(alpha=0.3)
-    if low > 0 and high / low > 20:  # log scale only when latencies span decades (shared: every panel)
+    if low > 0 and high / low > 20:  # log scale only when the values span decades (shared: every panel)
         axes[0].set_xscale("log")
     axes[0].set_ylim(0, 1.02)
     return fig
+
+
+def _draw_latency_cdf(runs: Sequence[PolicyRun], several: bool) -> Figure:
+    return _draw_cdf(runs, several, _latencies, "end-to-end latency (s)", "fraction of completed requests")
+
+
+def _draw_ttft_cdf(runs: Sequence[PolicyRun], several: bool) -> Figure:
+    return _draw_cdf(runs, several, _ttfts, "time to first token (s)", "fraction of completed requests")
+
+
+def _draw_tpot_cdf(runs: Sequence[PolicyRun], several: bool) -> Figure:
+    return _draw_cdf(runs, several, _tpots, "time per output token (ms)",
+                     "fraction of completed requests (2+ tokens)", scale=1000.0,
+                     missing="no completed request of 2+ tokens",
+                     legend="upper left")  # most requests decode at the batch's pace: the curves climb late
 
 
 def _draw_queue_wait(runs: Sequence[PolicyRun], several: bool) -> Figure:
@@ -751,13 +817,42 @@ def _draw_governor(runs: Sequence[PolicyRun], several: bool) -> Figure:
     return fig
 
 
+def _busy_spans(run: PolicyRun) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(start, end, busy seconds) of each stretch an engine computed.
+
+    The ``micro`` engine: its batches (busy time spread evenly over each). An engine without batch
+    records (``continuous``): it steps whenever a sequence is in it, so its busy stretches are the
+    union of the intervals from each request's dispatch to its end, per engine.
+    """
+    if run.batches:
+        return (np.asarray([b.started_at for b in run.batches], dtype=float),
+                np.asarray([b.finished_at for b in run.batches], dtype=float),
+                np.asarray([b.busy_s for b in run.batches], dtype=float))
+    by_engine: dict[int | None, list[tuple[float, float]]] = {}
+    for r in run.requests:
+        if r.dispatched_at is not None and r.finished_at is not None:
+            by_engine.setdefault(r.engine_id, []).append((r.dispatched_at, r.finished_at))
+    spans: list[tuple[float, float]] = []
+    for intervals in by_engine.values():
+        intervals.sort()
+        start, end = intervals[0]
+        for s, e in intervals[1:]:
+            if s > end:
+                spans.append((start, end))
+                start, end = s, e
+            else:
+                end = max(end, e)
+        spans.append((start, end))
+    start = np.asarray([s for s, _ in spans], dtype=float)
+    end = np.asarray([e for _, e in spans], dtype=float)
+    return start, end, end - start
+
+
 def _busy_cumulative(run: PolicyRun, edges: np.ndarray) -> np.ndarray:
-    """GPU busy seconds accumulated by each time in ``edges`` (busy time spread evenly over a batch)."""
-    if not run.batches:
+    """Engine busy seconds accumulated by each time in ``edges`` (see :func:`_busy_spans`)."""
+    start, end, busy = _busy_spans(run)
+    if not start.size:
         return np.zeros_like(edges)
-    start = np.asarray([b.started_at for b in run.batches], dtype=float)
-    end = np.asarray([b.finished_at for b in run.batches], dtype=float)
-    busy = np.asarray([b.busy_s for b in run.batches], dtype=float)
     span = end - start
     spread = span > 0
     total = np.zeros_like(edges)
@@ -782,11 +877,11 @@ def _draw_gpu_busy(runs: Sequence[PolicyRun], several: bool) -> Figure:
     fig, (ax,) = _single_figure(10, 4)
     curves: dict[tuple[bytes, bytes], tuple[list[PolicyRun], np.ndarray, np.ndarray]] = {}
     for run in runs:
-        if run.duration_s <= 0 or not run.gpus:
+        if run.duration_s <= 0 or not _engine_count(run):
             continue
         edges = np.linspace(0.0, run.duration_s, _BUSY_BINS + 1)
         width = edges[1] - edges[0]
-        frac = np.diff(_busy_cumulative(run, edges)) / (run.gpus * width)
+        frac = np.diff(_busy_cumulative(run, edges)) / (_engine_count(run) * width)
         curves.setdefault((edges.tobytes(), frac.tobytes()), ([], edges, frac))[0].append(run)
     for i, (group, edges, frac) in enumerate(curves.values()):
         ax.stairs(frac, edges, label=_labels(group, several), linewidth=1.2, **_line_style(i))
@@ -794,8 +889,13 @@ def _draw_gpu_busy(runs: Sequence[PolicyRun], several: bool) -> Figure:
         ax.legend(fontsize="x-small", loc="lower right")
     else:
         _no_data(ax)
+    notes = []
     if any(len(group) > 1 for group, _, _ in curves.values()):
-        ax.set_title("one line per policy; policies with identical curves share a line", fontsize="medium")
+        notes.append("one line per policy; policies with identical curves share a line")
+    if any(run.engine.get("kind", "micro") != "micro" for run in runs):
+        notes.append("an engine without batches (continuous) is busy while any sequence is in it")
+    if notes:
+        ax.set_title("\n".join(notes), fontsize="medium")
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("time (s)")
     ax.set_ylabel(f"GPU busy fraction ({_BUSY_BINS} bins per run)")
@@ -839,6 +939,8 @@ def _draw_service(runs: Sequence[PolicyRun], several: bool) -> Figure:
 
 _DRAWERS: dict[str, Callable[[Sequence[PolicyRun], bool], Figure]] = {
     "latency_cdf.png": _draw_latency_cdf,
+    "ttft_cdf.png": _draw_ttft_cdf,
+    "tpot_cdf.png": _draw_tpot_cdf,
     "queue_wait.png": _draw_queue_wait,
     "governor.png": _draw_governor,
     "gpu_busy.png": _draw_gpu_busy,
