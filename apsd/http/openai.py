@@ -319,14 +319,15 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _finish_reason(inference: InferenceRequest, tokens: int) -> str:
-    return "length" if tokens >= inference.tokens_requested else "stop"
+def _finish_reason(tokens: int, requested: int) -> str:
+    """``length`` when it generated all it could, else ``stop`` (the simulated engines always do)."""
+    return "length" if tokens >= requested else "stop"
 
 
 def _built_answer(body: OpenAIBody, completion: Completion) -> dict[str, Any]:
     """A simulated engine's answer in OpenAI's shape: placeholder text, usage from apsd's counts."""
     text = placeholder_text(0, completion.tokens_generated)
-    reason = "length" if completion.tokens_generated >= body.max_tokens else "stop"
+    reason = _finish_reason(completion.tokens_generated, body.max_tokens)
     if body.api == CHAT:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
                                   "logprobs": None, "finish_reason": reason}
@@ -442,7 +443,7 @@ async def _events(pipeline: Pipeline, inference: InferenceRequest, body: OpenAIB
             yield sse(error_body(refusal))
             return
         if not relayed:
-            yield maker.finish(_finish_reason(inference, outcome.tokens_generated))
+            yield maker.finish(_finish_reason(outcome.tokens_generated, inference.tokens_requested))
             if body.include_usage:
                 yield maker.usage(outcome.prompt_tokens, outcome.tokens_generated)
         yield DONE
