@@ -128,7 +128,7 @@ class LedgerStatistics:
     batches: int
     elapsed_s: float
     throughput_tokens_per_s: float
-    #: GPU busy time / (GPUs * elapsed_s).
+    #: Busy time / (engines * elapsed_s): an engine (or forwarded backend) busy all along counts 1.
     gpu_utilization: float
     cost_usd: float
     cost_per_1m_tokens_usd: float | None
@@ -332,8 +332,9 @@ class Ledger:
             if s.admitted and name in rates
         )
 
-    def statistics(self, elapsed_s: float, gpus: int, rates: Mapping[str, float]) -> LedgerStatistics:
-        """The figures behind ``GET /metrics`` (model time), as of now."""
+    def statistics(self, elapsed_s: float, units: int, rates: Mapping[str, float]) -> LedgerStatistics:
+        """The figures behind ``GET /metrics`` (model time), as of now; busy time is measured against
+        ``units`` engines (or backends)."""
         everyone = (*self.tenants.values(), self.unattributed)
         total = TenantStats()
         for s in everyone:
@@ -353,7 +354,7 @@ class Ledger:
             batches=self.batches,
             elapsed_s=elapsed_s,
             throughput_tokens_per_s=generated / elapsed_s if elapsed_s > 0 else 0.0,
-            gpu_utilization=self.gpu_busy_s / (gpus * elapsed_s) if elapsed_s > 0 else 0.0,
+            gpu_utilization=self.gpu_busy_s / (units * elapsed_s) if elapsed_s > 0 else 0.0,
             cost_usd=self.cost_usd,
             cost_per_1m_tokens_usd=self.cost_usd / generated * 1e6 if generated else None,
             queue_wait_ms=_percentiles(self.queue_waits_s),

@@ -372,10 +372,18 @@ class Pipeline:
         per_engine = self.config.engine.tp if self.config.engine.kind == "continuous" else 1
         return len(self.engines) * per_engine
 
+    @property
+    def busy_units(self) -> int:
+        """What busy time is measured against: each engine (a ``micro`` GPU, a ``continuous``
+        deployment of ``tp`` GPUs, which compute together) or forwarded backend counts one."""
+        if self.config.engine.kind == "forward":
+            return len(self.config.backends)
+        return len(self.engines)
+
     def statistics(self) -> PipelineStatistics:
         rates = {name: t.rate for name, t in self.config.tenants.items()}
         return PipelineStatistics(
-            books=self.ledger.statistics(self.clock.now(), self.gpus, rates),
+            books=self.ledger.statistics(self.clock.now(), self.busy_units, rates),
             policy=self.scheduler.policy_names,
             queue_depth=self.scheduler.queue_depth,
             engine_kind=self.config.engine.kind,

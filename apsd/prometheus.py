@@ -23,7 +23,7 @@ Metrics (``tenant`` is a configured tenant's name)::
     apsd_cost_usd_total                       counter  cost of every engine's busy time
     apsd_batches_total                        counter  micro-batches that finished running
     apsd_gpu_busy_seconds_total               counter  summed over GPUs
-    apsd_gpu_busy_ratio                       gauge    busy / (gpus * elapsed), since start
+    apsd_gpu_busy_ratio                       gauge    busy / (engines * elapsed), since start
     apsd_gpus                                 gauge    GPUs behind the engines
     apsd_queue_depth                          gauge    requests waiting for dispatch
     apsd_queue_tokens                         gauge    their prompt + requested tokens (queue.max_tokens)
@@ -272,7 +272,7 @@ class PrometheusExporter:
                                   "Model seconds the engines spent computing, summed over engines",
                                   value=ledger.gpu_busy_s)
         yield GaugeMetricFamily("apsd_gpu_busy_ratio",
-                                "Engine busy time / (GPUs * model seconds since start)",
+                                "Engine busy time / (engines * model seconds since start)",
                                 value=books.gpu_utilization)
         yield GaugeMetricFamily("apsd_gpus", "GPUs behind the engines", value=statistics.gpus)
         yield GaugeMetricFamily("apsd_queue_depth", "Requests waiting for dispatch",
