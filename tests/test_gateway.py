@@ -127,3 +127,97 @@ async def test_while_the_backend_is_saturated_the_queue_keeps_apsds_priority_ord
             await wait_until(lambda: running.daemon.pipeline.scheduler.queue_depth == 5)
         assert finished == [5, 10, 1, 1, 1, 1]
         running.daemon.request_shutdown()
+
+
+# -- the OpenAI API, forwarded -------------------------------------------------------------------------
+
+def openai_client(url: str, tenant: str = "t"):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", default_headers={"X-Apsd-Tenant": tenant},
+                         max_retries=0, timeout=30)
+
+
+async def test_the_official_client_through_apsd_to_llama_cpp(nursery, llama_server):
+    running = await start_daemon(nursery, gateway_config([llama_server]))
+    await wait_until(backends_up(running.daemon, 1))
+
+    def calls():
+        client = openai_client(running.url)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi!"}],
+                                              max_tokens=6, temperature=0.7, seed=3)
+        plain = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi!"}],
+                                                    max_tokens=5, stream=True))
+        usage = list(client.completions.create(model="tiny", prompt="Once upon", max_tokens=4, stream=True,
+                                               stream_options={"include_usage": True}))
+        return chat, plain, usage
+
+    chat, plain, usage = await trio.to_thread.run_sync(calls)
+    assert chat.usage.completion_tokens == 6 and chat.choices[0].finish_reason == "length"
+    assert chat.model == "tiny" and len(chat.choices[0].message.content) > 0
+    text = [c.choices[0].delta.content for c in plain if c.choices and c.choices[0].delta.content]
+    assert len(text) == 5 and all(c.usage is None for c in plain)   # the usage apsd asked for is not shown
+    assert usage[-1].usage.completion_tokens == 4 and usage[-1].usage.prompt_tokens > 0
+    status = running.daemon.pipeline.tenant_status("t")
+    # every token the backend reported is on the tenant's books, the hidden stream usage included
+    assert status.completed == 3 and status.generated_tokens == 6 + 5 + 4
+    assert status.prompt_tokens == chat.usage.prompt_tokens * 2 + usage[-1].usage.prompt_tokens
+    running.daemon.request_shutdown()
+
+
+async def test_the_async_client_streams_through_apsd(nursery, llama_server):
+    import openai
+
+    running = await start_daemon(nursery, gateway_config([llama_server]))
+    await wait_until(backends_up(running.daemon, 1))
+    client = openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="unused",
+                                default_headers={"X-Apsd-Tenant": "u"}, max_retries=0, timeout=30)
+    stream = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Go"}],
+                                                  max_tokens=12, stream=True, stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+    await client.close()
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 12
+    assert chunks[-1].usage.completion_tokens == 12
+    running.daemon.request_shutdown()
+
+
+async def test_a_client_that_leaves_mid_stream_cancels_the_upstream_request(nursery, llama_server_binary,
+                                                                           slow_model, tmp_path):
+    async with open_llama_server(slow_model, alias="slow", binary=llama_server_binary, log_dir=tmp_path,
+                                 parallel=1) as server:
+        running = await start_daemon(nursery, gateway_config([server], max_concurrency=1))
+        await wait_until(backends_up(running.daemon, 1))
+        pipeline = running.daemon.pipeline
+        received = 0
+        async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
+            body = {"model": "slow", "messages": [{"role": "user", "content": "Tell me everything."}],
+                    "max_tokens": 2000, "stream": True}
+            async with client.stream("POST", "/v1/chat/completions", json=body,
+                                     headers={"X-Apsd-Tenant": "t"}) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {") and '"content":"' in line:
+                        received += 1
+                    if received == 20:
+                        break                    # the client leaves with ~1,980 tokens to go
+        backend = pipeline.engines[0].backends[0]
+        await wait_until(lambda: backend.in_flight == 0, limit_s=5)
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as direct:
+            async def processing() -> float:
+                text = (await direct.get("/metrics")).text
+                return float(next(line.split()[1] for line in text.splitlines()
+                                  if line.startswith("llamacpp:requests_processing ")))
+
+            with trio.fail_after(5):                # llama.cpp itself stopped generating
+                while await processing() != 0:
+                    await trio.sleep(0.05)
+        status = pipeline.tenant_status("t")
+        assert status.cancelled == 1 and 20 <= status.generated_tokens < 300   # billed what had arrived
+        # the backend's slot is free again: the next request is served at once, not after 2,000 tokens
+        async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
+            with trio.fail_after(3):
+                answer = await client.post("/v1/completions", json={"model": "slow", "prompt": "x", "max_tokens": 3},
+                                           headers={"X-Apsd-Tenant": "t"})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
+        running.daemon.request_shutdown()
