@@ -220,6 +220,9 @@ class Admission:
                 self.buckets[name] = TokenBucket(rate=tenant.rate, burst=float(tenant.burst),
                                                  tokens=min(level, float(tenant.burst)), updated=now)
                 changes.append(f"tenant {name} re-rated (rate {tenant.rate:g}, burst {tenant.burst})")
+            old = self.tenants.get(name)
+            if old is not None and (old.max_bid, old.default_bid) != (tenant.max_bid, tenant.default_bid):
+                changes.append(f"tenant {name} bids (max_bid {tenant.max_bid}, default_bid {tenant.default_bid})")
         limits = (queue.max_requests, queue.max_requests_per_tenant, queue.max_tokens)
         if limits != (self.max_queued, self.max_queued_per_tenant, self.max_queued_tokens):
             changes.append(f"queue limits {queue.max_requests} requests, {queue.max_requests_per_tenant} per tenant, "

@@ -346,9 +346,13 @@ class Pipeline:
             changes.append("gpu fault injection: " + ", ".join(f"{k}={getattr(config.gpu, k)}" for k in faults))
         if attrs.evolve(config.gpu, **{k: getattr(old.gpu, k) for k in faults}) != old.gpu:
             changes.append("gpu model constants")
-        changes += [f"admission.{field.name} {getattr(config.admission, field.name)}"
-                    for field in attrs.fields(type(config.admission))
-                    if getattr(config.admission, field.name) != getattr(old.admission, field.name)]
+        changes += [f"{section}.{field.name} {getattr(getattr(config, section), field.name)}"
+                    for section in ("admission", "gateway")
+                    for field in attrs.fields(type(getattr(config, section)))
+                    if getattr(getattr(config, section), field.name) != getattr(getattr(old, section), field.name)]
+        if (config.forward, config.backends) != (old.forward, old.backends):
+            changes.append("[forward] and [[backends]] need a restart to change (kept as before)")
+            config = attrs.evolve(config, forward=old.forward, backends=old.backends)
         self.config, self.policies = config, policies
         return changes
 

@@ -84,3 +84,15 @@ async def test_reload_applies_the_new_limits_and_names_them(autojump_clock):
         r = pipeline.new_request(tenant_id="a", prompt="", tokens_requested=51, priority_bid=5, prompt_tokens=0)
         pipeline.submit_nowait(r)
         assert (await r.reply.wait()).error == "exceeds_queue_capacity"
+
+
+async def test_reload_names_bid_and_gateway_changes_and_keeps_the_backends(autojump_clock):
+    config = make_config(tenants={"a": BIG})
+    async with open_pipeline(config, build_policies(config)) as pipeline:
+        new = make_config({"gateway": {"default_max_tokens": 64}, "forward": {"max_retries": 5},
+                           "tenants": {"a": {"rate": BIG.rate, "burst": BIG.burst, "max_bid": 3, "default_bid": 2}}})
+        changes = pipeline.reconfigure(new, build_policies(new))
+        assert "tenant a bids (max_bid 3, default_bid 2)" in changes
+        assert "gateway.default_max_tokens 64" in changes
+        assert "[forward] and [[backends]] need a restart to change (kept as before)" in changes
+        assert pipeline.config.forward.max_retries == 2 and pipeline.config.tenants["a"].max_bid == 3

@@ -231,6 +231,8 @@ class ForwardEngine:
         api, body, wants_usage = self._body(request, backend)
         stream = request.stream
 
+        held: list[dict] = []
+
         async def on_chunk(chunk: dict) -> None:
             tokens = chunk.pop("apsd_tokens", None)   # (the simulated client says how many it sent)
             text = _chunk_text(chunk)
@@ -245,6 +247,12 @@ class ForwardEngine:
                     chunk = {k: v for k, v in chunk.items() if k != "usage"}
                     if not chunk.get("choices"):
                         return  # (a usage-only chunk the client did not ask for)
+                if request.started_at is None:
+                    held.append(chunk)  # (a role chunk: held until a token comes, so a retry elsewhere
+                    return              # cannot send the client a second one)
+                for early in held:
+                    await stream.push(TokenChunk(tokens=0, at=now, data=early))
+                held.clear()
                 await stream.push(TokenChunk(tokens=tokens, text=text, at=now, data=chunk))
 
         outcome: Completion | Refusal | None = None
