@@ -201,6 +201,8 @@ class Ledger:
     def refuse_unadmitted(self, request: InferenceRequest, refusal: Refusal) -> None:
         """Answer a request that admission turned away (it was never in flight)."""
         if request.reply.resolve(refusal):
+            if request.stream is not None:
+                request.stream.close(refusal.message)
             self.count_refusal(request.tenant_id, refusal.error)
             self.events.emit("request_rejected", request=request, refusal=refusal, now=self._now())
 

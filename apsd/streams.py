@@ -103,6 +103,15 @@ class TokenStream:
         self._writable.set()
         return chunk
 
+    def receive_ready(self) -> list[TokenChunk]:
+        """Every chunk buffered now, without waiting (a reader that writes them out together saves a
+        write per chunk)."""
+        chunks = list(self._chunks)
+        self._chunks.clear()
+        if chunks:
+            self._writable.set()
+        return chunks
+
     async def __aiter__(self) -> AsyncIterator[TokenChunk]:
         while (chunk := await self.receive()) is not None:
             yield chunk

@@ -279,25 +279,24 @@ class HttpBackendClient:
                 if response.status_code != 200:
                     await response.aread()
                     _raise_for_status(backend, response.status_code, response.text)
-                events = EventSource(response).aiter_sse()
-                while True:
-                    limit = settings.read_timeout_s if started else settings.first_token_timeout_s
-                    with trio.fail_after(limit):
-                        try:
-                            event = await events.__anext__()
-                        except StopAsyncIteration:
+                # one scope for the whole stream, its deadline moved on at each chunk (cheaper than
+                # a fail_after per chunk)
+                with trio.CancelScope(deadline=trio.current_time() + settings.first_token_timeout_s) as silence:
+                    async for event in EventSource(response).aiter_sse():
+                        if event.data.strip() == "[DONE]":
                             break
-                    if event.data.strip() == "[DONE]":
-                        break
-                    chunk = json.loads(event.data)
-                    if not isinstance(chunk, dict):
-                        raise ValueError("a stream chunk is not a JSON object")
-                    if "error" in chunk:
-                        raise BackendError(502, "backend_failed", f"backend {backend.name}: "
-                                           f"{_error_message(chunk)}", retryable=not started)
-                    usage = chunk.get("usage") or usage
-                    started = True
-                    await on_chunk(chunk)
+                        chunk = json.loads(event.data)
+                        if not isinstance(chunk, dict):
+                            raise ValueError("a stream chunk is not a JSON object")
+                        if "error" in chunk:
+                            raise BackendError(502, "backend_failed", f"backend {backend.name}: "
+                                               f"{_error_message(chunk)}", retryable=not started)
+                        usage = chunk.get("usage") or usage
+                        started = True
+                        await on_chunk(chunk)
+                        silence.deadline = trio.current_time() + settings.read_timeout_s
+                if silence.cancelled_caught:
+                    raise trio.TooSlowError
             return BackendAnswer(usage.get("prompt_tokens"), usage.get("completion_tokens"))
         except trio.TooSlowError:
             what = "between two tokens" if started else "before the first token"

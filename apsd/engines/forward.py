@@ -73,7 +73,8 @@ class ForwardEngine:
     _nursery: trio.Nursery | None = attrs.field(default=None, init=False)
     _demands: trio.MemorySendChannel[Demand] | None = attrs.field(default=None, init=False)
     _asked: bool = attrs.field(default=False, init=False)
-    _changed: trio.Event = attrs.field(factory=trio.Event, init=False)
+    #: The scope of the engine's wait for an answer: cancelled when it should look at its room again.
+    _wait_scope: trio.CancelScope | None = attrs.field(default=None, init=False)
     _dispatches: int = attrs.field(default=0, init=False)
     _tokens: int = attrs.field(default=0, init=False)
     _busy_s: float = attrs.field(default=0.0, init=False)
@@ -123,7 +124,8 @@ class ForwardEngine:
 
     def _changed_now(self) -> None:
         """Capacity may have grown (a request ended, a backend came back): the engine may ask again."""
-        self._changed.set()
+        if self._wait_scope is not None and not self._asked:
+            self._wait_scope.cancel()
 
     # -- the loop --------------------------------------------------------------------------------
     async def serve(self, demands: trio.MemorySendChannel[Demand],
@@ -146,19 +148,9 @@ class ForwardEngine:
     async def _run(self, answers: trio.MemoryReceiveChannel[Dispatch]) -> None:
         while True:
             self._ask()
-            self._changed = trio.Event()
-            async with trio.open_nursery() as waiting:   # an answer, or more room
-                async def answer() -> None:
-                    dispatch = await answers.receive()
-                    self._take(dispatch)
-                    waiting.cancel_scope.cancel()
-
-                async def room() -> None:
-                    await self._changed.wait()
-                    waiting.cancel_scope.cancel()
-
-                waiting.start_soon(answer)
-                waiting.start_soon(room)
+            with trio.CancelScope() as self._wait_scope:   # an answer, or more room (_changed_now)
+                self._take(await answers.receive())
+            self._wait_scope = None
 
     def _ask(self) -> None:
         if self._asked:

@@ -393,27 +393,11 @@ DONE = b"data: [DONE]\n\n"
 
 async def _first_chunk(inference: InferenceRequest) -> TokenChunk | None:
     """The stream's first chunk, or None once the request has its outcome without one (refused,
-    failed or cancelled before its first token; or a completion that streamed nothing).
-
-    (A request refused before admission is answered without its stream being closed: hence the
-    wait on both.)
-    """
+    failed or cancelled before its first token; or a completion that streamed nothing): the ledger
+    closes a request's stream with its outcome, refusals before admission included."""
     stream = inference.stream
     assert stream is not None
-    first: TokenChunk | None = None
-    async with trio.open_nursery() as nursery:
-        async def read() -> None:
-            nonlocal first
-            first = await stream.receive()
-            nursery.cancel_scope.cancel()
-
-        async def outcome() -> None:
-            await inference.reply.wait()
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(read)
-        nursery.start_soon(outcome)
-    return first
+    return await stream.receive()
 
 
 async def _events(pipeline: Pipeline, inference: InferenceRequest, body: OpenAIBody,
@@ -430,11 +414,15 @@ async def _events(pipeline: Pipeline, inference: InferenceRequest, body: OpenAIB
             if (start := maker.start()) is not None:
                 yield start
         while chunk is not None:
-            if chunk.data is not None:
-                relayed = True
-                yield sse(chunk.data)
-            elif chunk.tokens or chunk.text:
-                yield maker.tokens(chunk)
+            events = []
+            for each in (chunk, *stream.receive_ready()):   # what is already there goes in one write
+                if each.data is not None:
+                    relayed = True
+                    events.append(sse(each.data))
+                elif each.tokens or each.text:
+                    events.append(maker.tokens(each))
+            if events:
+                yield b"".join(events)
             chunk = await stream.receive()
         outcome = inference.reply.outcome
         if not isinstance(outcome, Completion):
