@@ -3,7 +3,6 @@ in virtual time. Helpers are in ``tests/helpers.py``."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -44,14 +43,23 @@ async def live(nursery: trio.Nursery) -> AsyncIterator[LiveDaemon]:
 
 
 @pytest.fixture
-async def virtual_pipeline(autojump_clock: Any) -> AsyncIterator[Callable[..., Awaitable[Pipeline]]]:
+def virtual_pipeline(nursery: trio.Nursery) -> Callable[..., Awaitable[Pipeline]]:
     """Start pipelines (no HTTP) in virtual time: ``pipeline = await virtual_pipeline(config, preset)``.
+    The test must name ``autojump_clock`` too: pytest-trio takes the clock from the test's own
+    arguments, not from its fixtures' (without it, "virtual" time is the real clock).
 
-    Built-in policies only; every pipeline started is stopped at the end of the test (requests
-    still unfinished then are answered 503).
+    Built-in policies only. Each runs in a task of the test's ``nursery`` (pytest-trio's), which is
+    cancelled after the test: requests still unfinished then are answered 503 as the pipeline stops.
     """
-    async with contextlib.AsyncExitStack() as stack:
-        async def start(config: Config | None = None, preset: str | None = None, **kwargs: Any) -> Pipeline:
-            config = config or make_config()
-            return await stack.enter_async_context(open_pipeline(config, build_policies(config, preset), **kwargs))
-        yield start
+    async def start(config: Config | None = None, preset: str | None = None, **kwargs: Any) -> Pipeline:
+        config = config or make_config()
+        policies = build_policies(config, preset)
+
+        async def run(task_status: trio.TaskStatus[Pipeline] = trio.TASK_STATUS_IGNORED) -> None:
+            async with open_pipeline(config, policies, **kwargs) as pipeline:
+                task_status.started(pipeline)
+                await trio.sleep_forever()
+
+        return await nursery.start(run)
+
+    return start

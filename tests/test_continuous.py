@@ -163,40 +163,40 @@ async def test_when_the_kv_cache_runs_out_the_lowest_ranked_sequence_is_preempte
         assert [c.at for c in chunks] == sorted(c.at for c in chunks)
 
 
-async def test_a_request_that_could_never_fit_is_refused_at_admission(autojump_clock):
+async def test_a_request_that_could_never_fit_is_refused_at_admission(autojump_clock, virtual_pipeline):
     config = continuous_config(memory_fraction=0.2)
-    async with open_pipeline(config, build_policies(config)) as pipeline:
-        too_long = pipeline.new_request(tenant_id="t", prompt="", tokens_requested=4000, priority_bid=5,
-                                        prompt_tokens=200)   # llama-2-7b's context is 4096
-        assert not pipeline.admit_now(too_long)
-        refusal = too_long.reply.outcome
-        assert (refusal.status, refusal.error) == (413, "exceeds_context_length") and "4096" in refusal.message
+    pipeline = await virtual_pipeline(config)
+    too_long = pipeline.new_request(tenant_id="t", prompt="", tokens_requested=4000, priority_bid=5,
+                                    prompt_tokens=200)   # llama-2-7b's context is 4096
+    assert not pipeline.admit_now(too_long)
+    refusal = too_long.reply.outcome
+    assert (refusal.status, refusal.error) == (413, "exceeds_context_length") and "4096" in refusal.message
 
 
-async def test_cancelling_a_running_request_frees_its_slot_and_bills_what_ran(autojump_clock):
+async def test_cancelling_a_running_request_frees_its_slot_and_bills_what_ran(autojump_clock, virtual_pipeline):
     config = continuous_config()
-    async with open_pipeline(config, build_policies(config)) as pipeline:
-        engine = pipeline.engines[0]
-        keep = pipeline.new_request(tenant_id="t", prompt="", tokens_requested=500, priority_bid=5, prompt_tokens=100)
-        leave = pipeline.new_request(tenant_id="u", prompt="", tokens_requested=500, priority_bid=5, prompt_tokens=100)
-        for request in (keep, leave):
-            assert pipeline.admit_now(request)
-        bucket = pipeline.admission.buckets["u"]
-        full = bucket.burst
-        await pipeline.clock.sleep_until(1.0)       # about 100 tokens in
-        assert engine.statistics().running == 2
-        assert pipeline.cancel(leave)
-        outcome = await leave.reply.wait()
-        assert (outcome.status, outcome.error, outcome.kind) == (499, "client_disconnected", "cancelled")
-        ran = leave.tokens_generated
-        assert 50 < ran < 500 and leave.finished_at == pytest.approx(1.0, abs=0.05)
-        assert engine.statistics().running == 1
-        assert bucket.level(pipeline.clock.now()) == pytest.approx(full - 100 - ran)   # charged what ran
-        tenant = pipeline.tenant_status("u")
-        assert (tenant.cancelled, tenant.generated_tokens, tenant.prompt_tokens) == (1, ran, 100)
-        assert tenant.cost_usd == pytest.approx(leave.cost_usd) and leave.cost_usd > 0
-        assert isinstance(await keep.reply.wait(), Completion) and keep.tokens_generated == 500
-        assert engine.statistics().kv_tokens_used == 0
+    pipeline = await virtual_pipeline(config)
+    engine = pipeline.engines[0]
+    keep = pipeline.new_request(tenant_id="t", prompt="", tokens_requested=500, priority_bid=5, prompt_tokens=100)
+    leave = pipeline.new_request(tenant_id="u", prompt="", tokens_requested=500, priority_bid=5, prompt_tokens=100)
+    for request in (keep, leave):
+        assert pipeline.admit_now(request)
+    bucket = pipeline.admission.buckets["u"]
+    full = bucket.burst
+    await pipeline.clock.sleep_until(1.0)       # about 100 tokens in
+    assert engine.statistics().running == 2
+    assert pipeline.cancel(leave)
+    outcome = await leave.reply.wait()
+    assert (outcome.status, outcome.error, outcome.kind) == (499, "client_disconnected", "cancelled")
+    ran = leave.tokens_generated
+    assert 50 < ran < 500 and leave.finished_at == pytest.approx(1.0, abs=0.05)
+    assert engine.statistics().running == 1
+    assert bucket.level(pipeline.clock.now()) == pytest.approx(full - 100 - ran)   # charged what ran
+    tenant = pipeline.tenant_status("u")
+    assert (tenant.cancelled, tenant.generated_tokens, tenant.prompt_tokens) == (1, ran, 100)
+    assert tenant.cost_usd == pytest.approx(leave.cost_usd) and leave.cost_usd > 0
+    assert isinstance(await keep.reply.wait(), Completion) and keep.tokens_generated == 500
+    assert engine.statistics().kv_tokens_used == 0
 
 
 async def test_the_number_of_engine_events_does_not_grow_with_output_length(autojump_clock):

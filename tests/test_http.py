@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 import random
 import re
 
@@ -107,6 +108,18 @@ async def test_bad_fields_get_422_naming_the_field(live, payload, field):
     response = await live.client.post("/infer", json=payload)
     assert response.status_code == 422
     assert response.json()["field"] == field and field in response.json()["message"]
+
+
+async def test_the_readme_example_error_is_what_the_daemon_says(live):
+    """README's error example, word for word (it had drifted)."""
+    response = await live.client.post("/infer", json=body(bid=11))
+    assert response.json() == {"error": "invalid_field", "message": "priority_bid must be 1-10, got 11",
+                               "field": "priority_bid"}
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert '{"error": "invalid_field", "message": "priority_bid must be 1-10, got 11", "field": "priority_bid"}' in readme
+    huge = await live.client.post("/infer", content=b'{"tenant_id": "tenant_a", "prompt": "", "tokens_requested": '
+                                  + b"9" * 100 + b', "priority_bid": 5}')
+    assert huge.status_code == 422 and "more than 18 digits" in huge.json()["message"]
 
 
 @pytest.mark.parametrize("raw", [b"{", b"", b"[1, 2]", b"null", b"\xff\xfe", b"[" * 50_000])
