@@ -2,8 +2,9 @@
 
 Ownership: a :class:`KeyRing` is built from a validated :class:`~apsd.config.Config`
 (tenants' ``api_key_hashes`` and ``[auth] admin_key_hashes``) and is immutable;
-the pipeline holds the current one and a reload replaces it. The HTTP layer asks
-:meth:`KeyRing.identify` before it reads a request's body.
+the HTTP layer keeps the one built from the pipeline's current config (rebuilt when a
+reload replaces the config: :mod:`apsd.http.common`) and asks :meth:`KeyRing.identify`
+before it reads a request's body.
 
 The rules (the README's "API keys" section says them for operators):
 

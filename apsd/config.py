@@ -198,7 +198,7 @@ class GpuConfig:
     #: Wall seconds per model second: 1.0 is real time, 0.01 runs 100x faster.
     #: Every duration apsd reports is in model seconds, whatever this is.
     time_scale: float = attrs.field(default=1.0, validator=between(1e-6, 1e6))
-    #: Fault injection (see :class:`apsd.executor.FaultInjector`): each batch fails with this
+    #: Fault injection (see :class:`apsd.engines.micro.FaultInjector`): each batch fails with this
     #: probability, drawn from a ``random.Random(fault_seed)`` the pipeline owns ...
     fail_probability: float = attrs.field(default=0.0, validator=between(0, 1))
     #: ... and every n-th batch the pipeline's GPUs start fails (0: never).

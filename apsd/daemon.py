@@ -1,11 +1,11 @@
-"""The daemon: one root nursery owning signals, the pipeline's stages and the HTTP server.
+"""The daemon: the pipeline's stages, the signal watcher and the HTTP server, under one owner.
 
-Ownership: :meth:`Daemon.run` opens the root nursery. Its children are the
-signal watcher, the pipeline's stages (admission, the scheduler's loops, the
-executors: in a nested nursery of their own, so they can be stopped first) and
-``hypercorn.trio.serve`` (started with ``nursery.start`` so the bound address is
-known before anyone is told the daemon is ready). A crash in any of them
-cancels the rest and propagates: the daemon stops loudly.
+Ownership: :meth:`Daemon.run` runs the pipeline with :func:`~apsd.pipeline.open_pipeline`
+(whose nursery holds the stages: admission, the scheduler's loops, the engines, in a
+nested nursery of their own so they can be stopped first) and, inside it, opens the
+daemon's nursery: the signal watcher and ``hypercorn.trio.serve`` (started with
+``nursery.start`` so the bound address is known before anyone is told the daemon is
+ready). A crash in any of them cancels the rest and propagates: the daemon stops loudly.
 
 systemd (:mod:`apsd.notify`, a no-op without ``$NOTIFY_SOCKET``): ``READY=1`` once
 the HTTP socket listens; ``STATUS=`` lines and ``WATCHDOG=1`` pings from two more
@@ -107,6 +107,8 @@ def _describe_engine(config: Config) -> str:
     engine = config.engine
     if engine.kind == "micro":
         return "micro(seed-A100)"
+    if engine.kind == "forward":
+        return "forward(" + ",".join(b.label for b in config.backends) + ")"
     return f"continuous({engine.model}@{engine.tp}x{engine.gpu})"
 
 

@@ -124,7 +124,7 @@ class LedgerStatistics:
 
     requests: RequestCounts
     tokens: TokenCounts
-    #: Micro-batches that finished running (0 for the continuous engine).
+    #: Micro-batches that finished running (0 for the continuous and forward engines).
     batches: int
     elapsed_s: float
     throughput_tokens_per_s: float
@@ -171,7 +171,8 @@ class Ledger:
     #: Tokens (prompt + requested) of the queued requests: what ``[queue] max_tokens`` bounds.
     queued_tokens: int = 0
     batches: int = 0
-    #: Model seconds engines spent computing, summed over engines (GPUs), and what it cost.
+    #: Model seconds engines spent computing, summed over engines (a tp deployment counts once; a
+    #: forwarded backend its requests' time over its max_concurrency), and what it cost.
     gpu_busy_s: float = 0.0
     cost_usd: float = 0.0
     queue_waits_s: collections.deque[float] = attrs.field(factory=_recent)

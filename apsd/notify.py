@@ -9,8 +9,9 @@ Ownership: :class:`SystemdNotifier` holds no open resource. Like libsystemd's
 ``sd_notify``, each message goes out on a fresh non-blocking ``trio.socket``
 datagram socket that is closed at once (nothing to close at shutdown, and a
 re-executed systemd that rebinds the socket is still reached).
-:func:`serve_watchdog` and :func:`serve_status` are loops for the daemon's root
-nursery; they never return and support ``nursery.start``.
+:func:`serve_watchdog` and :func:`serve_status` are loops for the daemon's nursery;
+they support ``nursery.start``, and run until cancelled (or return at once when systemd
+is not listening, or has no watchdog).
 
 Error handling: a message that cannot be sent (socket missing, nobody reading,
 address invalid) is dropped; the first failure is logged as a warning, later

@@ -287,7 +287,7 @@ class Pipeline:
                 break
             self.ledger.refuse_unadmitted(request, Refusal(
                 503, "shutting_down", "apsd is shutting down", headers={"Retry-After": "5"}))
-        self.scheduler.drop_queued()  # so no executor picks up a request already answered
+        self.scheduler.drop_queued()  # so no engine picks up a request already answered
         aborted = 0
         for request in list(self.ledger.outstanding):
             aborted += self.ledger.finish(request, Refusal(

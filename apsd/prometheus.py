@@ -22,7 +22,7 @@ Metrics (``tenant`` is a configured tenant's name)::
     apsd_tenant_cost_usd_total{tenant}        counter  cost of what the tenant was charged
     apsd_cost_usd_total                       counter  cost of every engine's busy time
     apsd_batches_total                        counter  micro-batches that finished running
-    apsd_gpu_busy_seconds_total               counter  summed over GPUs
+    apsd_gpu_busy_seconds_total               counter  summed over engines
     apsd_gpu_busy_ratio                       gauge    busy / (engines * elapsed), since start
     apsd_gpus                                 gauge    GPUs behind the engines
     apsd_queue_depth                          gauge    requests waiting for dispatch

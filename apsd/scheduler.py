@@ -366,7 +366,7 @@ class Scheduler:
                     channel.close()
 
     def dispatch_owed(self) -> bool:
-        """Whether the dispatcher owes a decision now: an executor asked for a batch and either
+        """Whether the dispatcher owes a decision now: an engine asked for work and either
         the window it waits out has passed, or it waits for work although requests are queued."""
         waiting_until = self._waiting_until
         if waiting_until is None:

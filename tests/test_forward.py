@@ -259,3 +259,26 @@ async def test_per_backend_statistics_reach_prometheus(autojump_clock):
     assert samples[("apsd_backend_requests_total", (("backend", "a"),))] == 1
     assert samples[("apsd_backend_tokens_total", (("backend", "a"), ("phase", "completion")))] == 7
     assert samples[("apsd_backend_in_flight", (("backend", "a"),))] == 0
+
+
+async def test_a_head_request_whose_model_has_no_free_slot_waits_without_spinning(autojump_clock):
+    """Strict queue order: a request for a model whose backends are full holds the head; the engine
+    does not ask again (and again) until a slot frees, then serves it before the requests behind it."""
+    servers = {"a": SimulatedServer(models=("m1",), tpot_s=0.1), "b": SimulatedServer(models=("m2",))}
+    config = forward_config(servers, max_concurrency=1)
+    async with open_pipeline(config, build_policies(config),
+                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
+        await started(pipeline, servers)
+        busy = request(pipeline, tokens=50, model="m1")
+        assert pipeline.admit_now(busy)
+        await pipeline.clock.sleep(0.5)
+        head = request(pipeline, tokens=5, model="m1")
+        behind = request(pipeline, tokens=5, model="m2")
+        for r in (head, behind):
+            assert pipeline.admit_now(r)
+        decisions = pipeline.scheduler.decisions
+        await pipeline.clock.sleep(2.0)
+        assert pipeline.scheduler.decisions - decisions < 10       # no spin while m1 is full
+        for r in (busy, head, behind):
+            assert isinstance(await r.reply.wait(), Completion)
+        assert head.dispatched_at <= behind.dispatched_at

@@ -73,6 +73,8 @@ class ForwardEngine:
     _nursery: trio.Nursery | None = attrs.field(default=None, init=False)
     _demands: trio.MemorySendChannel[Demand] | None = attrs.field(default=None, init=False)
     _asked: bool = attrs.field(default=False, init=False)
+    #: The last answer was empty: no asking until capacity changes.
+    _blocked: bool = attrs.field(default=False, init=False)
     #: The scope of the engine's wait for an answer: cancelled when it should look at its room again.
     _wait_scope: trio.CancelScope | None = attrs.field(default=None, init=False)
     _dispatches: int = attrs.field(default=0, init=False)
@@ -124,6 +126,7 @@ class ForwardEngine:
 
     def _changed_now(self) -> None:
         """Capacity may have grown (a request ended, a backend came back): the engine may ask again."""
+        self._blocked = False
         if self._wait_scope is not None and not self._asked:
             self._wait_scope.cancel()
 
@@ -153,7 +156,7 @@ class ForwardEngine:
             self._wait_scope = None
 
     def _ask(self) -> None:
-        if self._asked:
+        if self._asked or self._blocked:
             return
         free = self.free()
         if free.sequences > 0:
@@ -164,6 +167,9 @@ class ForwardEngine:
     def _take(self, dispatch: Dispatch) -> None:
         self._asked = False
         if not dispatch.requests:
+            # the next request in queue order fits none of the free slots (its model's backends are
+            # full): ask again only once something changed, or this would spin
+            self._blocked = True
             return
         self._dispatches += 1
         assert self._nursery is not None
