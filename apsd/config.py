@@ -274,6 +274,10 @@ class BackendConfig:
     #: ... or per token (both may be set: they add up).
     cost_per_1m_prompt_tokens_usd: float = attrs.field(default=0.0, validator=between(0, 1e9))
     cost_per_1m_output_tokens_usd: float = attrs.field(default=0.0, validator=between(0, 1e9))
+    #: ``apsd simulate`` only, in place of the server: model seconds to the first token and per
+    #: output token after it, with ``max_concurrency`` requests running at once.
+    sim_ttft_s: float = attrs.field(default=0.05, validator=between(0, 3600))
+    sim_tpot_s: float = attrs.field(default=0.02, validator=between(0, 3600))
 
     @property
     def label(self) -> str:

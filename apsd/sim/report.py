@@ -161,8 +161,12 @@ def _tpots(requests: Iterable[RequestRecord]) -> list[float]:
 
 
 def _engine_count(run: PolicyRun) -> int:
-    """Engines the run had (an engine of ``tp`` GPUs counts once); runs recorded without
-    engine records count one per GPU, as the ``micro`` engine has."""
+    """What busy time is measured against: engines (an engine of ``tp`` GPUs counts once), or the
+    forward engine's backends; runs recorded without engine records count one per GPU, as the
+    ``micro`` engine has."""
+    backends = run.engine.get("backends")
+    if backends:
+        return len(backends)
     return len(run.engines) or run.gpus
 
 

@@ -38,7 +38,10 @@ import trio.testing
 from ..config import Config, ConfigError
 from ..hookspecs import hookimpl
 from ..models import Completion, InferenceRequest, Refusal
+from ..clock import ModelClock
+from ..engines.backends import SimulatedBackendClient, SimulatedServer
 from ..pipeline import open_pipeline
+from ..streams import TokenStream
 from ..plugins import load_policy_registry, load_profile_registry, make_plugin_manager
 from ..policy import POLICY_KINDS
 from .records import BatchRecord, EngineRecord, GovernorSample, PolicyRun, RequestRecord, Workload
@@ -160,20 +163,35 @@ def run_policies(workload: Workload, choices: Sequence[PolicyChoice], **kwargs: 
     return [run_policy(workload, choice, **kwargs) for choice in choices]
 
 
+def simulated_backends(config: Config) -> SimulatedBackendClient | None:
+    """For the ``forward`` engine: its ``[[backends]]`` simulated in model time (each running
+    ``max_concurrency`` requests at once, at its ``sim_ttft_s`` and ``sim_tpot_s``), so the
+    forwarding logic runs with the daemon's own code; None for the other engines."""
+    if config.engine.kind != "forward":
+        return None
+    servers = {b.label: SimulatedServer(models=b.models or ("sim",), slots=b.max_concurrency, ttft_s=b.sim_ttft_s,
+                                        tpot_s=b.sim_tpot_s) for b in config.backends}
+    return SimulatedBackendClient(ModelClock(), servers)
+
+
 def describe_engine(config: Config) -> dict[str, Any]:
     """The ``[engine]`` a run used, for its report."""
     engine = config.engine
     if engine.kind == "micro":
         return {"kind": "micro", "count": engine.count}
+    if engine.kind == "forward":
+        return {"kind": "forward", "backends": [b.label for b in config.backends]}
     return {"kind": engine.kind, "gpu": engine.gpu, "model": engine.model, "tp": engine.tp, "count": engine.count}
 
 
 async def _drive(workload: Workload, config: Config, policies: Any, progress: Callable[[int], None] | None,
                  profiles: Any) -> tuple[list[InferenceRequest], float, tuple[EngineRecord, ...], int]:
     requests: list[InferenceRequest] = []
-    async with open_pipeline(config, policies, request_id_prefix="sim", profiles=profiles) as pipeline:
+    async with open_pipeline(config, policies, request_id_prefix="sim", profiles=profiles,
+                             backend_client=simulated_backends(config)) as pipeline:
         clock = pipeline.clock
         mock = trio.lowlevel.current_clock()
+        forwarding = config.engine.kind == "forward"
         # Let the stages start and block (engines ask for work) before the first arrival: they were
         # made runnable together with this task, and _advance_to only sees tasks that are runnable
         # for the *next* batch of the run loop, not those still due in the current one.
@@ -183,6 +201,9 @@ async def _drive(workload: Workload, config: Config, policies: Any, progress: Ca
                 await _advance_to(clock, mock, arrival.at)
             request = pipeline.new_request(tenant_id=arrival.tenant, prompt="", tokens_requested=arrival.output_tokens,
                                            priority_bid=arrival.bid, prompt_tokens=arrival.prompt_tokens)
+            if forwarding:  # streamed from the simulated backend, so its first token is seen; nobody reads
+                request.stream = TokenStream()
+                request.stream.abandon()
             pipeline.admit_now(request)
             requests.append(request)
             if progress is not None and n % 1024 == 0:
