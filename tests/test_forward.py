@@ -4,6 +4,7 @@ and settlement against usage. (tests/test_gateway.py runs it against real llama.
 
 from __future__ import annotations
 
+import contextlib
 import attrs
 import pytest
 import trio
@@ -12,7 +13,7 @@ import trio.testing
 from apsd.clock import ModelClock
 from apsd.config import BackendConfig, ForwardConfig, TenantConfig, parse_config
 from apsd.engines.backends import SimulatedBackendClient, SimulatedServer, parse_load
-from apsd.models import Completion, Refusal
+from apsd.models import Completion
 from apsd.pipeline import open_pipeline
 from apsd.streams import TokenStream
 
@@ -39,6 +40,17 @@ def request(pipeline, *, tokens=20, bid=5, stream=False, model="sim", prompt="he
     return r
 
 
+@contextlib.asynccontextmanager
+async def forwarding(servers, **settings):
+    """A pipeline whose forward engine talks to ``servers`` (simulated in model time), once it has
+    seen them healthy."""
+    config = forward_config(servers, **settings)
+    async with open_pipeline(config, build_policies(config),
+                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
+        await started(pipeline, servers)
+        yield pipeline
+
+
 async def started(pipeline, servers):
     """Let the engine see its backends healthy (their first health check) before requests come."""
     await trio.testing.wait_all_tasks_blocked()
@@ -49,10 +61,7 @@ async def started(pipeline, servers):
 
 async def test_requests_go_to_the_least_loaded_backend_and_pass_parameters_through(autojump_clock):
     servers = {"a": SimulatedServer(), "b": SimulatedServer()}
-    config = forward_config(servers)
-    async with open_pipeline(config, build_policies(config),
-                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
-        await started(pipeline, servers)
+    async with forwarding(servers) as pipeline:
         requests = [request(pipeline) for _ in range(4)]
         for r in requests:
             assert pipeline.admit_now(r)
@@ -71,16 +80,13 @@ async def test_saturated_backends_keep_the_queue_and_its_priority_order_in_apsd(
     """A backend reporting requests waiting in its own queue gets nothing more; the requests wait in
     apsd's queue, where a late high bid overtakes earlier low ones."""
     servers = {"a": SimulatedServer(slots=1, ttft_s=0.5, tpot_s=0.05)}
-    config = forward_config(servers, preset="static", max_concurrency=8, max_waiting=1)
-    async with open_pipeline(config, build_policies(config),
-                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
-        await started(pipeline, servers)
+    async with forwarding(servers, preset="static", max_concurrency=8, max_waiting=1) as pipeline:
         low = [request(pipeline, bid=1) for _ in range(6)]
         for r in low[:2]:
             assert pipeline.admit_now(r)
         await pipeline.clock.sleep(0.3)         # one runs, one waits in the backend, and it says so
         backend = pipeline.engines[0].backends[0]
-        assert backend.saturated(pipeline.clock.now(), config.forward) and backend.in_flight == 2
+        assert backend.saturated(pipeline.clock.now(), pipeline.config.forward) and backend.in_flight == 2
         for r in low[2:]:
             assert pipeline.admit_now(r)
         await pipeline.clock.sleep(0.1)
@@ -94,10 +100,7 @@ async def test_saturated_backends_keep_the_queue_and_its_priority_order_in_apsd(
 
 async def test_stale_metrics_count_as_saturated(autojump_clock):
     servers = {"a": SimulatedServer()}
-    config = forward_config(servers, metrics_interval_s=5.0, metrics_max_age_s=1.0)
-    async with open_pipeline(config, build_policies(config),
-                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
-        await started(pipeline, servers)
+    async with forwarding(servers, metrics_interval_s=5.0, metrics_max_age_s=1.0) as pipeline:
         await pipeline.clock.sleep(2.0)          # the last reading is 2 s old: too old to trust
         late = request(pipeline)
         assert pipeline.admit_now(late)
@@ -109,10 +112,7 @@ async def test_stale_metrics_count_as_saturated(autojump_clock):
 
 async def test_a_backend_that_fails_before_the_first_token_sends_the_request_elsewhere(autojump_clock):
     servers = {"a": SimulatedServer(fail_next=1), "b": SimulatedServer()}
-    config = forward_config(servers, max_concurrency=1, max_retries=2)
-    async with open_pipeline(config, build_policies(config),
-                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
-        await started(pipeline, servers)
+    async with forwarding(servers, max_concurrency=1, max_retries=2) as pipeline:
         r = request(pipeline, stream=True)
         assert pipeline.admit_now(r)
         outcome = await r.reply.wait()
@@ -125,10 +125,7 @@ async def test_a_backend_that_fails_before_the_first_token_sends_the_request_els
 
 async def test_retries_are_bounded_then_502(autojump_clock):
     servers = {"a": SimulatedServer(fail_next=10)}
-    config = forward_config(servers, max_retries=2)
-    async with open_pipeline(config, build_policies(config),
-                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
-        await started(pipeline, servers)
+    async with forwarding(servers, max_retries=2) as pipeline:
         r = request(pipeline)
         assert pipeline.admit_now(r)
         outcome = await r.reply.wait()
@@ -138,10 +135,7 @@ async def test_retries_are_bounded_then_502(autojump_clock):
 
 async def test_a_failure_after_the_first_token_ends_the_stream_with_an_error(autojump_clock):
     servers = {"a": SimulatedServer(fail_after_tokens=5)}
-    config = forward_config(servers)
-    async with open_pipeline(config, build_policies(config),
-                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
-        await started(pipeline, servers)
+    async with forwarding(servers) as pipeline:
         r = request(pipeline, stream=True)
         assert pipeline.admit_now(r)
         outcome = await r.reply.wait()
@@ -152,10 +146,7 @@ async def test_a_failure_after_the_first_token_ends_the_stream_with_an_error(aut
 
 async def test_a_down_backend_takes_no_work_and_comes_back_by_itself(autojump_clock):
     servers = {"a": SimulatedServer(down=True), "b": SimulatedServer()}
-    config = forward_config(servers)
-    async with open_pipeline(config, build_policies(config),
-                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
-        await started(pipeline, servers)
+    async with forwarding(servers) as pipeline:
         a, b = pipeline.engines[0].backends
         assert (a.healthy, b.healthy) == (False, True)
         first = [request(pipeline) for _ in range(3)]
@@ -177,10 +168,7 @@ async def test_a_down_backend_takes_no_work_and_comes_back_by_itself(autojump_cl
 
 async def test_a_client_that_leaves_mid_stream_frees_the_slot_and_is_billed_what_arrived(autojump_clock):
     servers = {"a": SimulatedServer(tpot_s=0.1)}
-    config = forward_config(servers, max_concurrency=1)
-    async with open_pipeline(config, build_policies(config),
-                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
-        await started(pipeline, servers)
+    async with forwarding(servers, max_concurrency=1) as pipeline:
         r = request(pipeline, tokens=200, stream=True, prompt="x" * 400)   # about 100 prompt tokens
         assert pipeline.admit_now(r)
         waiting = request(pipeline, tokens=5)
@@ -197,10 +185,7 @@ async def test_a_client_that_leaves_mid_stream_frees_the_slot_and_is_billed_what
 
 async def test_settlement_uses_the_backends_usage(autojump_clock):
     servers = {"a": SimulatedServer()}
-    config = forward_config(servers)
-    async with open_pipeline(config, build_policies(config),
-                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
-        await started(pipeline, servers)
+    async with forwarding(servers) as pipeline:
         r = request(pipeline, tokens=30, prompt="y" * 2000)
         estimate = r.prompt_tokens
         assert pipeline.admit_now(r)
@@ -265,10 +250,7 @@ async def test_a_head_request_whose_model_has_no_free_slot_waits_without_spinnin
     """Strict queue order: a request for a model whose backends are full holds the head; the engine
     does not ask again (and again) until a slot frees, then serves it before the requests behind it."""
     servers = {"a": SimulatedServer(models=("m1",), tpot_s=0.1), "b": SimulatedServer(models=("m2",))}
-    config = forward_config(servers, max_concurrency=1)
-    async with open_pipeline(config, build_policies(config),
-                             backend_client=SimulatedBackendClient(ModelClock(), servers)) as pipeline:
-        await started(pipeline, servers)
+    async with forwarding(servers, max_concurrency=1) as pipeline:
         busy = request(pipeline, tokens=50, model="m1")
         assert pipeline.admit_now(busy)
         await pipeline.clock.sleep(0.5)
