@@ -233,12 +233,12 @@ def test_params_override_defaults_and_numbers_become_floats():
         ("periodic", {"duration": 0}, "workload 'periodic': duration: must be > 0, got 0"),
         ("vtc-overload", {"bid": 11}, "workload 'vtc-overload': bid: must be between 1 and 10, got 11"),
         ("seed-stress", {"vip_requests": -1},
-         "workload 'seed-stress': vip_requests: must be between 0 and 1e+06, got -1"),
+         "workload 'seed-stress': vip_requests: must be between 0 and 2e+06, got -1"),
         ("poisson", {"rate": 1000, "duration": 10_000},
-         "workload 'poisson': rate * duration: asks for about 10,000,000 arrivals (limit 1,000,000)"),
-        ("seed-stress", {"vip_requests": 600_000, "free_requests": 600_000},
-         "workload 'seed-stress': vip_requests + free_requests: asks for about 1,200,000 arrivals "
-         "(limit 1,000,000)"),
+         "workload 'poisson': rate * duration: asks for about 10,000,000 arrivals (limit 2,000,000)"),
+        ("seed-stress", {"vip_requests": 1_200_000, "free_requests": 1_200_000},
+         "workload 'seed-stress': vip_requests + free_requests: asks for about 2,400,000 arrivals "
+         "(limit 2,000,000)"),
         ("head-of-line", {"huge_factor": 400},
          "workload 'head-of-line': huge_factor: prompt_tokens + output_tokens * huge_factor must be "
          "<= 32768, got 40064"),

@@ -57,7 +57,7 @@ __all__ = [
 #: The bucket every tenant gets unless a scenario is about throttling (none is yet).
 UNTHROTTLED = TenantConfig(rate=1e6, burst=10**9)
 #: A workload may hold at most this many arrivals (built or loaded).
-MAX_ARRIVALS = 1_000_000
+MAX_ARRIVALS = 2_000_000
 #: The seed GPU's KV cache per batch: every built-in request fits it.
 KV_CAPACITY_TOKENS = SEED_KV_CAP_TOKENS
 #: Random prompt and output sizes are clipped to ``1..MAX_RANDOM_TOKENS`` each.
