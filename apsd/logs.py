@@ -70,7 +70,9 @@ def configure_logging(level: str = "INFO", fmt: str = "text", *, prompts: bool =
     """Logging to stderr in ``fmt`` ("text" or "json"): apsd's loggers at ``level``, others at INFO or above.
 
     Other libraries never log at DEBUG: hpack's DEBUG lines hold every decoded HTTP/2 header,
-    ``Authorization`` included, and API keys must never reach a log.
+    ``Authorization`` included, and API keys must never reach a log. httpx and httpcore (the
+    forward engine's client) log warnings only: httpx writes a line per request at INFO, which
+    on a busy gateway would be a line per forwarded request.
     """
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
@@ -78,6 +80,8 @@ def configure_logging(level: str = "INFO", fmt: str = "text", *, prompts: bool =
     root.handlers[:] = [handler]
     root.setLevel(max(logging.INFO, logging.getLevelName(level)))
     logging.getLogger("apsd").setLevel(level)
+    for chatty in ("httpx", "httpcore"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     _settings["prompts"] = prompts
 
 

@@ -62,13 +62,20 @@ async def one_stream(client: httpx.AsyncClient, url: str, headers: dict, max_tok
     return first or 0.0, time.perf_counter() - start, tokens
 
 
+#: Requests that failed (no answer, a broken stream), by path: counted and printed, not fatal.
+ERRORS: dict[str, list[str]] = {}
+
+
 async def round_of(url: str, headers: dict, n: int, concurrency: int, max_tokens: int) -> list[tuple[float, float, int]]:
     results: list[tuple[float, float, int]] = []
     limit = trio.CapacityLimiter(concurrency)
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency * 2)) as client:
         async def worker() -> None:
             async with limit:
-                results.append(await one_stream(client, url, headers, max_tokens))
+                try:
+                    results.append(await one_stream(client, url, headers, max_tokens))
+                except httpx.HTTPError as exc:
+                    ERRORS.setdefault(url, []).append(f"{type(exc).__name__}: {exc}")
 
         async with trio.open_nursery() as nursery:
             for _ in range(n):
@@ -110,7 +117,7 @@ health_interval_s = 0.5
 metrics_interval_s = 0.25
 """)
         apsd_log = open(work / "apsd.log", "w")
-        apsd = subprocess.Popen([APSD, str(config), "--log-level", "WARNING"], stderr=apsd_log,
+        apsd = subprocess.Popen([APSD, str(config)], stderr=apsd_log,
                                 env={**os.environ, "APSD_PLUGINS": ""})
         try:
             via = f"http://127.0.0.1:{port}"
@@ -156,6 +163,11 @@ metrics_interval_s = 0.25
         finally:
             apsd.send_signal(signal.SIGTERM)
             apsd.wait(timeout=30)
+    print()
+    for url, errors in ERRORS.items():
+        print(f"{len(errors)} request(s) to {url} failed, e.g. {errors[0]} (apsd's log: {work / 'apsd.log'})")
+    if not ERRORS:
+        print("no request failed")
     return 0
 
 

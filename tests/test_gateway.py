@@ -13,7 +13,7 @@ import trio
 
 from apsd.config import ServerConfig, TenantConfig, parse_config
 
-from .helpers import start_daemon
+from .helpers import start_apsd, start_daemon, stop_apsd
 from .llama_server import (  # noqa: F401  (fixtures)
     SLOW_MODEL,
     llama_server,
@@ -221,3 +221,24 @@ async def test_a_client_that_leaves_mid_stream_cancels_the_upstream_request(nurs
                                            headers={"X-Apsd-Tenant": "t"})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
         running.daemon.request_shutdown()
+
+
+async def test_the_daemons_log_has_no_line_per_forwarded_request(llama_server, tmp_path):
+    """httpx logs every request at INFO: a busy gateway's log would be a line per forwarded request."""
+    config = tmp_path / "gateway.toml"
+    config.write_text(f'[[backends]]\nurl = "{llama_server.url}"\n[forward]\nhealth_interval_s = 0.2\n'
+                      '[tenants.t]\nrate = 1e6\nburst = 1000000\n')
+    process, url, seen = await start_apsd(str(config), "--port", "0")
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            with trio.fail_after(10):
+                while not (await client.get("/v1/models")).json()["data"]:
+                    await trio.sleep(0.05)
+            for _ in range(3):
+                answer = await client.post("/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2},
+                                           headers={"X-Apsd-Tenant": "t"})
+                assert answer.status_code == 200
+    finally:
+        log = await stop_apsd(process, seen)
+    assert "backend " in log and " is up" in log
+    assert "HTTP Request" not in log and "httpx" not in log
