@@ -123,6 +123,9 @@ class TenantConfig:
     #: The bid of an OpenAI-API request that asks for no priority (vLLM ``priority`` 0);
     #: ``priority`` p asks for ``default_bid - p``.
     default_bid: int = attrs.field(default=5, validator=between(1, 10))
+    #: Its share under fair-share policies (``fair``, ``vtc``): a tenant of weight 2 is given twice
+    #: the service of a tenant of weight 1 while both are backlogged.
+    weight: float = attrs.field(default=1.0, validator=between(1e-3, 1e6))
 
     def __attrs_post_init__(self) -> None:
         if self.default_bid > self.max_bid:
@@ -317,7 +320,7 @@ class PolicyConfig:
     ``params`` maps a policy name to its table, e.g. ``[policy.aps]``.
     """
 
-    preset: str = "aps"
+    preset: str = "fair"
     aging: str | None = None
     governor: str | None = None
     batching: str | None = None

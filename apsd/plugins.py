@@ -40,6 +40,7 @@ __all__ = [
 #: Built-in policy modules, registered exactly as entry-point plugins are.
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "apsd.policies.aging",
+    "apsd.policies.fair",
     "apsd.policies.governor",
     "apsd.policies.batching",
     "apsd.engines.profiles",

@@ -14,24 +14,21 @@ failure, which is refunded in full.
 Counter lift: when a tenant's queue goes from empty to non-empty its counter is
 raised to at least the smallest counter among the other backlogged tenants (or,
 if none is backlogged, to the counter of the tenant that was served last), so
-an idle tenant cannot bank credit and then monopolise the GPU.
+an idle tenant cannot bank credit and then monopolise the GPU. Ties go to the
+tenant served least recently.
 
 Work-conserving: whenever anything is queued, ``pop`` returns a request.
 
-Cost: the order depends on service, not on a key fixed at push time, so it is
-not a heap. ``peek`` and ``pop`` scan the backlogged tenants, O(T) for T
-backlogged tenants (requests within a tenant are a FIFO deque); ``push`` is O(1)
-except when it lifts a returning tenant's counter, which also scans them. With
-tens of tenants this is a few microseconds; with thousands, put a heap of
-counters in front (counters only grow between lifts).
+Cost: O(log T) per operation for T backlogged tenants: the fair share is apsd's
+public :class:`apsd.FairShareQueue` (a heap of tenants keyed on their counters),
+with first-come-first-served order inside each tenant (:class:`apsd.FifoTenantQueue`).
+The built-in ``fair`` policy is the same fair share with APS order inside a tenant.
 
 Uses only apsd's public API (``docs/plugins.md``).
 """
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -39,7 +36,7 @@ import attrs
 import apsd
 
 __all__ = ["VtcParams", "VtcQueue", "register_policies"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 _MAX = 1e6  # weights are ratios: this keeps counters finite
@@ -64,109 +61,18 @@ class VtcParams:
     input_weight: float = attrs.field(default=1.0, validator=_positive)
     #: w_q: service charged per generated (output) token.
     output_weight: float = attrs.field(default=2.0, validator=_positive)
-    #: Tenant name -> share (default 1.0); a tenant of weight 2 gets twice the service.
+    #: Tenant name -> share, over the tenant's own ``weight`` (default 1.0); a tenant of weight 2
+    #: gets twice the service.
     weights: dict[str, float] = attrs.field(factory=dict, validator=_positive_weights)
 
 
-class VtcQueue:
+class VtcQueue(apsd.FairShareQueue):
     """An apsd aging (ordering) policy implementing VTC."""
 
-    def __init__(self, params: VtcParams) -> None:
+    def __init__(self, params: VtcParams, tenant_weights: dict[str, float] | None = None) -> None:
+        super().__init__(apsd.FifoTenantQueue, {**(tenant_weights or {}), **params.weights},
+                         apsd.ChargeWeights(params.input_weight, params.output_weight))
         self.params = params
-        self.counters: dict[str, float] = collections.defaultdict(float)
-        self._queues: dict[str, collections.deque[apsd.InferenceRequest]] = {}
-        self._charged: dict[apsd.InferenceRequest, float] = {}  # weighted charge per popped request
-        self._last_served: str | None = None
-        self._length = 0
-
-    def weight(self, tenant_id: str) -> float:
-        return self.params.weights.get(tenant_id, 1.0)
-
-    def charge(self, request: apsd.InferenceRequest, output_tokens: int) -> float:
-        """The service ``request`` represents with ``output_tokens`` generated, before weighting."""
-        p = self.params
-        return p.input_weight * request.prompt_tokens + p.output_weight * output_tokens
-
-    # -- the ordering interface ----------------------------------------------------------
-    def push(self, request: apsd.InferenceRequest, now: float) -> None:
-        tenant = request.tenant_id
-        queue = self._queues.get(tenant)
-        if not queue:  # the tenant becomes backlogged: lift its counter
-            others = [self.counters[t] for t, q in self._queues.items() if q and t != tenant]
-            if others:
-                floor = min(others)
-            else:
-                floor = self.counters[self._last_served] if self._last_served is not None else 0.0
-            self.counters[tenant] = max(self.counters[tenant], floor)
-            queue = self._queues[tenant] = collections.deque()
-        queue.append(request)
-        self._length += 1
-
-    def _next_tenant(self) -> str:
-        best: tuple[float, int] | None = None
-        chosen = None
-        for tenant, queue in self._queues.items():
-            if queue:
-                key = (self.counters[tenant], queue[0].seq)
-                if best is None or key < best:
-                    best, chosen = key, tenant
-        if chosen is None:
-            raise IndexError("pop from an empty VTC queue")
-        return chosen
-
-    def peek(self, now: float) -> apsd.InferenceRequest:
-        return self._queues[self._next_tenant()][0]
-
-    def pop(self, now: float) -> apsd.InferenceRequest:
-        tenant = self._next_tenant()
-        queue = self._queues[tenant]
-        request = queue.popleft()
-        if not queue:
-            del self._queues[tenant]
-        self._length -= 1
-        if not request.answered:  # an answered request is skipped by the scheduler: no service
-            earlier = self._charged.pop(request, None)
-            if earlier is not None:  # popped again after a requeue: its first charge goes back
-                self.counters[tenant] -= earlier
-            charge = self.charge(request, request.tokens_requested) / self.weight(tenant)
-            self.counters[tenant] += charge
-            self._charged[request] = charge
-            self._last_served = tenant
-        return request
-
-    def effective_priority(self, request: apsd.InferenceRequest, now: float) -> float:
-        """Minus the tenant's counter: higher means less served so far, so sooner."""
-        return -self.counters[request.tenant_id]
-
-    def on_finish(self, request: apsd.InferenceRequest, outcome: Any, now: float) -> None:
-        """Correct the charge made at pop to the service received (nothing if it failed)."""
-        charge = self._charged.pop(request, None)
-        if charge is None:
-            return  # never charged by this queue (not popped yet, or popped by a replaced one)
-        tenant = request.tenant_id
-        failed = isinstance(outcome, apsd.Refusal) and outcome.kind == "failed"
-        if failed or request.started_at is None:
-            served = self.params.output_weight * request.tokens_generated if not failed else 0.0
-        else:
-            served = self.charge(request, request.tokens_generated)
-        self.counters[tenant] += served / self.weight(tenant) - charge
-
-    def discard_answered(self) -> None:
-        """Drop requests answered while queued (their clients left); O(N)."""
-        for tenant in list(self._queues):
-            kept = collections.deque(r for r in self._queues[tenant] if not r.answered)
-            if kept:
-                self._queues[tenant] = kept
-            else:
-                del self._queues[tenant]
-        self._length = sum(len(q) for q in self._queues.values())
-
-    def __len__(self) -> int:
-        return self._length
-
-    def __iter__(self) -> Iterator[apsd.InferenceRequest]:
-        for queue in self._queues.values():
-            yield from queue
 
 
 def _vtc(params: dict[str, Any], config: apsd.Config) -> VtcQueue:
@@ -175,7 +81,7 @@ def _vtc(params: dict[str, Any], config: apsd.Config) -> VtcQueue:
     if unknown:
         raise apsd.ConfigError(f"policy.vtc.weights.{unknown[0]}: no such tenant "
                                f"(tenants: {', '.join(sorted(config.tenants))})")
-    return VtcQueue(parsed)
+    return VtcQueue(parsed, apsd.tenant_weights(config))
 
 
 @apsd.hookimpl

@@ -75,9 +75,9 @@ def test_returning_tenant_is_lifted_and_cannot_bank_credit():
         q.pop(0.0)                       # a has been served 5 * 768 while b was idle
     q.push(request(10, "b"), 0.0)
     assert q.counters["b"] == q.counters["a"] == 5 * 768
-    # so b does not get five requests in a row: the two alternate
+    # so b does not get five requests in a row; the tie goes to b, served less recently than a
     order = [q.pop(0.0).tenant_id for _ in range(3)]
-    assert order == ["a", "b", "a"]      # ties go to the earlier head request
+    assert order == ["b", "a", "a"]
 
 
 def test_weights_divide_the_charge_and_output_is_corrected_on_finish():
