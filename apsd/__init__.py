@@ -25,10 +25,8 @@ from .pipeline import Pipeline as Pipeline
 from .pipeline import open_pipeline as open_pipeline
 from .plugins import PluginError as PluginError
 from .plugins import build_policies as build_policies
-from .policies.fair import AgingTenantQueue as AgingTenantQueue
 from .policies.fair import ChargeWeights as ChargeWeights
 from .policies.fair import FairShareQueue as FairShareQueue
-from .policies.fair import FifoTenantQueue as FifoTenantQueue
 from .policies.fair import tenant_weights as tenant_weights
 from .policy import BatchingPolicy as BatchingPolicy
 from .policy import Governor as Governor

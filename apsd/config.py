@@ -239,6 +239,9 @@ class EngineConfig:
     #: Tokens one continuous-engine iteration processes: one per decoding sequence, the rest
     #: prefill chunks (vLLM's max_num_batched_tokens with chunked prefill).
     max_batched_tokens: int = attrs.field(default=8192, validator=between(1, 10**7))
+    #: Headroom of one continuous engine: its last free sequence slots go only to requests of light
+    #: tenants (running few sequences on it), whose prompts are also prefilled ahead of the decodes.
+    reserved_sequences: int = attrs.field(default=16, validator=between(0, 100_000))
     #: Share of the GPUs' memory for weights and KV cache (vLLM's gpu_memory_utilization).
     memory_fraction: float = attrs.field(default=0.9, validator=between(0.05, 1.0))
     #: USD per GPU-hour; 0 takes the GPU profile's price (continuous; micro uses gpu.price_per_hour_usd).
@@ -246,6 +249,11 @@ class EngineConfig:
     #: Times a request whose engine failed before its first token goes back to the queue;
     #: after that it is answered 502.
     max_retries: int = attrs.field(default=0, validator=between(0, 100))
+
+    def __attrs_post_init__(self) -> None:
+        if self.reserved_sequences >= self.max_sequences:
+            raise ValueError(f"reserved_sequences: must be below max_sequences ({self.max_sequences}), "
+                             f"got {self.reserved_sequences}")
 
 
 def http_url(_inst: object, attribute: attrs.Attribute, value: str) -> None:

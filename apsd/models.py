@@ -20,6 +20,7 @@ While it runs, its engine updates its progress fields (``tokens_generated``,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 import attrs
@@ -207,6 +208,10 @@ class Capacity:
     #: model they serve); None: one pool for every model. A request naming a model with no slot
     #: left does not fit; one naming no model (``POST /infer``) fits any slot.
     slots_per_model: dict[str, int] | None = None
+    #: Headroom: the last ``reserved`` free sequences go only to requests ``light`` accepts (their
+    #: tenant runs few sequences on the engine); None: no headroom.
+    reserved: int = 0
+    light: Callable[[InferenceRequest], bool] | None = None
 
     def need(self, request: InferenceRequest) -> int:
         """KV tokens ``request`` needs to join."""
@@ -214,9 +219,14 @@ class Capacity:
             return request.cost_tokens
         return request.prompt_tokens + request.tokens_generated + 1
 
+    def slot_for(self, request: InferenceRequest, taken: int = 0) -> bool:
+        """Whether a sequence slot is left for ``request`` once ``taken`` are given to others."""
+        left = self.sequences - taken
+        return left > self.reserved or (left > 0 and self.light is not None and self.light(request))
+
     def fits(self, request: InferenceRequest) -> bool:
         """Whether ``request`` alone fits what is free."""
-        if self.sequences <= 0 or self.need(request) > self.kv_tokens:
+        if not self.slot_for(request) or self.need(request) > self.kv_tokens:
             return False
         slots = self.slots_per_model
         return slots is None or request.model is None or slots.get(request.model, 0) > 0

@@ -92,6 +92,8 @@ class Scheduler:
     _answered_in_queue: int = attrs.field(default=0, init=False)
     #: Decisions the dispatcher has made: a heartbeat (the systemd watchdog reads it).
     decisions: int = attrs.field(default=0, init=False)
+    #: Engines answered with an empty dispatch, not asked to ask again since (by engine id).
+    _answered_empty: dict[int, Engine] = attrs.field(factory=dict, init=False)
     #: The engine whose demand the dispatcher is answering (None: none is asking).
     _asking: Engine | None = attrs.field(default=None, init=False)
     #: The scope of the dispatcher's wait (None: it is not waiting): an arrival may move its deadline.
@@ -212,6 +214,8 @@ class Scheduler:
         if self._backlog_since is None:
             self._backlog_since = request.arrival
         self._set_deadline(request)
+        if self._answered_empty:
+            self._retry_empty(request)
         if self._waiting_until is not None:
             self._after_arrival()
 
@@ -231,7 +235,18 @@ class Scheduler:
             heapq.heappush(self._deadlines, (request.deadline, request.seq, request))
             if self._deadlines[0][2] is request:
                 self._earlier_deadline.set()
+        if self._answered_empty:
+            self._retry_empty(request)
         self._wake()
+
+    def _retry_empty(self, request: InferenceRequest) -> None:
+        """Engines answered with an empty dispatch (the head did not fit them) ask again at once if
+        ``request``, just queued, fits them: it may lead the queue now, or take their headroom."""
+        for engine_id, engine in list(self._answered_empty.items()):
+            ask_again = getattr(engine, "ask_again", None)
+            if ask_again is not None and engine.free().fits(request):
+                del self._answered_empty[engine_id]
+                ask_again()
 
     def rank(self, request: InferenceRequest, now: float) -> float:
         """``request``'s priority under the queue policy now (higher: served sooner); engines
@@ -428,7 +443,7 @@ class Scheduler:
         if not (full or self.clock.reached(cut_at)):
             return cut_at
         # Everything cut may have been answered already (skipped): look again at once.
-        return self._cut(now, reading, free, engine.engine_id) or now
+        return self._cut(now, reading, free, engine) or now
 
     def _head_fits(self, now: float, free: Capacity) -> bool:
         """Whether the next request in queue order fits ``free`` (True when that cannot be told)."""
@@ -443,10 +458,10 @@ class Scheduler:
         self._fail([r for r in list(self.ledger.outstanding) if r.dispatched_at is None], failure)
         self._fresh_queue()
 
-    def _cut(self, now: float, reading: GovernorReading, free: Capacity, engine_id: int) -> Dispatch | None:
+    def _cut(self, now: float, reading: GovernorReading, free: Capacity, engine: Engine) -> Dispatch | None:
         """Cut a dispatch (None if everything that came out had been answered already; empty if the
         next request does not fit ``free``)."""
-        queue = self.queue
+        queue, engine_id = self.queue, engine.engine_id
         try:
             before = len(queue)
             cut = list(self.policies.batching.cut(queue, now, free))
@@ -456,6 +471,7 @@ class Scheduler:
         if not cut:
             if self._head_fits(now, free):
                 raise self._bad_value("batching", "cut an empty batch from a non-empty queue")
+            self._answered_empty[engine_id] = engine
             return Dispatch(dispatch_id=0, requests=(), formed_at=now, window_s=reading.window_s, engine_id=engine_id)
         if not all(isinstance(r, InferenceRequest) for r in cut):
             raise self._bad_value("batching", "cut something that is not a request")

@@ -11,7 +11,14 @@ What it measures
     method calls. A second section times APS at depth 10^5 with simulated time
     advancing 1 ms per operation and 1000 s per operation, to show that aging
     costs nothing per tick; a third (at 10^3 and 10^5) splits the APS-vs-heapq
-    gap into its parts.
+    gap into its parts. A fourth times the fair-share queues, ``fair`` (built in)
+    and ``vtc`` (the bundled plugin, when installed), with 8, 1,000 and 10,000
+    backlogged tenants at each depth: requests are spread round robin over the
+    tenants, so every tenant stays backlogged. Each timed operation is a push and a
+    pop, as for the other queues; the ``+finish`` rows add the popped request's
+    finish (``on_finish``, the charge corrected to half its requested tokens, which
+    moves the tenant in the heap of tenants once more), all against the same raw
+    heapq baseline at the same depth. The goal is <= 2x at every depth and tenant count.
 
     Every request object (and, for the breakdown's "prebuilt tuples" row, every
     tuple) is created before the timed region, for every variant: object creation
@@ -50,8 +57,16 @@ try:
 except ImportError:  # running from a checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from apsd.models import InferenceRequest
+from apsd.models import Completion, InferenceRequest
 from apsd.policies.aging import ApsQueue, FifoQueue, HeapQueue, StaticQueue
+from apsd.policies.fair import FairQueue, FairShareQueue
+
+try:
+    from apsd_vtc import VtcParams, VtcQueue
+except ImportError:  # the bundled plugin is not installed: fair only
+    VtcQueue = None
+
+TENANT_COUNTS = (8, 1_000, 10_000)
 
 ALPHA = 1.0
 DEPTHS = (10**3, 10**4, 10**5)
@@ -61,13 +76,15 @@ SEED = 20240611
 Item = tuple[float, InferenceRequest]
 
 
-def build_workload(depth: int, ops: int, step: float, seed: int) -> tuple[list[Item], list[Item]]:
-    """Requests to fill the queue to ``depth`` and ``ops`` more to push, arrivals ``step`` apart."""
+def build_workload(depth: int, ops: int, step: float, seed: int,
+                   tenants: int = 8) -> tuple[list[Item], list[Item]]:
+    """Requests to fill the queue to ``depth`` and ``ops`` more to push, arrivals ``step`` apart,
+    spread round robin over ``tenants`` tenants."""
     rng = random.Random(seed)
     items: list[Item] = []
     for seq in range(depth + ops):
         arrival = seq * step
-        request = InferenceRequest(f"r{seq}", f"t{seq % 8}", 16, 16, rng.randint(1, 10),
+        request = InferenceRequest(f"r{seq}", f"t{seq % tenants}", 16, 16, rng.randint(1, 10),
                                    arrival=arrival, seq=seq)
         items.append((arrival, request))
     gc.collect()   # once here, not per measurement: a full collection over 10^5+ objects is slow
@@ -90,6 +107,37 @@ def time_queue(make: Callable[[], HeapQueue], fill: Sequence[Item], items: Seque
         for now, request in items:
             push(request, now)
             pop(now)
+        elapsed = time.perf_counter() - t0
+    finally:
+        gc.enable()
+    assert len(queue) == len(fill)
+    return elapsed
+
+
+def time_fair_share(make: Callable[[], FairShareQueue], fill: Sequence[Item], items: Sequence[Item],
+                    finish: bool = True) -> float:
+    """push and pop, and with ``finish`` the popped request's finish (its charge corrected to half
+    its tokens, so the tenant's entry moves in the heap of tenants once more)."""
+    queue = make()
+    for now, request in fill:
+        queue.push(request, now)
+    for _now, request in items:  # each ran and generated half what it asked for (set before timing)
+        request.started_at, request.tokens_generated = 0.0, request.tokens_requested // 2
+    done = Completion(request_id="r", tenant_id="t", prompt_tokens=16, tokens_generated=8, queue_ms=0.0,
+                      ttft_ms=0.0, tpot_ms=None, prefill_ms=0.0, decode_ms=0.0, latency_ms=0.0, batch_id=1,
+                      batch_size=1, engine_id=0, effective_priority=0.0, cost_usd=0.0)
+    push, pop, on_finish = queue.push, queue.pop, queue.on_finish
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        if finish:
+            for now, request in items:
+                push(request, now)
+                on_finish(pop(now), done, now)
+        else:
+            for now, request in items:
+                push(request, now)
+                pop(now)
         elapsed = time.perf_counter() - t0
     finally:
         gc.enable()
@@ -280,6 +328,39 @@ def main(argv: Sequence[str] | None = None) -> int:
             previous = ns
         print()
     print("(differences under ~5% of a row are within run-to-run noise)")
+    print()
+
+    # --- 4. fair share with many backlogged tenants --------------------------------------
+    # Two heaps: one of tenants keyed on their counters (size T), one per tenant (N/T each).
+    # A pop moves the served tenant's entry with one heapreplace; a finish whose charge
+    # changes re-enters the tenant (the old entry goes stale and is dropped at the top).
+    shares: dict[str, Callable[[], FairShareQueue]] = {"fair": lambda: FairQueue(ALPHA)}
+    if VtcQueue is not None:
+        shares["vtc"] = lambda: VtcQueue(VtcParams())
+    worst: dict[str, float] = {}
+    print("fair share, push + pop (+ finish) per operation, all tenants backlogged:")
+    print(f"{'depth':>6}  {'tenants':>7}  {'variant':<11}  {'ops/s':>12}  {'x heapq':>8}")
+    for depth in DEPTHS:
+        for tenants in TENANT_COUNTS:
+            if tenants > depth:
+                continue
+            fill, items = build_workload(depth, ops, step=1e-3, seed=SEED + depth + tenants, tenants=tenants)
+            variants = {"heapq": lambda: time_heapq(fill, items)}
+            for name, make in shares.items():
+                variants[name] = lambda make=make: time_fair_share(make, fill, items, finish=False)
+                variants[f"{name}+finish"] = lambda make=make: time_fair_share(make, fill, items)
+            rates = {name: ops / t for name, t in best_of(variants, repeat).items()}
+            for name, rate in rates.items():
+                ratio = rates["heapq"] / rate
+                if name != "heapq":
+                    worst[name] = max(worst.get(name, 0.0), ratio)
+                print(f"{exp10(depth):>6}  {tenants:>7,}  {name:<11}  {rate:>12,.0f}  {ratio:>7.2f}x")
+            del fill, items, variants
+    print()
+    for name, ratio in worst.items():
+        print(f"{name}: at worst {ratio:.2f} x raw heapq over every depth and tenant count (goal: <= 2x)")
+    if VtcQueue is None:
+        print("(apsd-vtc is not installed: pip install -e plugins/apsd-vtc to time it too)")
     return 0
 
 

@@ -72,5 +72,6 @@ def build_engines(config: Config, *, ledger: Ledger, clock: ModelClock, faults: 
     deployment = deployment_for(config, profiles)
     price = engine.price_per_gpu_hour_usd * engine.tp
     return [ContinuousEngine(i, deployment, ledger, clock, rank, max_sequences=engine.max_sequences,
-                             max_batched_tokens=engine.max_batched_tokens, price_per_hour_usd=price)
+                             max_batched_tokens=engine.max_batched_tokens, reserved_sequences=engine.reserved_sequences,
+                             price_per_hour_usd=price)
             for i in range(engine.count)]

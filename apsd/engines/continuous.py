@@ -17,6 +17,14 @@ one waits), to be recomputed: its prompt and the tokens it had generated are pre
 then it continues. A request that could never fit (prompt + requested beyond the cache or the
 model's context) is refused at admission.
 
+Headroom and the fast lane (``[engine] reserved_sequences``): the last free sequence slots
+go only to requests of *light* tenants, those with fewer requests in this engine than an
+eighth of an equal share of ``max_sequences`` (:meth:`ContinuousEngine.light`), so a tenant
+that floods cannot take every slot and make a light tenant wait for a sequence to finish. A
+light tenant's sequence is prefilled in a step of its own, before the decodes of the running
+batch (which wait that one short step, never two in a row), so its first token does not wait
+for a step of the whole batch either. With ``reserved_sequences = 0`` neither applies.
+
 Events, not tokens: a run of steps in which only decoding happens and nothing joins, finishes,
 runs out of cache or is cancelled is computed in closed form
 (:meth:`~apsd.engines.roofline.Deployment.decode_steps_s`) and slept over at once, so a
@@ -74,6 +82,8 @@ class Sequence:
     cost_base: float = 0.0
     #: The engine's decode-step count at which it has all its tokens.
     finish_step: int = 0
+    #: Its tenant was light when it joined: its prompt is prefilled ahead of the decodes.
+    fast: bool = False
 
 
 @attrs.define(eq=False)
@@ -88,6 +98,8 @@ class ContinuousEngine:
     rank: Callable[[InferenceRequest, float], float]
     max_sequences: int = 256
     max_batched_tokens: int = 8192
+    #: Headroom: the last free slots, for light tenants only (see :meth:`light`).
+    reserved_sequences: int = 0
     price_per_hour_usd: float = 0.0
     kind: str = attrs.field(default="continuous", init=False)
     # -- state ---------------------------------------------------------------------------------
@@ -97,6 +109,10 @@ class ContinuousEngine:
     _decoding: dict[InferenceRequest, Sequence] = attrs.field(factory=dict, init=False)
     _finishes: list[tuple[int, int, Sequence]] = attrs.field(factory=list, init=False)
     _preempted: list[Sequence] = attrs.field(factory=list, init=False)
+    #: Tenant -> its requests in this engine (dispatched here and not finished), for :meth:`light`.
+    _per_tenant: collections.Counter[str] = attrs.field(factory=collections.Counter, init=False)
+    #: The last step was a fast-lane prefill (the next one decodes, whatever waits).
+    _fast_last: bool = attrs.field(default=False, init=False)
     _streaming: set[Sequence] = attrs.field(factory=set, init=False)
     #: Decode steps taken so far (every decoding sequence advances one token per step).
     _step: int = attrs.field(default=0, init=False)
@@ -157,7 +173,18 @@ class ContinuousEngine:
             return Capacity(sequences=0, kv_tokens=0, reserve_output=False)
         running = len(self._prefilling) + len(self._decoding) + sum(len(d.requests) for d in self._inbox)
         return Capacity(sequences=max(0, self.max_sequences - running),
-                        kv_tokens=max(0, self._spare_kv() - self._inbox_kv()), reserve_output=False)
+                        kv_tokens=max(0, self._spare_kv() - self._inbox_kv()), reserve_output=False,
+                        reserved=self.reserved_sequences, light=self.light if self.reserved_sequences else None)
+
+    def light(self, request: InferenceRequest) -> bool:
+        """Whether ``request``'s tenant is light here: another tenant has requests in this engine, and
+        it has fewer than an eighth of an equal share of ``max_sequences`` between the tenants here
+        (itself included). Alone, a tenant has no one to be isolated from."""
+        return self._light(request.tenant_id, self._per_tenant.get(request.tenant_id, 0))
+
+    def _light(self, tenant: str, mine: int) -> bool:
+        others = len(self._per_tenant) - (tenant in self._per_tenant)
+        return others > 0 and mine < max(1, self.max_sequences // (8 * (others + 1)))
 
     def _spare_kv(self) -> int:
         """KV tokens that can be given to a sequence joining or resuming now."""
@@ -205,6 +232,7 @@ class ContinuousEngine:
         self._asked = False
         if dispatch.requests:
             self._inbox.append(dispatch)
+            self._per_tenant.update(r.tenant_id for r in dispatch.requests)
             self._ask()  # keep an ask outstanding: the next arrival is dispatched at once
         else:
             self._empty_at = self._version
@@ -238,6 +266,12 @@ class ContinuousEngine:
             self._on_answer(dispatch)
             return True
         return False
+
+    def ask_again(self) -> None:
+        """The queue's head changed since this engine was answered with an empty dispatch: ask now
+        (the new head may fit the headroom), without waiting for capacity to grow."""
+        self._empty_at = -1
+        self._ask()
 
     def _ask(self) -> None:
         """Ask for work if there is none asked for and room for some (never blocks: each engine has at
@@ -283,10 +317,13 @@ class ContinuousEngine:
             self._dispatches += 1
             for request in dispatch.requests:
                 if request.answered:
+                    self._leave_tenant(request)
                     continue
                 if request.stream is not None and request.stream.abandoned:
                     self._aborts.add(request)
-                seq = Sequence(request, prompt_left=request.prompt_tokens)
+                fast = self.reserved_sequences > 0 and self._light(  # (judged without itself)
+                    request.tenant_id, self._per_tenant[request.tenant_id] - 1)
+                seq = Sequence(request, prompt_left=request.prompt_tokens, fast=fast)
                 self._kv_used += seq.prompt_left
                 self._prefilling.append(seq)
                 if request.stream is not None:
@@ -307,24 +344,31 @@ class ContinuousEngine:
 
     # -- one step with prefill ---------------------------------------------------------------------
     async def _mixed_step(self) -> None:
+        """One step: the decodes and prefill chunks; or, for light tenants' prompts (the fast lane),
+        their chunks alone, the decodes waiting one (short) step; never two such steps in a row."""
         d = self.deployment
-        decoding = len(self._decoding)
+        fast = not self._fast_last and any(seq.fast for seq in self._prefilling)
+        self._fast_last = fast
+        decoding = 0 if fast else len(self._decoding)
+        decode_context = 0 if fast else self._decode_context
         budget = self.max_batched_tokens - decoding
         chunks: list[tuple[Sequence, int]] = []
         for seq in self._prefilling:
             if budget <= 0:
                 break
+            if fast and not seq.fast:
+                continue
             chunk = min(seq.prompt_left, budget)
             chunks.append((seq, chunk))
             budget -= chunk
         pairs = [(chunk, seq.context) for seq, chunk in chunks]
-        duration = d.step_s(pairs, decoding, self._decode_context)
+        duration = d.step_s(pairs, decoding, decode_context)
         end = self.t + duration
         await self._step_until(end)
         tokens = decoding + sum(chunk for _, chunk in chunks)
         cost = duration * self.price_per_hour_usd / 3600.0
-        self._account(duration, cost, d.flops(pairs, decoding, self._decode_context),
-                      d.bytes_moved(pairs, decoding, self._decode_context))
+        self._account(duration, cost, d.flops(pairs, decoding, decode_context),
+                      d.bytes_moved(pairs, decoding, decode_context))
         per_token = cost / tokens if tokens else 0.0
         if decoding:
             self._advance(1, per_token)
@@ -360,6 +404,7 @@ class ContinuousEngine:
     # -- runs of decode steps ------------------------------------------------------------------------
     async def _decode_run(self) -> None:
         d = self.deployment
+        self._fast_last = False
         self._finish_due()  # (aborts and preemptions may have left stale finishes on top)
         n = len(self._decoding)
         if not n:
@@ -446,7 +491,14 @@ class ContinuousEngine:
         """Free ``seq``'s KV cache and slot (it has left every running structure)."""
         self._kv_used -= seq.context + seq.prompt_left
         self._streaming.discard(seq)
+        self._leave_tenant(seq.request)
         self._version += 1
+
+    def _leave_tenant(self, request: InferenceRequest) -> None:
+        per_tenant = self._per_tenant
+        per_tenant[request.tenant_id] -= 1
+        if not per_tenant[request.tenant_id]:
+            del per_tenant[request.tenant_id]
 
     def _abort(self, request: InferenceRequest) -> None:
         """Its client left: stop it now (a step boundary), free its slot and cache, bill what ran."""
@@ -460,6 +512,7 @@ class ContinuousEngine:
         elif (seq := next((s for s in self._preempted if s.request is request), None)) is not None:
             self._preempted.remove(seq)  # (it holds no cache)
             self._streaming.discard(seq)
+            self._leave_tenant(request)
             self._version += 1
         else:
             return  # finished already, or never reached this engine

@@ -5,7 +5,9 @@ until it holds ``max_batch_size`` requests or as many as the engine has free
 sequences, or the next request would need more KV tokens than the engine has free
 (``Capacity.need``: prompt + requested for the ``micro`` engine, prompt for the
 ``continuous`` one), or names a model with no free slot (the ``forward`` engine); that
-request then leads the next dispatch. ``kv_cap_tokens``, when
+request then leads the next dispatch. When only the engine's headroom is left
+(``Capacity.slot_for``) and the queue can look past its head (``pop_first``, as the fair-share
+queues can), the first requests in queue order whose tenants may use the headroom go instead. ``kv_cap_tokens``, when
 set, caps each dispatch's KV tokens further. A request that could never fit is refused
 at admission (413) by its engine, or by this policy's own cap, so nothing waits forever.
 """
@@ -60,6 +62,13 @@ class MicroBatching:
         kv = 0
         while queue and len(batch) < size:
             head = queue.peek(now)
+            if not free.slot_for(head, len(batch)):  # only the engine's headroom is left
+                taken = self._from_headroom(queue, now, free, len(batch), kv_free - kv)
+                if taken is None:
+                    break
+                batch.append(taken)
+                kv += free.need(taken)
+                continue
             need = free.need(head)
             if kv + need > kv_free:
                 break
@@ -70,6 +79,18 @@ class MicroBatching:
             batch.append(queue.pop(now))
             kv += need
         return batch
+
+
+    @staticmethod
+    def _from_headroom(queue: OrderingPolicy, now: float, free: Capacity, taken: int,
+                       kv_left: int) -> InferenceRequest | None:
+        """The first request, in queue order, that may take a headroom slot (its tenant is light),
+        if the queue can find one (``pop_first``: the fair-share queues); the others keep their place."""
+        pop_first = getattr(queue, "pop_first", None)
+        if pop_first is None or free.light is None:
+            return None
+        return pop_first(lambda r: free.slot_for(r, taken) and free.need(r) <= kv_left
+                         and (free.slots_per_model is None or r.model is None), now)
 
 
 def _micro(params: dict[str, Any], config: Config) -> MicroBatching:

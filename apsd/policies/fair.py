@@ -45,7 +45,7 @@ from __future__ import annotations
 import collections
 import heapq
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 
@@ -53,67 +53,7 @@ from ..config import Config, between, parse_section
 from ..hookspecs import hookimpl
 from ..models import InferenceRequest, Outcome, Refusal
 
-__all__ = ["AgingTenantQueue", "ChargeWeights", "FairParams", "FairQueue", "FairShareQueue", "FifoTenantQueue", "TenantQueue", "tenant_weights"]
-
-
-class TenantQueue(Protocol):
-    """One tenant's waiting requests, in the order that tenant's requests are served."""
-
-    def push(self, request: InferenceRequest) -> None: ...
-
-    def peek(self) -> InferenceRequest: ...
-
-    def pop(self) -> InferenceRequest: ...
-
-    def __len__(self) -> int: ...
-
-    def __iter__(self) -> Iterator[InferenceRequest]: ...
-
-
-class FifoTenantQueue:
-    """Arrival (admission) order."""
-
-    def __init__(self) -> None:
-        self._items: collections.deque[InferenceRequest] = collections.deque()
-
-    def push(self, request: InferenceRequest) -> None:
-        self._items.append(request)
-
-    def peek(self) -> InferenceRequest:
-        return self._items[0]
-
-    def pop(self) -> InferenceRequest:
-        return self._items.popleft()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __iter__(self) -> Iterator[InferenceRequest]:
-        return iter(self._items)
-
-
-class AgingTenantQueue:
-    """Highest ``P_bid + alpha * wait`` first (exact: a heap on ``alpha * arrival - P_bid``), then
-    admission order. A requeued request keeps its arrival, so it keeps its place."""
-
-    def __init__(self, alpha: float) -> None:
-        self.alpha = alpha
-        self._heap: list[tuple[float, int, InferenceRequest]] = []
-
-    def push(self, request: InferenceRequest) -> None:
-        heapq.heappush(self._heap, (self.alpha * request.arrival - request.priority_bid, request.seq, request))
-
-    def peek(self) -> InferenceRequest:
-        return self._heap[0][2]
-
-    def pop(self) -> InferenceRequest:
-        return heapq.heappop(self._heap)[2]
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self) -> Iterator[InferenceRequest]:
-        return (entry[2] for entry in self._heap)
+__all__ = ["ChargeWeights", "FairParams", "FairQueue", "FairShareQueue", "tenant_weights"]
 
 
 @attrs.frozen
@@ -124,32 +64,41 @@ class ChargeWeights:
     output_weight: float = 2.0
 
 
+_heappush, _heappop, _heapreplace = heapq.heappush, heapq.heappop, heapq.heapreplace
+
+#: One tenant's entry in the heap of tenants: (counter, last served at, backlogged since, tenant, version).
+TenantEntry = tuple[float, int, int, str, int]
+
+
 class FairShareQueue:
     """Weighted fair share between tenants (an :class:`~apsd.policy.OrderingPolicy`); see the
     module docstring for the rule and its guarantees.
 
-    ``tenant_queue()`` makes the queue of one tenant (its order inside the tenant);
-    ``weights`` maps a tenant to its share (1.0 for a tenant it does not name). The scheduler
-    calls :meth:`on_finish` for every finished request (the charge correction).
+    Inside a tenant, requests leave by ``alpha * arrival - bid_weight * priority_bid``, then
+    admission order: ``alpha = bid_weight = 0`` is first come first served (VTC), ``bid_weight
+    = 1`` is APS. ``weights`` maps a tenant to its share (1.0 for a tenant it does not name).
+    The scheduler calls :meth:`on_finish` for every finished request (the charge correction).
 
-    State: ``counters`` (tenant -> weighted service, public, read-only for others), the
-    backlogged tenants' queues, and a heap of ``(counter, last served, backlogged since,
-    tenant, version)`` entries in which an entry is stale once its tenant's ``version`` moved on
-    (its counter changed) or its queue emptied; stale entries are dropped when they reach the
-    top, and the heap is rebuilt when they outnumber the live ones.
+    State: ``counters`` (tenant -> weighted service; public, read-only for others), one heap of
+    requests per backlogged tenant, and a heap of :data:`TenantEntry`; an entry is stale once
+    its tenant's version moved on (its counter changed, or its queue emptied). A pop moves the
+    served tenant's entry with one ``heapreplace``; a finish that corrects a backlogged tenant's
+    counter pushes a new entry, and stale ones are dropped when they reach the top (the heap is
+    rebuilt when they outnumber the live ones).
     """
 
-    def __init__(self, tenant_queue: Callable[[], TenantQueue], weights: Mapping[str, float] | None = None,
+    def __init__(self, alpha: float = 0.0, bid_weight: float = 0.0, weights: Mapping[str, float] | None = None,
                  charges: ChargeWeights = ChargeWeights()) -> None:
-        self._tenant_queue = tenant_queue
+        self.alpha, self.bid_weight = alpha, bid_weight
         self._weights = dict(weights or {})
         self.charges = charges
         self.counters: dict[str, float] = collections.defaultdict(float)
-        self._queues: dict[str, TenantQueue] = {}
-        self._heap: list[tuple[float, int, int, str, int]] = []
-        self._version: dict[str, int] = collections.defaultdict(int)
+        #: Backlogged tenant -> heap of (order key, seq, charge before weighting, request).
+        self._queues: dict[str, list[tuple[float, int, float, InferenceRequest]]] = {}
+        self._heap: list[TenantEntry] = []
+        self._version: dict[str, int] = {}
         self._since: dict[str, int] = {}
-        self._last_served_at: dict[str, int] = {}
+        self._served_at: dict[str, int] = {}
         self._pops = 0
         self._last_served: str | None = None
         self._charged: dict[InferenceRequest, float] = {}
@@ -172,30 +121,31 @@ class FairShareQueue:
         return self.charge(request, request.tokens_generated)
 
     # -- the tenant heap ---------------------------------------------------------------------------
+    def _entry(self, tenant: str) -> TenantEntry:
+        version = self._version[tenant] = self._version.get(tenant, 0) + 1
+        return (self.counters[tenant], self._served_at.get(tenant, -1), self._since[tenant], tenant, version)
+
     def _enter(self, tenant: str) -> None:
         """(Re)insert ``tenant``'s entry with its current counter; older entries go stale."""
-        self._version[tenant] += 1
-        heapq.heappush(self._heap, (self.counters[tenant], self._last_served_at.get(tenant, -1),
-                                    self._since[tenant], tenant, self._version[tenant]))
+        _heappush(self._heap, self._entry(tenant))
         if len(self._heap) > 2 * len(self._queues) + 64:
-            self._heap = [(self.counters[t], self._last_served_at.get(t, -1), self._since[t], t, self._version[t])
-                          for t in self._queues]
+            self._heap = [self._entry(t) for t in self._queues]
             heapq.heapify(self._heap)
 
-    def _top(self) -> str:
-        """The backlogged tenant served next (IndexError when none is)."""
-        heap = self._heap
-        while heap:
-            _, _, _, tenant, version = heap[0]
-            if tenant in self._queues and version == self._version[tenant]:
-                return tenant
-            heapq.heappop(heap)
-        raise IndexError("the fair-share queue is empty")
+    def _top(self) -> TenantEntry:
+        """The live entry of the backlogged tenant served next, on top of the heap (stale entries
+        above it are dropped); IndexError when no tenant is backlogged."""
+        heap, version = self._heap, self._version
+        entry = heap[0]
+        while entry[4] != version[entry[3]]:
+            _heappop(heap)
+            entry = heap[0]
+        return entry
 
     def _floor(self) -> float:
         """The counter a tenant becoming backlogged is lifted to."""
         try:
-            return self.counters[self._top()]
+            return self._top()[0]
         except IndexError:
             return self.counters[self._last_served] if self._last_served is not None else 0.0
 
@@ -204,35 +154,73 @@ class FairShareQueue:
         tenant = request.tenant_id
         queue = self._queues.get(tenant)
         if queue is None:  # the tenant becomes backlogged: lift its counter
-            self.counters[tenant] = max(self.counters[tenant], self._floor())
-            queue = self._queues[tenant] = self._tenant_queue()
+            counters = self.counters
+            counters[tenant] = max(counters[tenant], self._floor())
+            queue = self._queues[tenant] = []
             self._since[tenant] = request.seq
             self._enter(tenant)
-        queue.push(request)
+        charges = self.charges  # (its charge is computed now, while the request is in the CPU's cache)
+        _heappush(queue, (self.alpha * request.arrival - self.bid_weight * request.priority_bid, request.seq,
+                          charges.input_weight * request.prompt_tokens + charges.output_weight * request.tokens_requested,
+                          request))
         self._length += 1
 
     def peek(self, now: float) -> InferenceRequest:
-        return self._queues[self._top()].peek()
+        return self._queues[self._top()[3]][0][3]
 
     def pop(self, now: float) -> InferenceRequest:
-        tenant = self._top()
+        return self._serve(self._top(), on_top=True)
+
+    def pop_first(self, accept: Callable[[InferenceRequest], bool], now: float) -> InferenceRequest | None:
+        """Pop the head of the first tenant, in fair order, whose head ``accept`` takes (None: no
+        tenant's). For an engine's headroom, which only some tenants may use: the tenants passed
+        over keep their place. O(k log T) for the k tenants looked at."""
+        heap, version, passed = self._heap, self._version, []
+        found = None
+        while heap:
+            entry = _heappop(heap)
+            if entry[4] != version[entry[3]]:
+                continue  # stale: dropped
+            if accept(self._queues[entry[3]][0][3]):
+                found = entry
+                break
+            passed.append(entry)
+        for entry in passed:
+            _heappush(heap, entry)
+        return None if found is None else self._serve(found, on_top=False)
+
+    def _serve(self, entry: TenantEntry, on_top: bool) -> InferenceRequest:
+        """Pop the head of ``entry``'s tenant and charge it; ``entry`` is the tenant's live entry,
+        on top of the heap (``on_top``) or already out of it."""
+        tenant = entry[3]
         queue = self._queues[tenant]
-        request = queue.pop()
+        _, _, charge, request = _heappop(queue)
         self._length -= 1
-        if not request.answered:  # an answered request is skipped by the scheduler: no service
-            earlier = self._charged.pop(request, None)
-            if earlier is not None:  # popped again after a requeue: its first charge goes back
-                self.counters[tenant] -= earlier
-            charge = self.charge(request, request.tokens_requested) / self.weight(tenant)
-            self.counters[tenant] += charge
-            self._charged[request] = charge
+        moved = None
+        if request.reply.outcome is None:  # (an answered request is skipped by the scheduler: no service)
+            charged = self._charged
+            charge /= self._weights.get(tenant, 1.0)
+            earlier = charged.pop(request, None)  # popped again after a requeue: its first charge goes back
+            counter = self.counters[tenant] = entry[0] + (charge if earlier is None else charge - earlier)
+            charged[request] = charge
             self._last_served = tenant
-            self._pops += 1
-            self._last_served_at[tenant] = self._pops
-        if not queue:
+            pops = self._pops = self._pops + 1
+            self._served_at[tenant] = pops
+            if queue:  # its entry moves (on top: one sift, instead of a push now and a stale pop later)
+                moved = (counter, pops, entry[2], tenant, entry[4] + 1)
+        elif queue:
+            moved = entry
+        if moved is None:  # its queue emptied
             del self._queues[tenant], self._since[tenant]
-        elif not request.answered:
-            self._enter(tenant)
+            self._version[tenant] += 1
+            if on_top:
+                _heappop(self._heap)
+        else:
+            self._version[tenant] = moved[4]
+            if on_top:
+                _heapreplace(self._heap, moved)
+            else:
+                _heappush(self._heap, moved)
         return request
 
     def effective_priority(self, request: InferenceRequest, now: float) -> float:
@@ -245,25 +233,24 @@ class FairShareQueue:
         if charge is None:
             return  # never charged by this queue (not popped yet, or popped by a replaced one)
         tenant = request.tenant_id
-        self.counters[tenant] += self._served(request, outcome) / self.weight(tenant) - charge
-        if tenant in self._queues:
-            self._enter(tenant)
+        correction = self._served(request, outcome) / self._weights.get(tenant, 1.0) - charge
+        if correction:
+            self.counters[tenant] += correction
+            if tenant in self._queues:
+                self._enter(tenant)
 
     def discard_answered(self) -> None:
         """Drop requests answered while queued (their clients left); O(N)."""
         for tenant, queue in list(self._queues.items()):
-            kept = self._tenant_queue()
-            for request in queue:
-                if not request.answered:
-                    kept.push(request)
+            kept = [entry for entry in queue if not entry[3].answered]
             if kept:
+                heapq.heapify(kept)
                 self._queues[tenant] = kept
             else:
                 del self._queues[tenant], self._since[tenant]
         self._length = sum(len(q) for q in self._queues.values())
-        self._heap = []
-        for tenant in self._queues:
-            self._enter(tenant)
+        self._heap = [self._entry(t) for t in self._queues]
+        heapq.heapify(self._heap)
 
     def backlogged(self) -> list[str]:
         """The tenants with requests queued."""
@@ -274,7 +261,8 @@ class FairShareQueue:
 
     def __iter__(self) -> Iterator[InferenceRequest]:
         for queue in self._queues.values():
-            yield from queue
+            for entry in queue:
+                yield entry[3]
 
 
 class FairQueue(FairShareQueue):
@@ -282,8 +270,7 @@ class FairQueue(FairShareQueue):
 
     def __init__(self, alpha: float, weights: Mapping[str, float] | None = None,
                  charges: ChargeWeights = ChargeWeights()) -> None:
-        super().__init__(lambda: AgingTenantQueue(alpha), weights, charges)
-        self.alpha = alpha
+        super().__init__(alpha, 1.0, weights, charges)
 
     def effective_priority(self, request: InferenceRequest, now: float) -> float:
         """``P_bid + alpha * wait``: the request's priority among its own tenant's requests."""

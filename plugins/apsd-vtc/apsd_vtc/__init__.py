@@ -21,7 +21,7 @@ Work-conserving: whenever anything is queued, ``pop`` returns a request.
 
 Cost: O(log T) per operation for T backlogged tenants: the fair share is apsd's
 public :class:`apsd.FairShareQueue` (a heap of tenants keyed on their counters),
-with first-come-first-served order inside each tenant (:class:`apsd.FifoTenantQueue`).
+with first-come-first-served order inside each tenant.
 The built-in ``fair`` policy is the same fair share with APS order inside a tenant.
 
 Uses only apsd's public API (``docs/plugins.md``).
@@ -70,7 +70,8 @@ class VtcQueue(apsd.FairShareQueue):
     """An apsd aging (ordering) policy implementing VTC."""
 
     def __init__(self, params: VtcParams, tenant_weights: dict[str, float] | None = None) -> None:
-        super().__init__(apsd.FifoTenantQueue, {**(tenant_weights or {}), **params.weights},
+        # alpha = bid_weight = 0: first come first served inside a tenant
+        super().__init__(0.0, 0.0, {**(tenant_weights or {}), **params.weights},
                          apsd.ChargeWeights(params.input_weight, params.output_weight))
         self.params = params
 
