@@ -30,8 +30,8 @@ def test_version_and_help():
         ("[tenants.a]\nrate = -1\nburst = 5\n", [], "tenants.a.rate: must be between 1e-06 and 1e+12, got -1"),
         ("[tenants.a]\nrate = 0\nburst = 5\n", [], "tenants.a.rate: must be between 1e-06 and 1e+12, got 0"),
         ("[engine]\ncount = 'two'\n", [], "engine.count: must be an integer"),
-        ("", ["--policy", "lottery"], "policy preset 'lottery' is unknown (available: aps, fifo, static)"),
-        ("[policy]\naging = 'lifo'\n", [], "unknown aging policy 'lifo' (available: aps, fifo, static)"),
+        ("", ["--policy", "lottery"], "policy preset 'lottery' is unknown (available: aps, fair, fifo, static)"),
+        ("[policy]\naging = 'lifo'\n", [], "unknown aging policy 'lifo' (available: aps, fair, fifo, static)"),
     ],
 )
 def test_bad_config_exits_2_with_one_message(tmp_path, text, args, fragment):
@@ -54,7 +54,7 @@ def test_bad_port_option():
 async def test_shipped_config_serves_and_sigterm_answers_in_flight_requests():
     process, url, seen = await start_apsd(str(ROOT / "config" / "apsd.toml"), "--port", "0")
     log = b"".join(seen).decode()
-    assert "policy=preset=aps" in log and "tenant_a,tenant_b,tenant_c" in log
+    assert "policy=preset=fair" in log and "tenant_a,tenant_b,tenant_c" in log
     answers: list[httpx.Response] = []
     try:
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:

@@ -66,9 +66,9 @@ def test_missing_file(tmp_path):
 @pytest.mark.parametrize(
     ("toml", "preset", "expected"),
     [
-        ({"policy": {"aging": "lifo"}}, None, "policy.aging: unknown aging policy 'lifo' (available: aps, fifo, static)"),
+        ({"policy": {"aging": "lifo"}}, None, "policy.aging: unknown aging policy 'lifo' (available: aps, fair, fifo, static)"),
         ({"policy": {"governor": "pid"}}, None, "unknown governor policy 'pid' (available: entropy, fixed)"),
-        ({}, "random", "policy preset 'random' is unknown (available: aps, fifo, static)"),
+        ({}, "random", "policy preset 'random' is unknown (available: aps, fair, fifo, static)"),
         ({"policy": {"aps": {"alfa": 1}}}, None, "policy.aps.alfa: unknown key (known keys: alpha)"),
         ({"policy": {"aps": {"alpha": -1.0}}}, None, "policy.aps.alpha: must be between 0 and 1e+06"),
         ({"policy": {"micro": {"max_batch_size": 0}}}, None, "policy.micro.max_batch_size: must be"),

@@ -171,7 +171,7 @@ async def test_metrics_health_and_tenant_status(live):
     for figure in ("queue_wait_ms", "ttft_ms", "tpot_ms", "latency_ms"):
         assert set(metrics[figure]) == {"p50", "p95", "p99"} and metrics[figure]["p99"] > 0
     assert metrics["ttft_ms"]["p50"] < metrics["latency_ms"]["p50"]
-    assert metrics["policy"]["aging"] == "aps" and metrics["queue_depth"] == 0
+    assert metrics["policy"]["aging"] == "fair" and metrics["queue_depth"] == 0
     health = (await live.client.get("/health")).json()
     assert health["status"] == "ok" and health["queue_depth"] == 0 and "state" in health["governor"]
     status = (await live.client.get("/tenants/tenant_a/status")).json()

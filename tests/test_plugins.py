@@ -131,7 +131,7 @@ def test_a_working_third_party_plugin_is_listed_and_selectable(tmp_path):
     config.write_text('[policy]\naging = "lifo"\n')
     refused = subprocess.run([APSD, str(config)], capture_output=True, text=True, timeout=60,
                              env={**env, "APSD_PLUGINS": ""})   # not loaded: the name is unknown
-    assert refused.returncode == 2 and "unknown aging policy 'lifo' (available: aps, fifo, static)" in refused.stderr
+    assert refused.returncode == 2 and "unknown aging policy 'lifo' (available: aps, fair, fifo, static)" in refused.stderr
 
 
 def test_an_installed_plugin_adds_gpu_and_model_profiles(tmp_path):
