@@ -121,7 +121,7 @@ async def test_counters_per_tenant_and_outcome(live):
     [(current, _)] = [(labels["state"], v) for labels, v in m.values("apsd_governor_state") if v == 1]
     assert current in ("STABLE", "TRANSITIONAL", "CRITICAL_BURST") and data["governor"]["state"] in (
         "STABLE", "TRANSITIONAL", "CRITICAL_BURST")
-    assert m.value("apsd_policy_info", aging="aps", governor="entropy", batching="micro", preset="aps") == 1
+    assert m.value("apsd_policy_info", aging="fair", governor="entropy", batching="micro", preset="fair") == 1
 
 
 async def test_histograms_count_every_dispatch(live):

@@ -9,7 +9,8 @@ import statistics
 import numpy as np
 import pytest
 
-from apsd.config import TenantConfig
+from apsd.config import Config, TenantConfig
+from apsd.engines.micro import GpuModel
 from apsd.policies.governor import shannon_entropy_bits
 from apsd.sim.records import Arrival, Workload
 from apsd.sim.workloads import (
@@ -23,10 +24,30 @@ from apsd.sim.workloads import (
 )
 
 BUILTIN_NAMES = ["seed-stress", "burst-50", "poisson", "periodic", "bursty", "vip-flood", "vtc-overload",
-                 "head-of-line"]
+                 "head-of-line", "noisy-neighbor", "proportional", "on-off", "increase", "dist-shift"]
+#: Tenant isolation's workloads (issue 14): each overloads the seed GPU with its defaults.
+ISOLATION_NAMES = ["noisy-neighbor", "proportional", "on-off", "increase", "dist-shift"]
 DEFAULTS = {name: defaults for name, _, defaults in list_workloads()}
 #: Every built-in draws something from its seed except the seed's own stress test.
 RANDOM_NAMES = [n for n in BUILTIN_NAMES if n != "seed-stress"]
+
+
+def seed_gpu_load(workload: Workload, batch: int = 16) -> float:
+    """The seed GPU's busy seconds per second of arrivals, were every request in a full batch."""
+    gpu = GpuModel(Config().gpu)
+    busy = sum(a.prompt_tokens / gpu.gpu.prefill_tokens_per_s + a.output_tokens / gpu.decode_tokens_per_s(batch)
+               for a in workload.arrivals)
+    return busy / workload.params["duration"]
+
+
+def only(workload: Workload, tenant: str) -> Workload:
+    """``workload`` with only ``tenant``'s arrivals."""
+    return Workload(workload.name, workload.description, tuple(a for a in workload.arrivals if a.tenant == tenant),
+                    workload.tenants, workload.params, workload.seed)
+
+
+def arrival_times(workload: Workload, tenant: str) -> list[float]:
+    return [a.at for a in workload.arrivals if a.tenant == tenant]
 
 
 def gaps(workload: Workload) -> np.ndarray:
@@ -207,6 +228,94 @@ def test_head_of_line_has_a_huge_request_even_when_short():
     assert sum(a.output_tokens > 100 for a in workload.arrivals) == 1
 
 
+# --------------------------------------------------------------------------- tenant isolation
+
+
+@pytest.mark.parametrize("name", ISOLATION_NAMES)
+def test_isolation_workloads_overload_the_seed_gpu_with_same_bid_tenants(name):
+    workload = build_workload(name, seed=3)
+    assert seed_gpu_load(workload) > 1.2
+    assert len({a.bid for a in workload.arrivals}) == 1
+    assert len(workload.tenants) >= 2
+
+
+def test_noisy_neighbor_steady_tenant_is_regular_beside_a_flood():
+    workload = build_workload("noisy-neighbor")
+    p = workload.params
+    steady = [a for a in workload.arrivals if a.tenant == "steady"]
+    assert [a.at for a in steady] == pytest.approx([i / p["steady_rate"] for i in range(60)])
+    assert {(a.prompt_tokens, a.output_tokens) for a in steady} == {(64, 64)}
+    neighbor = [a for a in workload.arrivals if a.tenant == "neighbor"]
+    assert len(neighbor) / p["duration"] == pytest.approx(10, rel=0.1)
+    assert {(a.prompt_tokens, a.output_tokens) for a in neighbor} == {(64, 128)}
+    assert seed_gpu_load(only(workload, "neighbor")) > 1.5  # the neighbour alone overloads the GPU
+    assert list(workload.tenants) == ["steady", "neighbor"]
+
+
+def test_noisy_neighbor_steady_arrivals_do_not_depend_on_the_neighbour():
+    with_neighbor = build_workload("noisy-neighbor", seed=1)
+    alone = build_workload("noisy-neighbor", {"neighbor_rate": 0}, seed=1)
+    assert {a.tenant for a in alone.arrivals} == {"steady"} and list(alone.tenants) == ["steady"]
+    steady = [a for a in with_neighbor.arrivals if a.tenant == "steady"]
+    assert list(alone.arrivals) == steady
+    other = build_workload("noisy-neighbor", {"neighbor_rate": 30, "neighbor_output_tokens": 500, "neighbor_bid": 9},
+                           seed=2)
+    assert [a for a in other.arrivals if a.tenant == "steady"] == steady
+
+
+def test_proportional_rates_are_one_two_three_times_rate():
+    workload = build_workload("proportional", {"duration": 600})
+    counts = collections.Counter(a.tenant for a in workload.arrivals)
+    rate = workload.params["rate"]
+    for i, tenant in enumerate(sorted(workload.tenants)):
+        assert counts[tenant] / 600 == pytest.approx((i + 1) * rate, rel=0.1)
+    # all backlogged: even the slowest tenant asks for more than an equal share of the seed GPU
+    assert seed_gpu_load(only(workload, "tenant_00")) > 1 / len(workload.tenants)
+    assert build_workload("proportional", {"tenants": 5}).tenants.keys() == {f"tenant_0{i}" for i in range(5)}
+
+
+def test_on_off_tenant_sends_only_in_its_on_periods():
+    workload = build_workload("on-off")
+    period = workload.params["period_s"]
+    on_off = arrival_times(workload, "on_off")
+    assert all(int(t // period) % 2 == 0 for t in on_off)
+    # every on period has arrivals, at about on_rate
+    per_period = collections.Counter(int(t // period) for t in on_off)
+    assert sorted(per_period) == [0, 2, 4, 6, 8]
+    assert min(per_period.values()) / period == pytest.approx(workload.params["on_rate"], rel=0.25)
+    steady = arrival_times(workload, "steady")
+    assert len(steady) / workload.params["duration"] == pytest.approx(3, rel=0.1)
+    assert {int(t // period) for t in steady} == set(range(10))  # the steady tenant never stops
+
+
+def test_increase_rate_grows_linearly_beside_a_constant_tenant():
+    workload = build_workload("increase", {"duration": 3000})
+    thirds = [collections.Counter(int(t // 1000) for t in arrival_times(workload, tenant))
+              for tenant in ("constant", "increasing")]
+    assert [thirds[0][k] / 1000 for k in range(3)] == pytest.approx([0.5] * 3, rel=0.15)
+    # the ramp's mean rate in each third: 0.2 + 1.8 * (k + 0.5) / 3
+    assert [thirds[1][k] / 1000 for k in range(3)] == pytest.approx([0.5, 1.1, 1.7], rel=0.1)
+    flat = build_workload("increase", {"start_rate": 1.0, "end_rate": 1.0, "duration": 3000})
+    assert len(arrival_times(flat, "increasing")) / 3000 == pytest.approx(1.0, rel=0.1)
+    from_zero = build_workload("increase", {"start_rate": 0, "duration": 600})
+    assert min(arrival_times(from_zero, "increasing")) > 1  # the rate starts at 0: 1/600 arrivals expected by 1 s
+
+
+def test_dist_shift_tenants_swap_request_shapes_at_shift_at():
+    workload = build_workload("dist-shift", {"duration": 400, "shift_at": 100})
+    for tenant, long_prompts_first in (("tenant_a", True), ("tenant_b", False)):
+        for before in (True, False):
+            mine = [a for a in workload.arrivals if a.tenant == tenant and (a.at < 100) == before]
+            prompt = statistics.fmean(a.prompt_tokens for a in mine)
+            output = statistics.fmean(a.output_tokens for a in mine)
+            long_prompts = long_prompts_first == before
+            assert (prompt, output) == (pytest.approx(512 if long_prompts else 32, rel=0.15),
+                                        pytest.approx(32 if long_prompts else 512, rel=0.15))
+    assert len({a.prompt_tokens for a in workload.arrivals}) > 50  # lognormal sizes
+    fixed = build_workload("dist-shift", {"sigma": 0})
+    assert {(a.prompt_tokens, a.output_tokens) for a in fixed.arrivals} == {(512, 32), (32, 512)}
+
+
 # --------------------------------------------------------------------------- parameters
 
 
@@ -250,6 +359,24 @@ def test_params_override_defaults_and_numbers_become_floats():
          "burst_size/rate = 5 s; lower it"),
         ("seed-stress", {"vip_requests": 0, "free_requests": 0},
          "workload 'seed-stress': generated no arrivals (raise the rate, duration or counts)"),
+        ("noisy-neighbor", {"neighbor_rate": -1},
+         "workload 'noisy-neighbor': neighbor_rate: must be between 0 and 1e+06, got -1"),
+        ("noisy-neighbor", {"steady_rate": 0}, "workload 'noisy-neighbor': steady_rate: must be > 0, got 0"),
+        ("noisy-neighbor", {"neighbor_prompt_tokens": 30000, "neighbor_output_tokens": 3000},
+         "workload 'noisy-neighbor': neighbor_output_tokens: neighbor_prompt_tokens + neighbor_output_tokens "
+         "must be <= 32768, got 33000"),
+        ("noisy-neighbor", {"steady_bid": 0}, "workload 'noisy-neighbor': steady_bid: must be between 1 and 10, got 0"),
+        ("noisy-neighbor", {"neighbor_rate": 1e5, "duration": 100},
+         "workload 'noisy-neighbor': (steady_rate + neighbor_rate) * duration: asks for about 10,000,050 arrivals "
+         "(limit 2,000,000)"),
+        ("proportional", {"tenants": 1}, "workload 'proportional': tenants: must be between 2 and 100, got 1"),
+        ("on-off", {"period_s": 0}, "workload 'on-off': period_s: must be > 0, got 0"),
+        ("increase", {"start_rate": 3, "end_rate": 2},
+         "workload 'increase': end_rate: must be >= start_rate (3), got 2"),
+        ("increase", {"start_rate": -0.5}, "workload 'increase': start_rate: must be between 0 and 1e+06, got -0.5"),
+        ("dist-shift", {"shift_at": 200}, "workload 'dist-shift': shift_at: must be <= duration (120), got 200"),
+        ("dist-shift", {"long_tokens": 20000},
+         "workload 'dist-shift': long_tokens: must be between 1 and 16384, got 20000"),
     ],
 )
 def test_bad_params_are_named(name, params, message):

@@ -161,6 +161,23 @@ def regular_count(rate: float, duration: float) -> int:
     return max(1, math.ceil(rate * duration - 1e-9))
 
 
+def regular_times(rate: float, duration: float) -> np.ndarray:
+    """The times ``0, 1/rate, 2/rate, ...`` before ``duration`` (at least the first): no randomness."""
+    return np.arange(regular_count(rate, duration)) / rate
+
+
+def ramp_times(rng: np.random.Generator, start_rate: float, end_rate: float, duration: float) -> np.ndarray:
+    """A Poisson process on ``[0, duration)`` whose rate goes linearly from ``start_rate`` to ``end_rate``.
+
+    The expected count by ``t`` is ``L(t) = start_rate*t + (end_rate - start_rate)*t**2/(2*duration)``;
+    a Poisson count of uniform points on ``[0, L(duration))`` mapped through ``L``'s inverse, written
+    ``2u / (b + sqrt(b**2 + 4au))`` so that it holds when either coefficient is 0.
+    """
+    a, b = (end_rate - start_rate) / (2 * duration), start_rate
+    u = np.sort(rng.uniform(0.0, (a * duration + b) * duration, rng.poisson((start_rate + end_rate) / 2 * duration)))
+    return 2 * u / (b + np.sqrt(b * b + 4 * a * u))
+
+
 def make_arrivals(times: Any, tenants: Any, prompt_tokens: Any, output_tokens: Any, bids: Any) -> list[Arrival]:
     """Arrivals from columns; a scalar column is repeated. Values become plain ``float``/``int``/``str``."""
     size = len(times)
@@ -173,6 +190,12 @@ def make_arrivals(times: Any, tenants: Any, prompt_tokens: Any, output_tokens: A
         for at, tenant, prompt, output, b in zip(
             column(times), column(tenants), column(prompt_tokens), column(output_tokens), column(bids), strict=True)
     ]
+
+
+def tenant_arrivals(times: np.ndarray, tenant: str, p: Mapping[str, Any], prefix: str = "") -> list[Arrival]:
+    """``times`` as one tenant's arrivals, of the sizes and bid in ``p[prefix + "prompt_tokens"]``,
+    ``p[prefix + "output_tokens"]`` and ``p[prefix + "bid"]``."""
+    return make_arrivals(times, tenant, p[f"{prefix}prompt_tokens"], p[f"{prefix}output_tokens"], p[f"{prefix}bid"])
 
 
 def fits_kv(p: Mapping[str, Any], prompt: str = "prompt_tokens", output: str = "output_tokens") -> None:
@@ -246,7 +269,7 @@ def periodic(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
     """One arrival every ``1/rate`` seconds exactly: every gap equal, entropy 0."""
     size = regular_count(p["rate"], p["duration"])
     names, who, bids = regular_requests(p, rng, size)
-    times = np.arange(size) / p["rate"]
+    times = regular_times(p["rate"], p["duration"])
     return Generated(make_arrivals(times, who, p["prompt_tokens"], p["output_tokens"], bids), names)
 
 
@@ -292,12 +315,8 @@ def vip_flood(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
 
 def vtc_overload(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
     """VTC's overload experiment: two Poisson tenants, equal bids, fixed sizes."""
-    arrivals = [
-        arrival
-        for tenant, rate in (("tenant_a", p["rate_a"]), ("tenant_b", p["rate_b"]))
-        for arrival in make_arrivals(poisson_times(rng, rate, p["duration"]), tenant,
-                                     p["prompt_tokens"], p["output_tokens"], p["bid"])
-    ]
+    arrivals = [arrival for tenant, rate in (("tenant_a", p["rate_a"]), ("tenant_b", p["rate_b"]))
+                for arrival in tenant_arrivals(poisson_times(rng, rate, p["duration"]), tenant, p)]
     return Generated(arrivals, ["tenant_a", "tenant_b"])
 
 
@@ -319,6 +338,79 @@ def check_head_of_line(p: Mapping[str, Any]) -> None:
     if total > KV_CAPACITY_TOKENS:
         raise ValueError(f"huge_factor: prompt_tokens + output_tokens * huge_factor must be "
                          f"<= {KV_CAPACITY_TOKENS}, got {total}")
+
+
+def noisy_neighbor(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
+    """A steady tenant's regular requests beside a same-bid neighbour's Poisson flood.
+
+    The steady tenant's arrivals (every ``1/steady_rate`` s from t = 0) draw nothing from the
+    seed, so they are the same whatever the neighbour sends; with ``neighbor_rate = 0`` the
+    workload is the steady tenant alone, and ``neighbor`` is not one of its tenants.
+    """
+    steady = tenant_arrivals(regular_times(p["steady_rate"], p["duration"]), "steady", p, "steady_")
+    neighbor = tenant_arrivals(poisson_times(rng, p["neighbor_rate"], p["duration"]), "neighbor", p, "neighbor_")
+    return Generated(steady + neighbor, ["steady", "neighbor"] if p["neighbor_rate"] > 0 else ["steady"])
+
+
+def check_noisy_neighbor(p: Mapping[str, Any]) -> None:
+    for prefix in ("steady_", "neighbor_"):
+        fits_kv(p, f"{prefix}prompt_tokens", f"{prefix}output_tokens")
+
+
+def proportional(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
+    """VTC's proportional experiment: tenant ``i`` sends Poisson arrivals at ``(i + 1) * rate``."""
+    names = tenant_names(p["tenants"])
+    arrivals = [arrival for i, name in enumerate(names)
+                for arrival in tenant_arrivals(poisson_times(rng, (i + 1) * p["rate"], p["duration"]), name, p)]
+    return Generated(arrivals, names)
+
+
+def on_off(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
+    """VTC's on-off experiment: a steady Poisson tenant, and one whose Poisson arrivals fall only in
+    its on periods: on for ``period_s`` from t = 0, then off for ``period_s``, and so on."""
+    steady = poisson_times(rng, p["steady_rate"], p["duration"])
+    switching = poisson_times(rng, p["on_rate"], p["duration"])
+    switching = switching[np.floor(switching / p["period_s"]) % 2 == 0]
+    return Generated(tenant_arrivals(steady, "steady", p) + tenant_arrivals(switching, "on_off", p),
+                     ["steady", "on_off"])
+
+
+def increase(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
+    """VTC's increase experiment: a constant-rate tenant beside one whose rate ramps linearly (Poisson both)."""
+    constant = poisson_times(rng, p["constant_rate"], p["duration"])
+    rising = ramp_times(rng, p["start_rate"], p["end_rate"], p["duration"])
+    return Generated(tenant_arrivals(constant, "constant", p) + tenant_arrivals(rising, "increasing", p),
+                     ["constant", "increasing"])
+
+
+def check_increase(p: Mapping[str, Any]) -> None:
+    fits_kv(p)
+    if p["end_rate"] < p["start_rate"]:
+        raise ValueError(f"end_rate: must be >= start_rate ({p['start_rate']:g}), got {p['end_rate']:g}")
+
+
+def dist_shift(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
+    """Two Poisson tenants with opposite request shapes that swap at ``shift_at``.
+
+    Before it, ``tenant_a`` sends long prompts and short outputs and ``tenant_b`` short prompts
+    and long outputs; from it on, the reverse. Each request draws one long and one short size
+    (lognormal, means ``long_tokens`` and ``short_tokens``). (VTC's own distribution-shift run
+    changes the tenants' rates between phases, which ``on-off`` and ``proportional`` cover.)
+    """
+    arrivals: list[Arrival] = []
+    for tenant, rate, long_prompts_first in (("tenant_a", p["rate_a"], True), ("tenant_b", p["rate_b"], False)):
+        times = poisson_times(rng, rate, p["duration"])
+        longs = lognormal_tokens(rng, p["long_tokens"], p["sigma"], times.size)
+        shorts = lognormal_tokens(rng, p["short_tokens"], p["sigma"], times.size)
+        long_prompt = (times < p["shift_at"]) == long_prompts_first
+        arrivals += make_arrivals(times, tenant, np.where(long_prompt, longs, shorts),
+                                  np.where(long_prompt, shorts, longs), p["bid"])
+    return Generated(arrivals, ["tenant_a", "tenant_b"])
+
+
+def check_dist_shift(p: Mapping[str, Any]) -> None:
+    if p["shift_at"] > p["duration"]:
+        raise ValueError(f"shift_at: must be <= duration ({p['duration']:g}), got {p['shift_at']:g}")
 
 
 @attrs.frozen
@@ -408,6 +500,58 @@ BUILTINS: dict[str, Builtin] = {b.name: b for b in [
         head_of_line,
         lambda p: (p["rate"] * p["duration"], "rate * duration"),
         check_head_of_line,
+    ),
+    Builtin(
+        "noisy-neighbor",
+        "a steady tenant (0.5 req/s, regular) beside a same-bid neighbour's Poisson flood of 10 req/s, "
+        "above GPU capacity",
+        {"duration": positive(120), "steady_rate": positive(0.5), "steady_prompt_tokens": tokens(64),
+         "steady_output_tokens": tokens(64), "steady_bid": bid(5), "neighbor_rate": Param(10.0, 0, 1e6),
+         "neighbor_prompt_tokens": tokens(64), "neighbor_output_tokens": tokens(128), "neighbor_bid": bid(5)},
+        noisy_neighbor,
+        lambda p: (regular_count(p["steady_rate"], p["duration"]) + p["neighbor_rate"] * p["duration"],
+                   "(steady_rate + neighbor_rate) * duration"),
+        check_noisy_neighbor,
+    ),
+    Builtin(
+        "proportional",
+        "VTC's proportional experiment: 3 tenants at 0.5, 1 and 1.5 req/s (Poisson), all above their "
+        "fair share, 256 in / 256 out",
+        {"duration": positive(120), "tenants": count(3, 2, 100), "rate": positive(0.5),
+         "prompt_tokens": tokens(256), "output_tokens": tokens(256), "bid": bid(5)},
+        proportional,
+        lambda p: (p["rate"] * p["tenants"] * (p["tenants"] + 1) / 2 * p["duration"],
+                   "rate * tenants * (tenants + 1) / 2 * duration"),
+    ),
+    Builtin(
+        "on-off",
+        "VTC's on-off experiment: a steady tenant at 3 req/s beside one at 2 req/s in 60 s on / 60 s off "
+        "periods (Poisson), 256 in / 256 out",
+        {"duration": positive(600), "steady_rate": positive(3), "on_rate": positive(2), "period_s": positive(60),
+         "prompt_tokens": tokens(256), "output_tokens": tokens(256), "bid": bid(5)},
+        on_off,
+        lambda p: ((p["steady_rate"] + p["on_rate"]) * p["duration"], "(steady_rate + on_rate) * duration"),
+    ),
+    Builtin(
+        "increase",
+        "VTC's increase experiment: a tenant at 0.5 req/s beside one whose rate ramps from 0.2 to 2 req/s "
+        "(Poisson), 256 in / 256 out",
+        {"duration": positive(600), "constant_rate": positive(0.5), "start_rate": Param(0.2, 0, 1e6),
+         "end_rate": positive(2), "prompt_tokens": tokens(256), "output_tokens": tokens(256), "bid": bid(5)},
+        increase,
+        lambda p: ((p["constant_rate"] + (p["start_rate"] + p["end_rate"]) / 2) * p["duration"],
+                   "(constant_rate + (start_rate + end_rate) / 2) * duration"),
+        check_increase,
+    ),
+    Builtin(
+        "dist-shift",
+        "two tenants at 1 req/s each (Poisson) with opposite sizes, 512 in / 32 out against 32 in / 512 out "
+        "(lognormal), swapped halfway",
+        {"duration": positive(120), "rate_a": positive(1), "rate_b": positive(1), "shift_at": Param(60.0, 0, 1e6),
+         "long_tokens": mean_tokens(512), "short_tokens": mean_tokens(32), "sigma": sigma(0.5), "bid": bid(5)},
+        dist_shift,
+        lambda p: ((p["rate_a"] + p["rate_b"]) * p["duration"], "(rate_a + rate_b) * duration"),
+        check_dist_shift,
     ),
 ]}
 
