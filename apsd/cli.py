@@ -291,16 +291,18 @@ def profile_main(argv: Sequence[str]) -> int:
 
 
 def research_main(argv: Sequence[str]) -> int:
-    from .sim.research import CONTINUOUS_ENGINE, POLICIES, SCALED, WORKLOADS, write_research
+    from .sim.research import (CONTINUOUS_ENGINE, ISOLATION_SCALED, ISOLATION_WORKLOADS, POLICIES, SCALED, WORKLOADS,
+                               write_research)
 
     engine = CONTINUOUS_ENGINE
     parser = argparse.ArgumentParser(
         prog="apsd research",
         description="Regenerate the research report: policies "
                     f"{', '.join(POLICIES)}, then the presets of installed plugins (APSD_PLUGINS applies), "
-                    f"on workloads {', '.join(WORKLOADS)}, in virtual time, on the seed engine (micro) and on "
+                    f"on workloads {', '.join(WORKLOADS)} and the isolation workloads "
+                    f"{', '.join(ISOLATION_WORKLOADS)}, in virtual time, on the seed engine (micro) and on "
                     f"the continuous engine ({engine['gpu']}, {engine['model']}), plus "
-                    f"{', '.join(s.name for s in SCALED)} on the continuous engine only.")
+                    f"{', '.join(s.name for s in (*SCALED, *ISOLATION_SCALED))} on the continuous engine only.")
     parser.add_argument("--out", default="docs", metavar="DIR", help="where research.md and research/ go "
                         "(default docs)")
     parser.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")

@@ -12,8 +12,9 @@ import pytest
 from apsd.config import Config, EngineConfig, TenantConfig
 from apsd.plugins import make_plugin_manager
 from apsd.sim.records import Arrival, BatchRecord, EngineRecord, GovernorSample, PolicyRun, RequestRecord, Workload
-from apsd.sim.report import (FAIRNESS_DEFINITION, PLOT_FILES, _busy_cumulative, build_figure, format_summary_table,
-                             summarize, write_report)
+from apsd.sim.report import (FAIRNESS_DEFINITION, PLOT_FILES, SERVICE_DIFFERENCE_DEFINITION, _busy_cumulative,
+                             build_figure, format_summary_table, service_difference_over_time, summarize,
+                             write_report)
 from apsd.sim.runner import parse_policy_choice, run_policy
 from apsd.sim.workloads import UNTHROTTLED
 
@@ -346,6 +347,71 @@ def test_busy_curve_without_batches_is_each_engines_time_with_a_sequence():
     assert _busy_cumulative(moved, edges).tolist() == [0.0, 0.5, 1.0, 2.0, 3.0]
 
 
+# -- the service difference between backlogged tenants -----------------------------------
+
+def served(tenant, arrival, dispatched, started, finished, prompt, output):
+    return RequestRecord(tenant, 5, prompt, output, arrival=arrival, outcome="completed", dispatched_at=dispatched,
+                         started_at=started, finished_at=finished, engine_id=0)
+
+
+def backlog_run(label="fifo", weights=None):
+    """Two tenants over 20 s, each with one request served and one waiting from t = 0.
+
+    a: 10 + 2·20 = 50 service from 0 to 10 s, a request waiting until 15 s; b: 0 + 2·50 = 100 from
+    2 to 12 s, a request waiting until 12 s; c: only rejected. Both a and b are backlogged throughout
+    the 10 s windows from 0, 1 and 2 s (ending by 12 s), where a receives 50, 45, 40 and b 80, 90, 100.
+    """
+    tenants = {t: TenantConfig(rate=1e6, burst=10**9, weight=(weights or {}).get(t, 1.0)) for t in "abc"}
+    workload = Workload(name="backlog", description="", arrivals=(), tenants=tenants, params={})
+    requests = (
+        served("a", 0.0, 0.0, 0.0, 10.0, 10, 20), served("a", 0.0, 15.0, 15.0, 20.0, 1, 1),
+        served("b", 0.0, 0.0, 2.0, 12.0, 0, 50), served("b", 0.0, 12.0, 12.0, 20.0, 1, 1),
+        RequestRecord("c", 5, 1, 1, arrival=0.0, outcome="rejected", error="rate_limited"),
+    )
+    return PolicyRun(label=label, policy={"preset": label}, workload=workload, requests=requests, batches=(),
+                     samples=(), sample_interval_s=1.0, duration_s=20.0, gpus=1, tenant_rates={},
+                     engine={"kind": "continuous", "count": 1})
+
+
+def test_service_difference_is_measured_among_tenants_backlogged_throughout_a_window():
+    starts, difference = service_difference_over_time(backlog_run())
+    assert starts.tolist() == list(range(11))  # 10 s windows from 0, 1, ..., 10 s: all end by 20 s
+    assert difference[:3].tolist() == pytest.approx([30.0, 45.0, 60.0])
+    assert np.isnan(difference[3:]).all()  # b's queue is empty from 12 s: only a is backlogged
+    d = summarize(backlog_run())["overall"]["service_difference"]
+    assert d == {"window_s": 10.0, "step_s": 1.0, "input_weight": 1.0, "output_weight": 2.0,
+                 "windows": 3, "max": 60.0, "max_window_start_s": 2.0, "mean": 45.0,
+                 "first_half_windows": 1, "first_half_max": 30.0, "first_half_max_window_start_s": 0.0}
+
+
+def test_service_difference_divides_service_by_the_tenants_weight():
+    # b's weight 2 halves its service: 40, 45, 50 against a's 50, 45, 40.
+    _, difference = service_difference_over_time(backlog_run(weights={"b": 2.0}))
+    assert difference[:3].tolist() == pytest.approx([10.0, 0.0, 10.0])
+
+
+def test_no_service_difference_without_two_tenants_waiting_for_a_whole_window():
+    run = backlog_run()
+    never_waits = tuple(attrs.evolve(r, dispatched_at=r.arrival) if r.tenant == "b" else r for r in run.requests)
+    d = summarize(attrs.evolve(run, requests=never_waits))["overall"]["service_difference"]
+    assert (d["windows"], d["max"], d["first_half_max"], d["mean"]) == (0, None, None, None)
+    assert summarize(tiny_run())["overall"]["service_difference"]["windows"] == 0  # 4 s: shorter than a window
+
+
+def test_report_and_plot_show_the_service_difference(tmp_path):
+    write_report([backlog_run("fifo"), backlog_run("fair", weights={"b": 2.0})], tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "| `fifo` | 3 (first half 1) | 30 | 60 | 2.000 | 45 |" in md
+    assert "| `fair` | 3 (first half 1) | 10 | 10 | 0.000 | 7 |" in md  # (10 + 0 + 10) / 3
+    assert SERVICE_DIFFERENCE_DEFINITION[1:] in md
+    never = attrs.evolve(tiny_run("static"), workload=backlog_run().workload)
+    (ax,) = build_figure("service_difference.png", [backlog_run("fifo"), backlog_run("aps"), never]).axes
+    assert legend(ax) == ["fifo, aps"]  # identical curves share a line
+    assert ax.get_lines()[0].get_ydata()[:3].tolist() == pytest.approx([30.0, 45.0, 60.0])
+    assert ax.get_lines()[0].get_xdata()[:3].tolist() == [5.0, 6.0, 7.0]  # each window's middle
+    assert "never two tenants backlogged throughout a window: static" in ax.get_title()
+
+
 # -- files ------------------------------------------------------------------------------
 
 def test_summary_json_is_byte_identical_and_sensitive(tmp_path):
@@ -370,7 +436,7 @@ def test_plots_written_as_reproducible_pngs(tmp_path):
     first = write_report(runs, tmp_path / "one")
     second = write_report(runs, tmp_path / "two")
     assert [p.name for p in first] == ["summary.json", "report.md", *PLOT_FILES]
-    assert len(PLOT_FILES) == 7
+    assert len(PLOT_FILES) == 8
     for p, q in zip(first, second):
         assert p.is_file() and p.stat().st_size > 0
         if p.suffix == ".png":
@@ -467,7 +533,8 @@ def test_report_gives_every_duration_in_seconds_and_every_unit_in_its_header(tmp
     write_report([tiny_run("aps"), tiny_run("fifo")], tmp_path, plots=False)
     md = (tmp_path / "report.md").read_text()
     tables = markdown_tables(md)
-    assert len(tables) == 1 + 3 * 2  # the comparison; per run tenants, governor states, batch sizes
+    # the comparison, the service difference; per run tenants, governor states, batch sizes
+    assert len(tables) == 2 + 3 * 2
     timed = per_token = 0
     for header, rows in tables:
         for col, name in enumerate(header):

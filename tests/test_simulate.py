@@ -33,6 +33,11 @@ SMALL = {
     "vip-flood": {"duration": 20.0},
     "vtc-overload": {"duration": 30.0},
     "head-of-line": {"duration": 30.0},
+    "noisy-neighbor": {"duration": 20.0},
+    "proportional": {"duration": 20.0},
+    "on-off": {"duration": 40.0, "period_s": 10.0},
+    "increase": {"duration": 30.0},
+    "dist-shift": {"duration": 20.0, "shift_at": 10.0},
 }
 
 

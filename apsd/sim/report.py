@@ -30,6 +30,27 @@ functions, so ``import apsd.sim.report`` stays light.
 Fairness is the daemon's own (:mod:`apsd.ledger`): Jain's index over
 ``x_i`` = output tokens served to tenant ``i`` divided by its configured rate,
 over the tenants with at least one admitted request.
+
+Service difference (VTC's measure, Sheng et al., "Fairness in Serving Large Language
+Models", OSDI '24), :func:`service_difference_over_time`:
+
+* A completed request gives its tenant ``service = SERVICE_INPUT_WEIGHT * prompt_tokens +
+  SERVICE_OUTPUT_WEIGHT * output_tokens`` (1 and 2, VTC's defaults), received evenly from its
+  first token to its end (VTC's attribution); divided by the tenant's ``weight``. Requests that
+  did not complete give nothing.
+* A tenant is *backlogged* while it has a request waiting in the queue: admitted, from its
+  arrival to its (last) dispatch, as VTC counts a client backlogged while it has queued requests.
+  A tenant whose requests all run at once is not: it asks for no more than it gets.
+* Windows are :data:`SERVICE_WINDOW_S` long, one starting every :data:`SERVICE_STEP_S` from
+  t = 0, each ending by the run's end (``duration_s``). A window's *service difference* is the
+  service the most served tenant received within it minus what the least served received,
+  among the tenants backlogged throughout it; none when fewer than two were.
+* ``overall.service_difference`` has its maximum over the whole run (``max``) and over the
+  windows that end by half the run's duration (``first_half_max``), and how many windows had a
+  difference: a fair scheduler bounds the difference whatever the run's length (VTC's Theorem),
+  so the whole run's maximum should not exceed the first half's by much. ``mean`` is its mean over
+  the windows that have one (VTC reports both): the maximum is often the start of a backlog, when
+  the service still comes from requests dispatched before it began.
 """
 
 from __future__ import annotations
@@ -53,16 +74,40 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "FAIRNESS_DEFINITION",
     "PLOT_FILES",
+    "SERVICE_DIFFERENCE_DEFINITION",
+    "SERVICE_INPUT_WEIGHT",
+    "SERVICE_OUTPUT_WEIGHT",
+    "SERVICE_STEP_S",
+    "SERVICE_WINDOW_S",
     "SIGNIFICANT_DIGITS",
     "build_figure",
     "describe_engine",
     "format_summary_table",
+    "service_difference_over_time",
     "summarize",
     "write_report",
 ]
 
 #: Floats in summaries are rounded to this many significant digits.
 SIGNIFICANT_DIGITS = 6
+
+#: Service is ``SERVICE_INPUT_WEIGHT * prompt tokens + SERVICE_OUTPUT_WEIGHT * output tokens`` (VTC's defaults).
+SERVICE_INPUT_WEIGHT = 1.0
+SERVICE_OUTPUT_WEIGHT = 2.0
+#: The service difference is measured in windows this long, one starting every :data:`SERVICE_STEP_S`.
+SERVICE_WINDOW_S = 10.0
+SERVICE_STEP_S = 1.0
+
+#: The service difference in one sentence, for reports (the module docstring has the whole definition).
+SERVICE_DIFFERENCE_DEFINITION = (
+    f"service = {SERVICE_INPUT_WEIGHT:g} × prompt tokens + {SERVICE_OUTPUT_WEIGHT:g} × output tokens of each "
+    "completed request (VTC's weights) over its tenant's weight, received evenly from its first token to its "
+    "end; a tenant is "
+    "backlogged while it has a request waiting in the queue (arrived, not yet dispatched); in each window of "
+    f"{SERVICE_WINDOW_S:g} s (one starting every {SERVICE_STEP_S:g} s), the service difference is the service "
+    "received within the window by the most served minus the least served of the tenants backlogged throughout "
+    "it (none with fewer than two)"
+)
 
 FAIRNESS_DEFINITION = (
     "Jain's index (sum x)^2/(n*sum x^2); x_i = output tokens served to tenant i "
@@ -78,6 +123,7 @@ PLOT_FILES: dict[str, str] = {
     "governor.png": "governor entropy and batch window over time",
     "gpu_busy.png": "GPU busy fraction over time",
     "service.png": "cumulative output tokens served per tenant",
+    "service_difference.png": "service difference between backlogged tenants over time",
 }
 
 _PERCENTILES = (50, 95, 99)
@@ -242,6 +288,127 @@ def _batch_sizes(run: PolicyRun) -> dict[str, Any]:
     }
 
 
+def _union(intervals: Iterable[tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
+    """The union of closed intervals ``(start, end)`` as disjoint spans (starts, ends), sorted;
+    intervals that touch merge."""
+    spans: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if spans and s <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], e)
+        else:
+            spans.append([s, e])
+    return np.asarray([s for s, _ in spans], dtype=float), np.asarray([e for _, e in spans], dtype=float)
+
+
+def _spread_cumulative(start: np.ndarray, end: np.ndarray, amount: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """How much of ``amount`` has accumulated by each time in ``edges``, each amount spread evenly
+    over its ``[start, end]`` (all of it at ``start`` when the span is empty)."""
+    start, end, amount = (np.asarray(x, dtype=float) for x in (start, end, amount))
+    if not start.size:
+        return np.zeros_like(edges)
+    span = end - start
+    spread = span > 0
+    total = np.zeros_like(edges)
+    # Empty spans: a step at their start.
+    order = np.argsort(start[~spread], kind="stable")
+    s0, b0 = start[~spread][order], np.cumsum(amount[~spread][order])
+    k = np.searchsorted(s0, edges, side="right")
+    total += np.where(k > 0, b0[np.maximum(k - 1, 0)] if b0.size else 0.0, 0.0)
+    # Spans with a duration: slope amount/span between start and end, i.e.
+    # sum_{start<e} slope*(e-start) - sum_{end<e} slope*(e-end).
+    slope = amount[spread] / span[spread]
+    for points, sign in ((start[spread], 1.0), (end[spread], -1.0)):
+        order = np.argsort(points, kind="stable")
+        p, w = points[order], slope[order]
+        cw, cwp = np.concatenate(([0.0], np.cumsum(w))), np.concatenate(([0.0], np.cumsum(w * p)))
+        k = np.searchsorted(p, edges, side="right")
+        total += sign * (edges * cw[k] - cwp[k])
+    return total
+
+
+def _by_tenant(run: PolicyRun) -> dict[str, list[RequestRecord]]:
+    by_tenant: dict[str, list[RequestRecord]] = collections.defaultdict(list)
+    for r in run.requests:
+        by_tenant[r.tenant].append(r)
+    return by_tenant
+
+
+def _tenant_weight(run: PolicyRun, tenant: str) -> float:
+    config = run.workload.tenants.get(tenant)
+    return 1.0 if config is None else config.weight
+
+
+def _backlogged_throughout(requests: Sequence[RequestRecord], starts: np.ndarray,
+                           ends: np.ndarray) -> np.ndarray | None:
+    """Per window ``[starts[k], ends[k]]``: whether some request of ``requests`` waited in the queue at
+    every instant of it (each waits from its arrival to its last dispatch; never dispatched: never).
+    None when the queue never held one of them for a whole window."""
+    span_start, span_end = _union((r.arrival, r.dispatched_at) for r in requests
+                                  if r.outcome != "rejected" and r.dispatched_at is not None)
+    if not span_start.size or (span_end - span_start).max() < SERVICE_WINDOW_S:
+        return None
+    i = np.searchsorted(span_start, starts, side="right") - 1
+    return (i >= 0) & (span_end[np.maximum(i, 0)] >= ends)
+
+
+def _service_cumulative(requests: Sequence[RequestRecord], edges: np.ndarray) -> np.ndarray:
+    """Service received by each time in ``edges``: each completed request's
+    ``input_weight * prompt_tokens + output_weight * output_tokens`` spread evenly from its first
+    token to its end (at its end when it has no first token)."""
+    done = [r for r in _completed(requests) if r.finished_at is not None]
+    return _spread_cumulative([r.finished_at if r.started_at is None else r.started_at for r in done],
+                              [r.finished_at for r in done],
+                              [SERVICE_INPUT_WEIGHT * r.prompt_tokens + SERVICE_OUTPUT_WEIGHT * r.output_tokens
+                               for r in done], edges)
+
+
+def service_difference_over_time(run: PolicyRun) -> tuple[np.ndarray, np.ndarray]:
+    """The start of every window of :data:`SERVICE_WINDOW_S` (one every :data:`SERVICE_STEP_S` from 0,
+    ending by the run's end), and its service difference: NaN where fewer than two tenants were
+    backlogged throughout it. See the module docstring for the definition."""
+    steps = round(SERVICE_WINDOW_S / SERVICE_STEP_S)
+    count = max(math.floor((run.duration_s - SERVICE_WINDOW_S) / SERVICE_STEP_S + 1e-9) + 1, 0)
+    edges = np.arange(count + steps) * SERVICE_STEP_S
+    starts, ends = edges[:count], edges[steps:]
+    high, low = np.full(count, -np.inf), np.full(count, np.inf)
+    backlogged = np.zeros(count, dtype=int)
+    for tenant, requests in _by_tenant(run).items():
+        throughout = _backlogged_throughout(requests, starts, ends)
+        if throughout is None:
+            continue
+        served = _service_cumulative(requests, edges) / _tenant_weight(run, tenant)
+        in_window = served[steps:] - served[:count]
+        high = np.where(throughout, np.maximum(high, in_window), high)
+        low = np.where(throughout, np.minimum(low, in_window), low)
+        backlogged += throughout
+    return starts, np.where(backlogged >= 2, high - low, np.nan)
+
+
+def _service_difference(run: PolicyRun) -> dict[str, Any]:
+    """The largest service difference over the whole run and over its first half (windows that end
+    by half its duration), its mean over the run's windows, and how many windows had one."""
+    starts, difference = service_difference_over_time(run)
+    measured = ~np.isnan(difference)
+    first_half = measured & (starts + SERVICE_WINDOW_S <= run.duration_s / 2)
+
+    def largest(which: np.ndarray) -> tuple[float | None, float | None]:
+        if not which.any():
+            return None, None
+        k = int(np.flatnonzero(which)[np.argmax(difference[which])])
+        return float(difference[k]), float(starts[k])
+
+    whole_max, whole_at = largest(measured)
+    half_max, half_at = largest(first_half)
+    return {
+        "window_s": SERVICE_WINDOW_S, "step_s": SERVICE_STEP_S,
+        "input_weight": SERVICE_INPUT_WEIGHT, "output_weight": SERVICE_OUTPUT_WEIGHT,
+        "windows": int(measured.sum()), "max": whole_max, "max_window_start_s": whole_at,
+        "mean": float(difference[measured].mean()) if measured.any() else None,
+        "first_half_windows": int(first_half.sum()), "first_half_max": half_max,
+        "first_half_max_window_start_s": half_at,
+    }
+
+
 def summarize(run: PolicyRun) -> dict[str, Any]:
     """The run's figures, JSON-ready and deterministic (see the module docstring).
 
@@ -254,10 +421,7 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
     GPUs once); ``gpu_utilization`` is that busy time over (engines × duration).
     ``engine`` is the run's ``[engine]`` with its engines' preemptions and MFU/MBU.
     """
-    by_tenant: dict[str, list[RequestRecord]] = collections.defaultdict(list)
-    for r in run.requests:
-        by_tenant[r.tenant].append(r)
-
+    by_tenant = _by_tenant(run)
     tenants: dict[str, Any] = {}
     fairness_x: list[float] = []
     for name in _tenant_names(run):
@@ -309,6 +473,7 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
         "latency_ms": _percentiles_ms(_latencies(done)),
         "governor": _governor(run),
         "batch_sizes": _batch_sizes(run),
+        "service_difference": _service_difference(run),
     }
     wl = run.workload
     return _clean({
@@ -412,6 +577,18 @@ def _tenant_table(summary: dict[str, Any]) -> str:
     return _table(header, rows, "llrrrrrrrrrrl")
 
 
+def _service_difference_table(summaries: Sequence[dict[str, Any]]) -> str:
+    header = ("policy", "windows with 2+ backlogged tenants", "max, first half (service)",
+              "max, whole run (service)", "window of the max, from (s)", "mean, whole run (service)")
+    rows = []
+    for s in summaries:
+        d = s["overall"]["service_difference"]
+        rows.append((f"`{s['label']}`", f"{d['windows']} (first half {d['first_half_windows']})",
+                     _f(d["first_half_max"], ",.0f"), _f(d["max"], ",.0f"), _f(d["max_window_start_s"], _S),
+                     _f(d["mean"], ",.0f")))
+    return _table(header, rows, "lrrrrr")
+
+
 def _governor_table(summary: dict[str, Any]) -> str:
     g = summary["overall"]["governor"]
     if not g["samples"]:
@@ -508,7 +685,12 @@ def _markdown(title: str, summaries: Sequence[dict[str, Any]], groups: Sequence[
                 "token and TPOT the mean time between output tokens after the first (requests of two or "
                 "more tokens); the lowest bidder is every request with the smallest bid among the "
                 "arrivals, and its wait is the longest queue wait among its completed requests. Batch "
-                "sizes exist only for the `micro` engine (—: none ran).", ""]
+                "sizes exist only for the `micro` engine (—: none ran).", "",
+                "### Service difference between backlogged tenants", "", _service_difference_table(group), "",
+                SERVICE_DIFFERENCE_DEFINITION[0].upper() + SERVICE_DIFFERENCE_DEFINITION[1:] + ". The first half "
+                "is the windows that end by half the run's duration: a fair scheduler keeps the difference "
+                "bounded however long the run, so the whole run's maximum stays near the first half's. The mean "
+                "is over the windows with a difference.", ""]
         for s in group:
             lb = s["overall"]["lowest_bidder"]
             out += [f"### `{s['label']}`", "",
@@ -836,65 +1018,65 @@ def _busy_spans(run: PolicyRun) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     for r in run.requests:
         if r.dispatched_at is not None and r.finished_at is not None:
             by_engine.setdefault(r.engine_id, []).append((r.dispatched_at, r.finished_at))
-    spans: list[tuple[float, float]] = []
-    for intervals in by_engine.values():
-        intervals.sort()
-        start, end = intervals[0]
-        for s, e in intervals[1:]:
-            if s > end:
-                spans.append((start, end))
-                start, end = s, e
-            else:
-                end = max(end, e)
-        spans.append((start, end))
-    start = np.asarray([s for s, _ in spans], dtype=float)
-    end = np.asarray([e for _, e in spans], dtype=float)
+    spans = [_union(intervals) for intervals in by_engine.values()]  # each engine's own: busy time adds up
+    start = np.concatenate([s for s, _ in spans]) if spans else np.zeros(0)
+    end = np.concatenate([e for _, e in spans]) if spans else np.zeros(0)
     return start, end, end - start
 
 
 def _busy_cumulative(run: PolicyRun, edges: np.ndarray) -> np.ndarray:
     """Engine busy seconds accumulated by each time in ``edges`` (see :func:`_busy_spans`)."""
-    start, end, busy = _busy_spans(run)
-    if not start.size:
-        return np.zeros_like(edges)
-    span = end - start
-    spread = span > 0
-    total = np.zeros_like(edges)
-    # Instantaneous batches: a step at their start.
-    order = np.argsort(start[~spread], kind="stable")
-    s0, b0 = start[~spread][order], np.cumsum(busy[~spread][order])
-    k = np.searchsorted(s0, edges, side="right")
-    total += np.where(k > 0, b0[np.maximum(k - 1, 0)] if b0.size else 0.0, 0.0)
-    # Batches with a duration: slope busy/span between start and end, i.e.
-    # sum_{start<e} slope*(e-start) - sum_{end<e} slope*(e-end).
-    slope = busy[spread] / span[spread]
-    for points, sign in ((start[spread], 1.0), (end[spread], -1.0)):
-        order = np.argsort(points, kind="stable")
-        p, w = points[order], slope[order]
-        cw, cwp = np.concatenate(([0.0], np.cumsum(w))), np.concatenate(([0.0], np.cumsum(w * p)))
-        k = np.searchsorted(p, edges, side="right")
-        total += sign * (edges * cw[k] - cwp[k])
-    return total
+    return _spread_cumulative(*_busy_spans(run), edges)
+
+
+def _identical_curves(runs: Sequence[PolicyRun], curve: Callable[[PolicyRun], tuple[np.ndarray, np.ndarray] | None]
+                      ) -> list[tuple[list[PolicyRun], np.ndarray, np.ndarray]]:
+    """Each distinct ``curve(run)`` (x, y; None: nothing to draw) with the runs that have it, in order."""
+    curves: dict[tuple[bytes, bytes], tuple[list[PolicyRun], np.ndarray, np.ndarray]] = {}
+    for run in runs:
+        xy = curve(run)
+        if xy is not None:
+            curves.setdefault((xy[0].tobytes(), xy[1].tobytes()), ([], *xy))[0].append(run)
+    return list(curves.values())
+
+
+def _draw_shared_lines(ax: Axes, curves: Sequence[tuple[list[PolicyRun], np.ndarray, np.ndarray]], several: bool,
+                       draw: Callable[..., Any], legend: str, missing: str) -> None:
+    """``draw(x, y, label=..., **style)`` for each curve of :func:`_identical_curves`, labelled with its
+    runs, and a legend; ``missing`` when there is none."""
+    for i, (group, x, y) in enumerate(curves):
+        draw(x, y, label=_labels(group, several), linewidth=1.2, **_line_style(i))
+    if curves:
+        ax.legend(fontsize="x-small", loc=legend)
+    else:
+        _no_data(ax, missing)
+
+
+def _busy_fraction(run: PolicyRun) -> tuple[np.ndarray, np.ndarray] | None:
+    """The edges of :data:`_BUSY_BINS` bins over the run, and the engines' busy fraction in each."""
+    if run.duration_s <= 0 or not _engine_count(run):
+        return None
+    edges = np.linspace(0.0, run.duration_s, _BUSY_BINS + 1)
+    width = edges[1] - edges[0]
+    return edges, np.diff(_busy_cumulative(run, edges)) / (_engine_count(run) * width)
+
+
+def _service_difference_curve(run: PolicyRun) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each window's middle and service difference (thinned for long runs); None without any."""
+    starts, difference = service_difference_over_time(run)
+    if np.isnan(difference).all():
+        return None
+    shown = _thin(np.arange(starts.size), _MAX_CURVE_POINTS * 4)
+    return starts[shown] + SERVICE_WINDOW_S / 2, difference[shown]
 
 
 def _draw_gpu_busy(runs: Sequence[PolicyRun], several: bool) -> Figure:
     fig, (ax,) = _single_figure(10, 4)
-    curves: dict[tuple[bytes, bytes], tuple[list[PolicyRun], np.ndarray, np.ndarray]] = {}
-    for run in runs:
-        if run.duration_s <= 0 or not _engine_count(run):
-            continue
-        edges = np.linspace(0.0, run.duration_s, _BUSY_BINS + 1)
-        width = edges[1] - edges[0]
-        frac = np.diff(_busy_cumulative(run, edges)) / (_engine_count(run) * width)
-        curves.setdefault((edges.tobytes(), frac.tobytes()), ([], edges, frac))[0].append(run)
-    for i, (group, edges, frac) in enumerate(curves.values()):
-        ax.stairs(frac, edges, label=_labels(group, several), linewidth=1.2, **_line_style(i))
-    if curves:
-        ax.legend(fontsize="x-small", loc="lower right")
-    else:
-        _no_data(ax)
+    curves = _identical_curves(runs, _busy_fraction)
+    _draw_shared_lines(ax, curves, several, lambda edges, frac, **style: ax.stairs(frac, edges, **style),
+                       legend="lower right", missing="no data")
     notes = []
-    if any(len(group) > 1 for group, _, _ in curves.values()):
+    if any(len(group) > 1 for group, _, _ in curves):
         notes.append("one line per policy; policies with identical curves share a line")
     if any(run.engine.get("kind", "micro") != "micro" for run in runs):
         notes.append("an engine without batches (continuous) is busy while any sequence is in it")
@@ -941,6 +1123,27 @@ def _draw_service(runs: Sequence[PolicyRun], several: bool) -> Figure:
     return fig
 
 
+def _draw_service_difference(runs: Sequence[PolicyRun], several: bool) -> Figure:
+    """One line per policy (identical ones shared) of each window's service difference, at the
+    window's middle; gaps where fewer than two tenants were backlogged throughout a window."""
+    fig, (ax,) = _single_figure(10, 4)
+    curves = _identical_curves(runs, _service_difference_curve)
+    _draw_shared_lines(ax, curves, several, ax.plot, legend="best",
+                       missing=f"no {SERVICE_WINDOW_S:g} s window with two tenants backlogged throughout")
+    unmeasured = [run for run in runs if not any(run is r for group, _, _ in curves for r in group)]
+    notes = [f"{SERVICE_WINDOW_S:g} s windows, one every {SERVICE_STEP_S:g} s; service = "
+             f"{SERVICE_INPUT_WEIGHT:g}·prompt + {SERVICE_OUTPUT_WEIGHT:g}·output tokens; policies with identical "
+             "curves share a line"]
+    if unmeasured and curves:
+        notes.append(f"never two tenants backlogged throughout a window: {_labels(unmeasured, several)}")
+    ax.set_title("\n".join(notes), fontsize="medium")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("time (s), middle of the window")
+    ax.set_ylabel("most − least served backlogged tenant\n(service in the window)")
+    ax.grid(alpha=0.3)
+    return fig
+
+
 _DRAWERS: dict[str, Callable[[Sequence[PolicyRun], bool], Figure]] = {
     "latency_cdf.png": _draw_latency_cdf,
     "ttft_cdf.png": _draw_ttft_cdf,
@@ -949,6 +1152,7 @@ _DRAWERS: dict[str, Callable[[Sequence[PolicyRun], bool], Figure]] = {
     "governor.png": _draw_governor,
     "gpu_busy.png": _draw_gpu_busy,
     "service.png": _draw_service,
+    "service_difference.png": _draw_service_difference,
 }
 
 

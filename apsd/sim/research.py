@@ -1,16 +1,20 @@
-"""The research report: the seeds' workloads under each policy, on two engines, and their claims checked.
+"""The research report: the seeds' workloads and tenant isolation under each policy, on two engines.
 
 Ownership: :func:`write_research` runs :data:`POLICIES`, then the presets of the
 installed plugins (:func:`plugin_presets`), on every workload of :data:`WORKLOADS`
 with :mod:`apsd.sim.runner`, twice: on the seeds' simulated A100 (the ``micro``
 engine, the default configuration) and on the ``continuous`` engine described by
 :data:`CONTINUOUS_ENGINE`; then, on the continuous engine only, the scaled variants of
-:data:`SCALED`. It writes each comparison with :func:`apsd.sim.report.write_report`
-(paths in :func:`report_dir`) and ``<out>/research.md``: which policies ran and which
-plugins they came from, which of the seed documents' claims hold on the seed engine,
-which conclusions change on the continuous engine, the comparison tables, and plots.
-Every figure and every verdict in it is computed here from the runs: regenerate with
-``apsd research``.
+:data:`SCALED`. The tenant-isolation workloads of :data:`ISOLATION_WORKLOADS` run on
+the seed engine with their defaults and on the continuous engine as :data:`ISOLATION_SCALED`;
+:data:`NOISY` also runs without its neighbour (:data:`ALONE`) for research.md only. It
+writes each comparison with :func:`apsd.sim.report.write_report` (paths in
+:func:`report_dir`) and ``<out>/research.md``: which policies ran and which plugins they
+came from, which of the seed documents' claims hold on the seed engine, which conclusions
+change on the continuous engine, how well each policy isolates tenants (a noisy
+neighbour's effect on a steady tenant, and the service difference between backlogged
+tenants of :mod:`apsd.sim.report`), the comparison tables, and plots. Every figure and
+every verdict in it is computed here from the runs: regenerate with ``apsd research``.
 
 Plugins: by default the plugin manager is the daemon's (:func:`~apsd.plugins.make_plugin_manager`:
 built-ins plus installed ``apsd`` entry points, filtered by ``APSD_PLUGINS``), so the
@@ -20,8 +24,12 @@ report covers what an operator could run. The same seed and the same installed p
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,16 +45,17 @@ from ..plugins import (DEFAULT_PLUGINS, describe_plugins, load_policy_registry, 
 from ..policies.aging import ApsParams
 from ..policy import PolicyRegistry
 from .records import PolicyRun, Workload
-from .report import describe_engine, format_summary_table, summarize, write_report
+from .report import SERVICE_DIFFERENCE_DEFINITION, describe_engine, format_summary_table, summarize, write_report
 from .runner import PolicyChoice, parse_policy_choice, run_policy
 from .workloads import build_workload
 
-__all__ = ["CONTINUOUS_ENGINE", "POLICIES", "SCALED", "WORKLOADS", "ScaledWorkload", "plugin_presets",
-           "report_dir", "write_research"]
+__all__ = ["ALONE", "CONTINUOUS_ENGINE", "ISOLATION_SCALED", "ISOLATION_WORKLOADS", "NOISY", "POLICIES", "SCALED",
+           "WORKLOADS", "ScaledWorkload", "open_report_writer", "plugin_presets", "report_dir", "write_research"]
 
 #: Compared on every workload: FIFO, static priority, APS with the entropy governor, APS with a
-#: fixed window (to isolate the governor). The installed plugins' presets follow them.
-POLICIES = ("fifo", "static", "aps", "aps:governor=fixed")
+#: fixed window (to isolate the governor), and the weighted fair share between tenants (the default
+#: preset). The installed plugins' presets follow them.
+POLICIES = ("fifo", "static", "aps", "aps:governor=fixed", "fair")
 
 #: The seed documents' scenarios, with the built-in workloads' default parameters.
 WORKLOADS = ("seed-stress", "burst-50", "vip-flood", "periodic", "bursty", "head-of-line", "vtc-overload")
@@ -54,6 +63,15 @@ WORKLOADS = ("seed-stress", "burst-50", "vip-flood", "periodic", "bursty", "head
 #: The second engine (``[engine]``): one A100-80GB serving Llama-3-8B, batching at the iteration level.
 CONTINUOUS_ENGINE: dict[str, Any] = {"kind": "continuous", "gpu": "a100-80gb", "model": "llama-3-8b", "tp": 1,
                                      "count": 1}
+
+#: Tenant isolation (issue 14): a noisy neighbour and VTC's experiments (Sheng et al., OSDI '24, §5),
+#: on the seed engine with the built-in defaults, on the continuous engine as :data:`ISOLATION_SCALED`.
+ISOLATION_WORKLOADS = ("noisy-neighbor", "proportional", "on-off", "increase", "dist-shift")
+
+#: The workload whose steady tenant research.md compares with and without its neighbour, and the
+#: parameter that removes the neighbour (its "alone" run).
+NOISY = "noisy-neighbor"
+ALONE = {"neighbor_rate": 0.0}
 
 #: The workloads the governor claim is checked on (two regular, two irregular arrival patterns).
 GOVERNOR_WORKLOADS = ("periodic", "bursty", "burst-50", "seed-stress")
@@ -81,6 +99,32 @@ SCALED = (
                    "both rates ×8, 1.5 → 12 and 3 → 24 req/s, over 120 s instead of 600 s so that no "
                    "tenant's queue reaches `max_requests_per_tenant`: both tenants above their fair share"),
 )
+
+#: The isolation workloads on the continuous engine: rates scaled until they overload it (it serves about
+#: 18 req/s of 256/256-token requests and 54 req/s of 64/128), over durations short enough that no tenant's
+#: queue reaches `max_requests_per_tenant` (2,000) under FIFO.
+ISOLATION_SCALED = (
+    ScaledWorkload("noisy-neighbor-x10", "noisy-neighbor", {"steady_rate": 5.0, "neighbor_rate": 100.0,
+                                                            "duration": 20.0},
+                   "both rates ×10, 0.5 → 5 and 10 → 100 req/s, about twice what the engine serves, over 20 s "
+                   "instead of 120 s"),
+    ScaledWorkload("proportional-x16", "proportional", {"rate": 8.0, "duration": 30.0},
+                   "the rates ×16, 0.5, 1 and 1.5 → 8, 16 and 24 req/s, over 30 s instead of 120 s"),
+    ScaledWorkload("on-off-x8", "on-off", {"steady_rate": 24.0, "on_rate": 16.0, "period_s": 10.0,
+                                           "duration": 60.0},
+                   "both rates ×8, 3 → 24 and 2 → 16 req/s, in 10 s periods over 60 s instead of 60 s "
+                   "periods over 600 s"),
+    ScaledWorkload("increase-x16", "increase", {"constant_rate": 8.0, "start_rate": 3.2, "end_rate": 32.0,
+                                                "duration": 60.0},
+                   "the rates ×16, 0.5 → 8 and a ramp from 3.2 to 32 req/s, over 60 s instead of 600 s"),
+    ScaledWorkload("dist-shift-x16", "dist-shift", {"rate_a": 16.0, "rate_b": 16.0, "duration": 60.0,
+                                                    "shift_at": 30.0},
+                   "both rates ×16, 1 → 16 req/s, over 60 s instead of 120 s, swapped at 30 s"),
+)
+
+
+#: Most worker processes drawing the reports' plots at once (one per CPU, up to this).
+MAX_REPORT_WORKERS = 8
 
 #: The control for the governor: APS with a fixed window of 0 ms (``[policy.fixed] window_ms = 0``),
 #: run on :data:`GOVERNOR_WORKLOADS` on both engines for research.md's governor paragraph only.
@@ -121,6 +165,8 @@ class _Measured:
     overload: dict[str, dict[str, Any]]
     #: engine -> workload -> the summary of :data:`ZERO_WINDOW`.
     zero_window: dict[str, dict[str, dict[str, Any]]]
+    #: engine -> policy label -> the summary of :data:`NOISY`'s steady tenant alone (:data:`ALONE`).
+    alone: dict[str, dict[str, dict[str, Any]]]
     #: workload (or scaled variant) -> output tokens/s of a full continuous engine for its mean request.
     full_engine_tps: dict[str, float | None]
     #: workload (or scaled variant) -> (mean prompt tokens, mean output tokens).
@@ -151,40 +197,77 @@ def write_research(out_dir: Path, *, seed: int = 1, config: Config | None = None
     results: dict[str, dict[str, list[dict[str, Any]]]] = {engine: {} for engine in configs}
     overload: dict[str, dict[str, Any]] = {}
     zero_window: dict[str, dict[str, dict[str, Any]]] = {engine: {} for engine in configs}
+    alone: dict[str, dict[str, dict[str, Any]]] = {}
     full: dict[str, float | None] = {}
     shapes: dict[str, tuple[int, int]] = {}
 
-    def run(engine: str, name: str, workload: Workload, title: str) -> None:
-        runs = [run_policy(workload, choice, base_config=configs[engine], plugin_manager=pm, progress=progress)
+    def run_all(engine: str, workload: Workload) -> list[PolicyRun]:
+        return [run_policy(workload, choice, base_config=configs[engine], plugin_manager=pm, progress=progress)
                 for choice in choices]
+
+    def run(engine: str, name: str, workload: Workload, title: str) -> None:
+        runs = run_all(engine, workload)
         directory = report_dir(engine, name)
-        write_report(runs, out_dir / directory, title=title, plots=plots)
+        write(runs, out_dir / directory, title)
         results[engine][name] = [summarize(r) for r in runs]
         if workload.name == "vtc-overload":
             overload[directory.as_posix()] = _service_during_overload(runs)
+        if workload.name == NOISY:
+            alone[engine] = {r.label: summarize(r) for r in run_all(engine, _alone(workload))}
 
-    for name in WORKLOADS:
-        workload = build_workload(name, None, seed=seed)
-        shapes[name] = _mean_shape(workload)
-        full[name] = _full_engine_tps(deployment, configs["continuous"], shapes[name])
-        run("micro", name, workload, f"apsd research: {name}")
-        run("continuous", name, workload, f"apsd research: {name} on the continuous engine")
-        if name in GOVERNOR_WORKLOADS:
-            for engine, base in configs.items():
-                zero = _with_fixed_window(base, 0.0)
-                zero_window[engine][name] = summarize(run_policy(workload, ZERO_WINDOW, base_config=zero,
-                                                                 plugin_manager=pm, progress=progress))
-    for scaled in SCALED:
-        workload = build_workload(scaled.workload, scaled.params, seed=seed)
-        shapes[scaled.name] = _mean_shape(workload)
-        full[scaled.name] = _full_engine_tps(deployment, configs["continuous"], shapes[scaled.name])
-        run("continuous", scaled.name, workload,
-            f"apsd research: {scaled.name}, {scaled.workload} scaled for the continuous engine")
-    measured = _Measured(results=results, overload=overload, zero_window=zero_window, full_engine_tps=full,
-                         shapes=shapes, configs=configs, deployment=deployment)
+    with open_report_writer(plots) as write:
+        for name in WORKLOADS:
+            workload = build_workload(name, None, seed=seed)
+            shapes[name] = _mean_shape(workload)
+            full[name] = _full_engine_tps(deployment, configs["continuous"], shapes[name])
+            run("micro", name, workload, f"apsd research: {name}")
+            run("continuous", name, workload, f"apsd research: {name} on the continuous engine")
+            if name in GOVERNOR_WORKLOADS:
+                for engine, base in configs.items():
+                    zero = _with_fixed_window(base, 0.0)
+                    zero_window[engine][name] = summarize(run_policy(workload, ZERO_WINDOW, base_config=zero,
+                                                                     plugin_manager=pm, progress=progress))
+        for name in ISOLATION_WORKLOADS:
+            run("micro", name, build_workload(name, None, seed=seed), f"apsd research: {name}")
+        for scaled in (*SCALED, *ISOLATION_SCALED):
+            workload = build_workload(scaled.workload, scaled.params, seed=seed)
+            shapes[scaled.name] = _mean_shape(workload)
+            full[scaled.name] = _full_engine_tps(deployment, configs["continuous"], shapes[scaled.name])
+            run("continuous", scaled.name, workload,
+                f"apsd research: {scaled.name}, {scaled.workload} scaled for the continuous engine")
+    measured = _Measured(results=results, overload=overload, zero_window=zero_window, alone=alone,
+                         full_engine_tps=full, shapes=shapes, configs=configs, deployment=deployment)
     path = out_dir / "research.md"
     path.write_text(_markdown(measured, config, seed, extra, plugins), encoding="utf-8")
     return path
+
+
+@contextlib.contextmanager
+def open_report_writer(plots: bool) -> Iterator[Callable[[list[PolicyRun], Path, str], None]]:
+    """``write(runs, directory, title)``: :func:`~apsd.sim.report.write_report` for one comparison.
+
+    Without plots it writes at once. With plots, which take most of research's time and depend on
+    nothing but their runs, it hands the runs to a pool of up to :data:`MAX_REPORT_WORKERS` worker
+    processes (started fresh, not forked) and returns; every report is written when the block exits.
+    The files are the same bytes either way.
+
+    Error handling: a worker's exception is raised when the block exits, once every report has been
+    written or has failed; the pool is shut down either way.
+    """
+    workers = min(MAX_REPORT_WORKERS, os.cpu_count() or 1)
+    if not plots or workers == 1:
+        yield lambda runs, directory, title: write_report(runs, directory, title=title, plots=plots)
+        return
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        written: list[Future[list[Path]]] = []
+        yield lambda runs, directory, title: written.append(pool.submit(write_report, runs, directory, title=title))
+        for report in written:
+            report.result()
+
+
+def _alone(workload: Workload) -> Workload:
+    """:data:`NOISY` with the same parameters and seed but :data:`ALONE`: its steady tenant's very arrivals, alone."""
+    return build_workload(workload.name, {**workload.params, **ALONE}, seed=workload.seed)
 
 
 def _with_fixed_window(config: Config, window_ms: float) -> Config:
@@ -415,15 +498,18 @@ def _claim_starvation(results: dict[str, list[dict[str, Any]]], extra: tuple[str
         "a sustained overload it waits about 9 s longer than the flood's own requests, instead of for the "
         "whole flood. `alpha` trades priority against waiting: larger values move APS towards FIFO."
     ]
-    for label in extra:
+    for label in ("fair", *extra):
         o = _overall(results, "vip-flood", label)
-        text.append(f"The `{label}` preset ({origin.get(label, 'a plugin')}) gives the bid-1 tenant "
+        text.append(f"The `{label}` preset ({origin.get(label, 'built in')}) gives the bid-1 tenant "
                     f"{_s(worst(label))} at worst ({_change(worst(label), fifo)} against FIFO), with everyone's "
-                    f"p99 wait at {_s(o['queue_wait_ms']['p99'])} (FIFO: {_s(fifo_p99)}).")
-    if extra:
-        labels = [s["label"] for s in results["vip-flood"]]
-        best = min(labels, key=worst)
-        text.append(f"Of the {len(labels)} policies run, `{best}` gives the lowest bidder the shortest worst wait.")
+                    f"p99 wait at {_s(o['queue_wait_ms']['p99'])} (FIFO: {_s(fifo_p99)})"
+                    + (": the bid-1 tenant is another tenant, and a bid never buys another tenant's share."
+                       if label == "fair" else "."))
+    labels = [s["label"] for s in results["vip-flood"]]
+    shortest = min(worst(label) for label in labels)
+    best = [f"`{label}`" for label in labels if worst(label) <= shortest * 1.005]
+    text.append(f"Of the {len(labels)} policies run, {_list(best)} "
+                f"{'give' if len(best) > 1 else 'gives'} the lowest bidder the shortest worst wait.")
     return "\n".join([
         "**Starvation** (seed 002: \"high-volume tenants can starve low-volume ones\").",
         "",
@@ -481,7 +567,7 @@ def _names() -> list[str]:
 
 
 def _scaled(name: str) -> ScaledWorkload | None:
-    return next((s for s in SCALED if s.name == name), None)
+    return next((s for s in (*SCALED, *ISOLATION_SCALED) if s.name == name), None)
 
 
 def _cont(m: _Measured, name: str, label: str = "aps") -> dict[str, Any]:
@@ -827,6 +913,142 @@ def _continuous_section(m: _Measured, config: Config) -> list[str]:
     ]
 
 
+# -- tenant isolation -----------------------------------------------------------------------------
+
+def _isolation_names(engine: str) -> list[str]:
+    """The isolation workloads' report names on ``engine``: the built-ins, or their scaled variants."""
+    return list(ISOLATION_WORKLOADS) if engine == "micro" else [s.name for s in ISOLATION_SCALED]
+
+
+def _engine_name(engine: str) -> str:
+    return "seed" if engine == "micro" else engine
+
+
+def _noisy_name(engine: str) -> str:
+    return next(name for name in _isolation_names(engine) if name.startswith(NOISY))
+
+
+def _steady(summary: dict[str, Any]) -> tuple[float | None, float | None]:
+    """The steady tenant's p99 latency and p99 TTFT, in ms."""
+    steady = summary["tenants"]["steady"]
+    return steady["latency_ms"]["p99"], steady["ttft_ms"]["p99"]
+
+
+def _ratio(new: float | None, old: float | None) -> str:
+    return "n/a" if new is None or not old else f"{new / old:,.1f}×"
+
+
+def _noisy_neighbor(m: _Measured) -> str:
+    rows, verdicts = [], []
+    for engine in ("micro", "continuous"):
+        summaries = m.results[engine][_noisy_name(engine)]
+        for s in summaries:
+            (latency, ttft), (alone_latency, alone_ttft) = _steady(s), _steady(m.alone[engine][s["label"]])
+            rows.append(f"| `{s['label']}` | {_engine_name(engine)} | {_sec(latency)} | {_sec(alone_latency)} | "
+                        f"{_ratio(latency, alone_latency)} | {_sec(ttft)} | {_sec(alone_ttft)} | "
+                        f"{_ratio(ttft, alone_ttft)} |")
+        verdicts.append(_noisy_verdict(m, engine, summaries))
+    return "\n".join([
+        "**A noisy neighbour** (`noisy-neighbor`; on the continuous engine `" + _noisy_name("continuous") + "`). The "
+        "steady tenant's p99 latency and p99 time to first token beside the neighbour's flood, and alone: the same "
+        "workload with `neighbor_rate = 0`, so the very same steady arrivals (run for this table only).",
+        "",
+        "| policy | engine | steady p99 latency (s) | alone (s) | ratio | steady p99 TTFT (s) | alone (s) | ratio |",
+        "|:---|:---|---:|---:|---:|---:|---:|---:|", *rows, "",
+        " ".join(verdicts),
+    ])
+
+
+def _noisy_verdict(m: _Measured, engine: str, summaries: list[dict[str, Any]]) -> str:
+    """Which policy kept the steady tenant closest to its latency alone, against FIFO."""
+    def latency(s: dict[str, Any]) -> float:
+        return _steady(s)[0] or math.inf
+
+    best = min(summaries, key=latency)
+    tied = [f"`{s['label']}`" for s in summaries if latency(s) <= latency(best) * 1.005]
+    fifo = next(s for s in summaries if s["label"] == "fifo")
+    alone = [_steady(a)[0] for a in m.alone[engine].values()]
+    return (f"On the {_engine_name(engine)} engine the steady tenant alone has a p99 latency of "
+            f"{_s(min(alone))}" + (f" to {_s(max(alone))}" if max(alone) > min(alone) else "")
+            + f"; beside the flood, `fifo` makes it {_s(_steady(fifo)[0])} and {_list(tied)} {_s(latency(best))}, "
+            f"{_ratio(latency(best), _steady(m.alone[engine][best['label']])[0])} its latency alone, the lowest "
+            "of the policies.")
+
+
+def _service_difference_cell(summary: dict[str, Any]) -> str:
+    d = summary["overall"]["service_difference"]
+    if d["max"] is None:
+        return "—"
+    return f"{d['max']:,.0f} ({_f0(d['first_half_max'])}) / {d['mean']:,.0f}"
+
+
+def _f0(x: float | None) -> str:
+    return "—" if x is None else f"{x:,.0f}"
+
+
+def _backlogged_rows(m: _Measured) -> list[tuple[str, str, list[dict[str, Any]]]]:
+    """(engine, workload, summaries) of every workload with two tenants backlogged in some window."""
+    names = {"micro": [*WORKLOADS, *_isolation_names("micro")],
+             "continuous": [*_names(), *_isolation_names("continuous")]}
+    return [(engine, name, m.results[engine][name]) for engine in ("micro", "continuous") for name in names[engine]
+            if any(s["overall"]["service_difference"]["windows"] for s in m.results[engine][name])]
+
+
+def _service_differences(m: _Measured) -> str:
+    rows = _backlogged_rows(m)
+    labels = [s["label"] for s in rows[0][2]]
+    lowest = {label: 0 for label in labels}
+    grew = {label: 0 for label in labels}
+    lines = []
+    for engine, name, summaries in rows:
+        lines.append(f"| `{name}` | {_engine_name(engine)} | "
+                     + " | ".join(_service_difference_cell(s) for s in summaries) + " |")
+        d = {s["label"]: s["overall"]["service_difference"] for s in summaries}
+        low = min(x["mean"] or 0.0 for x in d.values())
+        for label, x in d.items():
+            lowest[label] += (x["mean"] or 0.0) <= low * 1.005
+            grew[label] += x["max"] is not None and x["first_half_max"] is not None \
+                and x["max"] > 1.25 * x["first_half_max"]
+    best = max(labels, key=lambda label: lowest[label])
+    definition = SERVICE_DIFFERENCE_DEFINITION[0].upper() + SERVICE_DIFFERENCE_DEFINITION[1:]
+    return "\n".join([
+        "**The service difference between backlogged tenants** (VTC's fairness measure), on every workload where "
+        "two tenants were backlogged throughout some window under some policy: the whole run's maximum, in "
+        "brackets the first half's (windows that end by half the run's duration), then the mean over the run's "
+        "windows; — where no two tenants were backlogged throughout any window.",
+        "",
+        "| workload | engine | " + " | ".join(f"`{label}`" for label in labels) + " |",
+        "|:---|:---|" + "---:|" * len(labels), *lines, "",
+        f"{definition}. A policy with no difference on a workload (—) never kept two tenants waiting for a whole "
+        "window; one without a first-half figure (—) did only in the second half. The lowest mean (or none), "
+        "ties included: " + ", ".join(f"`{label}` on {lowest[label]}" for label in labels)
+        + f" of the {len(rows)} workloads, `{best}` most often. The whole run's maximum exceeds the first half's "
+        "by more than 25% on " + ", ".join(f"{grew[label]} under `{label}`" for label in labels)
+        + ": a fair scheduler keeps the difference bounded however long the run lasts. Its maximum is often at "
+        "the start of a backlog, where the service still comes from requests dispatched before it: on the "
+        "continuous engine a request runs for seconds, hundreds at a time, so the maximum says less than the "
+        "mean there.",
+    ])
+
+
+def _isolation_section(m: _Measured) -> list[str]:
+    scaled = "; ".join(f"`{s.name}`: `{s.workload}` with " + ", ".join(f"`{k}={v:g}`" for k, v in s.params.items())
+                       + f" ({s.why})" for s in ISOLATION_SCALED)
+    return [
+        "## Tenant isolation",
+        "",
+        "Five more workloads, where tenants compete for one engine: "
+        + ", ".join(f"`{name}`" for name in ISOLATION_WORKLOADS) + " (a noisy neighbour, then the shapes of VTC's "
+        "experiments, Sheng et al., \"Fairness in Serving Large Language Models\", OSDI '24, §5). They run with the "
+        "built-in defaults on the seed engine and scaled on the continuous engine: " + scaled + ".",
+        "",
+        _noisy_neighbor(m),
+        "",
+        _service_differences(m),
+        "",
+    ]
+
+
 # -- the document ---------------------------------------------------------------------------------
 
 def _plugins_text(extra: tuple[str, ...], plugins: list[dict[str, Any]]) -> str:
@@ -889,10 +1111,10 @@ def _markdown(m: _Measured, config: Config, seed: int, extra: tuple[str, ...], p
     builtin = ", ".join(f"`{parse_policy_choice(p).label}`" for p in POLICIES)
     origin = _origin(plugins)
     presets = ", ".join(f"`{p}` ({origin.get(p, 'a plugin')})" for p in extra)
-    subject = ("FIFO, static priority, APS and " + ", ".join(f"`{p}`" for p in extra)
-               if extra else "FIFO, static priority and APS")
+    subject = ("FIFO, static priority, APS, fair share and " + ", ".join(f"`{p}`" for p in extra)
+               if extra else "FIFO, static priority, APS and fair share")
     parts = [
-        f"# apsd research: {subject} on the seeds' workloads",
+        f"# apsd research: {subject} on the seeds' workloads and tenant isolation",
         "",
         "Generated by `apsd research` (this file and `research/`); every number below was measured by "
         "running apsd's own admission, scheduler, policies and simulated engines in virtual time "
@@ -908,7 +1130,8 @@ def _markdown(m: _Measured, config: Config, seed: int, extra: tuple[str, ...], p
         "comparison measures scheduling alone.",
         "",
         f"Policies run: the built-in {builtin} (`aps` uses the entropy governor, `aps+fixed` a fixed 10 ms "
-        "window)" + (f", then the installed plugins' presets: {presets}" if extra else "") + ". "
+        "window, `fair` the weighted fair share between tenants with APS order inside each)"
+        + (f", then the installed plugins' presets: {presets}" if extra else "") + ". "
         + _plugins_text(extra, plugins),
         "",
         "## What the seeds claim, and what apsd measures on the seed engine",
@@ -920,12 +1143,17 @@ def _markdown(m: _Measured, config: Config, seed: int, extra: tuple[str, ...], p
         _claim_governor(micro), "",
         _claim_lazy_aging(), "",
         *_continuous_section(m, config),
+        *_isolation_section(m),
         "## The workloads on the seed engine",
         "",
         *_workload_sections(micro, "micro", list(WORKLOADS), "queue_wait.png", "queue wait against arrival time"),
+        *_workload_sections(micro, "micro", _isolation_names("micro"), "service_difference.png",
+                            "service difference between backlogged tenants"),
         "## The workloads on the continuous engine",
         "",
         *_workload_sections(m.results["continuous"], "continuous", _names(), "ttft_cdf.png",
                             "time to first token"),
+        *_workload_sections(m.results["continuous"], "continuous", _isolation_names("continuous"),
+                            "service_difference.png", "service difference between backlogged tenants"),
     ]
     return "\n".join(parts).rstrip() + "\n"
