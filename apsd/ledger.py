@@ -12,6 +12,14 @@ It keeps, per tenant and overall::
 
 at every moment (``conservation_ok`` in :meth:`Ledger.statistics`).
 
+Cost per request: independent of the number of tenants. Every figure a request moves is a
+running counter (the tenant's, and the totals over all tenants: ``queued_total``,
+``running_total``, ``queued_tokens``, ``totals``), so no step of a request and none of
+admission's checks sums over tenants. :attr:`Ledger.changes` names the tenants whose counters
+moved since a reader last looked (the Prometheus exporter renders only those again), in time
+proportional to their number. :meth:`Ledger.statistics` reads the totals; only its fairness
+index visits every tenant with admitted work (a sum over floats, once per call).
+
 Usage: a request's tenant is charged what it used (``request.used_tokens``: its prompt
 once it started, and the tokens it generated), whatever its outcome, except when it
 failed (the engine's or apsd's fault: nothing is charged). The per-tenant token and
@@ -37,7 +45,7 @@ from .clock import ModelClock
 from .events import EventBus
 from .models import Completion, Dispatch, InferenceRequest, Outcome, Refusal
 
-__all__ = ["Ledger", "LedgerStatistics", "TenantStats", "jain_index"]
+__all__ = ["ChangeLog", "Ledger", "LedgerStatistics", "TenantStats", "jain_index"]
 
 FAIRNESS_DEFINITION = ("Jain's index (sum x)^2/(n*sum x^2); x_i = output tokens served to tenant i divided by "
                        "its configured rate, over tenants with at least one admitted request")
@@ -78,6 +86,35 @@ class TenantStats:
     @property
     def in_flight(self) -> int:
         return self.queued + self.running
+
+
+class ChangeLog:
+    """Which keys changed, for any number of readers that each remember how far they read.
+
+    :meth:`touch` is O(1). A reader keeps the :attr:`mark` it last read at and asks
+    :meth:`since` for the keys touched after it: the time is proportional to their number,
+    not to the number of keys there are.
+    """
+
+    def __init__(self) -> None:
+        #: Touches so far: the mark of the latest.
+        self.mark = 0
+        self._latest: dict[str, int] = {}  # key -> mark of its latest touch, oldest first
+
+    def touch(self, key: str) -> None:
+        self.mark += 1
+        latest = self._latest
+        latest.pop(key, None)  # (moved to the end: the dict stays ordered by latest touch)
+        latest[key] = self.mark
+
+    def since(self, mark: int) -> list[str]:
+        """The keys touched after ``mark`` (each once, most recently touched first)."""
+        keys = []
+        for key, touched in reversed(self._latest.items()):
+            if touched <= mark:
+                break
+            keys.append(key)
+        return keys
 
 
 @attrs.frozen
@@ -165,6 +202,11 @@ class Ledger:
     unattributed: TenantStats = attrs.field(factory=TenantStats, init=False)
     #: Admitted requests without an outcome yet, by identity, in admission order.
     outstanding: dict[InferenceRequest, None] = attrs.field(factory=dict)
+    #: The monotonic counters summed over every tenant and ``unattributed``, kept as they move
+    #: (its ``queued`` and ``running`` stay 0: those totals are ``queued_total``, ``running_total``).
+    totals: TenantStats = attrs.field(factory=TenantStats, init=False)
+    #: The configured tenants whose counters moved, touched on every move (see :class:`ChangeLog`).
+    changes: ChangeLog = attrs.field(factory=ChangeLog, init=False)
     #: Requests queued and running now, over every tenant (running counters: O(1) to read).
     queued_total: int = 0
     running_total: int = 0
@@ -192,8 +234,14 @@ class Ledger:
         for name in names:
             self.tenants.setdefault(name, TenantStats())
 
-    def _stats(self, tenant_id: str) -> TenantStats:
-        return self.tenants.get(tenant_id, self.unattributed)
+    def _changing(self, tenant_id: str | None) -> TenantStats:
+        """The counters of ``tenant_id`` (``unattributed`` if it is None or not configured), which
+        the caller is about to move: every ledger method that moves a tenant's counters gets them
+        here, and a configured tenant's move is logged in :attr:`changes`."""
+        if tenant_id is None or (stats := self.tenants.get(tenant_id)) is None:
+            return self.unattributed
+        self.changes.touch(tenant_id)
+        return stats
 
     def _now(self) -> float:
         return self.clock.now() if self.clock is not None else 0.0
@@ -209,15 +257,18 @@ class Ledger:
 
     def count_refusal(self, tenant_id: str | None, error: str) -> None:
         """Count a refusal of a request that never entered the pipeline (e.g. a bad body)."""
-        stats = self._stats(tenant_id) if tenant_id is not None else self.unattributed
+        stats = self._changing(tenant_id)
         stats.rejected += 1
         stats.rejected_by_error[error] += 1
+        self.totals.rejected += 1
+        self.totals.rejected_by_error[error] += 1
 
     def admit(self, request: InferenceRequest) -> None:
         if request in self.outstanding:
             raise ValueError(f"request {request.request_id} was admitted twice")
-        stats = self._stats(request.tenant_id)
+        stats = self._changing(request.tenant_id)
         stats.admitted += 1
+        self.totals.admitted += 1
         self._to_queue(request, stats)
         if not self.outstanding:
             self._idle = trio.Event()
@@ -237,7 +288,7 @@ class Ledger:
     def dispatched(self, dispatch: Dispatch) -> None:
         """``dispatch``'s requests left the queue for their engine (the scheduler stamped them)."""
         for request in dispatch.requests:
-            stats = self._stats(request.tenant_id)
+            stats = self._changing(request.tenant_id)
             self._from_queue(request, stats)
             stats.running += 1
             self.running_total += 1
@@ -260,7 +311,7 @@ class Ledger:
         scheduler puts it back in the queue)."""
         if request.answered or request.dispatched_at is None:
             raise ValueError(f"request {request.request_id} is not running")
-        stats = self._stats(request.tenant_id)
+        stats = self._changing(request.tenant_id)
         stats.running -= 1
         self.running_total -= 1
         self._to_queue(request, stats)
@@ -294,25 +345,33 @@ class Ledger:
             return False
         now = self._now() if at is None else at
         request.finished_at = now
-        stats = self._stats(request.tenant_id)
+        stats = self._changing(request.tenant_id)
         if request.dispatched_at is None:
             self._from_queue(request, stats)
         else:
             stats.running -= 1
             self.running_total -= 1
+        totals = self.totals
         if isinstance(outcome, Completion):
             stats.completed += 1
+            totals.completed += 1
             self.latencies_s.append(now - request.arrival)
             if outcome.tpot_ms is not None:
                 self.tpots_s.append(outcome.tpot_ms / 1000.0)
         elif outcome.kind == "failed":
             stats.failed += 1
+            totals.failed += 1
         else:
             stats.cancelled += 1
+            totals.cancelled += 1
         if billed_tokens(request, outcome):
-            stats.prompt_tokens += request.prompt_tokens if request.started_at is not None else 0
+            prompt = request.prompt_tokens if request.started_at is not None else 0
+            stats.prompt_tokens += prompt
             stats.generated_tokens += request.tokens_generated
             stats.cost_usd += request.cost_usd
+            totals.prompt_tokens += prompt
+            totals.generated_tokens += request.tokens_generated
+            totals.cost_usd += request.cost_usd
         if request.stream is not None:
             request.stream.close(None if isinstance(outcome, Completion) else outcome.message)
         del self.outstanding[request]
@@ -337,14 +396,10 @@ class Ledger:
 
     def statistics(self, elapsed_s: float, units: int, rates: Mapping[str, float]) -> LedgerStatistics:
         """The figures behind ``GET /metrics`` (model time), as of now; busy time is measured against
-        ``units`` engines (or backends)."""
-        everyone = (*self.tenants.values(), self.unattributed)
-        total = TenantStats()
-        for s in everyone:
-            for name in ("admitted", "rejected", "completed", "failed", "cancelled", "prompt_tokens",
-                         "generated_tokens"):
-                setattr(total, name, getattr(total, name) + getattr(s, name))
-        rejected_by_error = dict(sum((s.rejected_by_error for s in everyone), collections.Counter()))
+        ``units`` engines (or backends). Reads the running totals; only the fairness index visits
+        the tenants."""
+        total = self.totals
+        rejected_by_error = dict(total.rejected_by_error)
         in_flight = self.queued_total + self.running_total
         generated = total.generated_tokens
         return LedgerStatistics(

@@ -79,9 +79,14 @@ wall seconds each; with the default ``time_scale = 1`` they are wall seconds).
 from __future__ import annotations
 
 import bisect
+import itertools
+import math
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
+
+import attrs
+import trio
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -96,13 +101,14 @@ from werkzeug.datastructures import MIMEAccept
 from werkzeug.http import parse_accept_header
 
 from .events import EventBus
+from .ledger import ChangeLog
 from .models import Completion, Dispatch, InferenceRequest, Outcome
 
 if TYPE_CHECKING:
     from .engines.backends import BackendStatistics
     from .engines.base import EngineStatistics
-    from .ledger import TenantStats
-    from .pipeline import GovernorView, Pipeline
+    from .ledger import Ledger, TenantStats
+    from .pipeline import GovernorView, Pipeline, PipelineStatistics
 
 __all__ = [
     "BATCH_SIZE_BUCKETS",
@@ -140,8 +146,11 @@ class _Histogram:
         self.bounds = tuple(bounds)
         self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
         self.sum = 0.0
+        self._shared = False  # a scrape holds ``counts``: copy it before the next change
 
     def observe(self, value: float) -> None:
+        if self._shared:
+            self.counts, self._shared = list(self.counts), False
         self.counts[bisect.bisect_left(self.bounds, value)] += 1  # le: value <= bound
         self.sum += value
 
@@ -152,6 +161,13 @@ class _Histogram:
             cumulative.append((floatToGoString(bound), total))
         return cumulative
 
+    def share(self) -> tuple[Sequence[int], float]:
+        """The counts (not cumulative) and the sum as of now, in O(1): the counts are handed over
+        as they are, and the next observation changes a copy (the holder may read them in
+        another thread)."""
+        self._shared = True
+        return self.counts, self.sum
+
 
 class HistogramObserver:
     """The histograms' only input: listeners on the ledger's event bus (see :meth:`subscribe`)."""
@@ -159,6 +175,9 @@ class HistogramObserver:
     def __init__(self, tenants: Iterable[str] = ()) -> None:
         self.tenants = {tenant: _TenantHistograms() for tenant in tenants}
         self.batch_size = _Histogram(BATCH_SIZE_BUCKETS)
+        #: The tenants whose histograms had an observation (see :class:`~apsd.ledger.ChangeLog`).
+        self.changes = ChangeLog()
+        self._sorted: list[str] = []
 
     def histograms_for(self, tenant: str) -> _TenantHistograms:
         # admission admits configured tenants only: no series per client-chosen name
@@ -166,6 +185,12 @@ class HistogramObserver:
         if histograms is None:
             histograms = self.tenants[tenant] = _TenantHistograms()
         return histograms
+
+    def sorted_tenants(self) -> list[str]:
+        """The tenants with histograms, sorted (sorted again only when one was added: none is removed)."""
+        if len(self._sorted) != len(self.tenants):
+            self._sorted = sorted(self.tenants)
+        return self._sorted
 
     def subscribe(self, bus: EventBus) -> None:
         bus.subscribe("request_dispatched", self.request_dispatched, "the Prometheus histograms")
@@ -176,9 +201,11 @@ class HistogramObserver:
     def request_dispatched(self, request: InferenceRequest) -> None:
         assert request.dispatched_at is not None
         self.histograms_for(request.tenant_id).queue_wait.observe(request.dispatched_at - request.arrival)
+        self.changes.touch(request.tenant_id)
 
     def request_started(self, request: InferenceRequest, now: float) -> None:
         self.histograms_for(request.tenant_id).ttft.observe(now - request.arrival)
+        self.changes.touch(request.tenant_id)
 
     def request_finished(self, request: InferenceRequest, outcome: Outcome, now: float) -> None:
         if isinstance(outcome, Completion):
@@ -186,6 +213,7 @@ class HistogramObserver:
             histograms.latency.observe(now - request.arrival)
             if outcome.tpot_ms is not None:
                 histograms.tpot.observe(outcome.tpot_ms / 1000.0)
+            self.changes.touch(request.tenant_id)
 
     def batch_finished(self, batch: Dispatch) -> None:
         self.batch_size.observe(len(batch.requests))
@@ -198,9 +226,186 @@ class _TenantHistograms:
         self.tpot = _Histogram(TPOT_BUCKETS)
         self.latency = _Histogram(LATENCY_BUCKETS)
 
+    def share(self) -> _HistogramsRow:
+        """Every histogram's counts and sum (``_Histogram.share``), in ``_TENANT_HISTOGRAMS``' order."""
+        return self.queue_wait.share(), self.ttft.share(), self.tpot.share(), self.latency.share()
+
+
+# -- the families with a series per tenant --------------------------------------------------------
+# (name, documentation) of the per-tenant counters and gauges, in exposition order.
+_REQUESTS = ("apsd_requests_total", "Requests by tenant and outcome: admitted or rejected when received; an "
+             "admitted request later counts once as completed, failed or cancelled (empty tenant: no configured "
+             "tenant named)")
+_REJECTIONS = ("apsd_rejections_total", "Requests refused before admission, by tenant and error code")
+_IN_FLIGHT = ("apsd_requests_in_flight", "Admitted requests without an outcome yet, by tenant and state")
+_TOKENS = ("apsd_tokens_total", "Tokens charged to the tenant, by phase (prompt, generated): what its completed "
+           "requests, and those cancelled while running, used")
+_TENANT_COST = ("apsd_tenant_cost_usd_total", "Cost in USD of what the tenant was charged (its share of its "
+                "engines' time)")
+#: (name, attribute of _TenantHistograms, documentation, bucket bounds) of the per-tenant histograms.
+_TENANT_HISTOGRAMS: tuple[tuple[str, str, str, tuple[float, ...]], ...] = (
+    ("apsd_queue_wait_seconds", "queue_wait", "Model seconds from admission to dispatch, per dispatch",
+     QUEUE_WAIT_BUCKETS),
+    ("apsd_ttft_seconds", "ttft", "Model seconds from admission to the first token, per started request",
+     LATENCY_BUCKETS),
+    ("apsd_tpot_seconds", "tpot", "Mean model seconds per output token after the first, per completed "
+     "request of two tokens or more", TPOT_BUCKETS),
+    ("apsd_request_latency_seconds", "latency", "Model seconds from admission to the last token, per "
+     "completed request", LATENCY_BUCKETS),
+)
+
+#: One tenant's counters as a scrape shows them: admitted, rejected, completed, failed, cancelled
+#: (``_OUTCOMES``' order), (error, count) pairs sorted, queued, running, prompt and generated tokens, cost.
+_CounterRow = tuple[int, int, int, int, int, tuple[tuple[str, int], ...], int, int, int, int, float]
+#: One tenant's histograms as a scrape shows them: (counts, sum) in ``_TENANT_HISTOGRAMS``' order.
+_HistogramsRow = tuple[tuple[Sequence[int], float], ...]
+
+
+def _counter_row(stats: TenantStats) -> _CounterRow:
+    return (stats.admitted, stats.rejected, stats.completed, stats.failed, stats.cancelled,
+            tuple(sorted(stats.rejected_by_error.items())), stats.queued, stats.running, stats.prompt_tokens,
+            stats.generated_tokens, stats.cost_usd)
+
+
+class _Families:
+    """A collector of given families (what ``generate_latest`` renders)."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self.families = list(families)
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+@attrs.frozen
+class _Scrape:
+    """One scrape's moment, copied in the trio thread: all that rendering it reads."""
+
+    #: Configured tenants, in the ledger's order; the rows of those whose lines must be rendered
+    #: (every tenant, or those whose counters moved since the chunks' mark); the ledger's mark.
+    tenants: list[str]
+    counters: dict[str, _CounterRow]
+    counters_mark: int
+    unattributed: _CounterRow
+    #: The same for the tenants with histograms, sorted, and the observer's mark.
+    histogram_tenants: list[str]
+    histograms: dict[str, _HistogramsRow]
+    histograms_mark: int
+    #: The families between the per-tenant counters and the per-tenant histograms, and those after
+    #: (a few dozen samples: rendered by prometheus_client itself, in the trio thread).
+    middle: bytes
+    end: bytes
+
+
+@attrs.define(eq=False)
+class _Chunks:
+    """Each tenant's rendered lines, one chunk per family, as of the ``ChangeLog`` marks.
+
+    Read and written by one scrape at a time (the exporter's lock). A tenant not logged as
+    changed after the mark keeps its chunks; the marks move only once a rendering finished,
+    so a rendering that fails half-way is redone from the same marks.
+    """
+
+    counters: dict[str, tuple[bytes, ...]] = attrs.field(factory=dict)
+    counters_mark: int = 0
+    histograms: dict[str, tuple[bytes, ...]] = attrs.field(factory=dict)
+    histograms_mark: int = 0
+
+
+def _escape(value: str) -> str:
+    """A label value as prometheus_client's text format escapes it."""
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+
+
+_SMALL_NUMBERS = tuple(f"{n}.0" for n in range(100_000))
+
+
+def _number(value: float) -> str:
+    """``floatToGoString(value)``; small counts from a table (``repr(float(n))`` is ``"n.0"`` below 10**6)."""
+    if type(value) is int and 0 <= value < 100_000:
+        return _SMALL_NUMBERS[value]
+    return floatToGoString(value)
+
+
+def _header(kind: type[Metric], name: str, documentation: str) -> bytes:
+    """A family's ``# HELP`` and ``# TYPE`` lines, as prometheus_client renders them."""
+    return generate_latest(_Families([kind(name, documentation, labels=["tenant"])]))
+
+
+_COUNTER_HEADERS = (_header(CounterMetricFamily, *_REQUESTS), _header(CounterMetricFamily, *_REJECTIONS),
+                    _header(GaugeMetricFamily, *_IN_FLIGHT), _header(CounterMetricFamily, *_TOKENS),
+                    _header(CounterMetricFamily, *_TENANT_COST))
+_HISTOGRAM_HEADERS = tuple(_header(HistogramMetricFamily, name, documentation)
+                           for name, _, documentation, _ in _TENANT_HISTOGRAMS)
+#: Per histogram family: each ``_bucket`` line's start, up to the tenant label.
+_BUCKET_PREFIXES = tuple(tuple(f'{name}_bucket{{le="{floatToGoString(bound)}",' for bound in (*bounds, math.inf))
+                         for name, _, _, bounds in _TENANT_HISTOGRAMS)
+
+
+def _counter_chunks(tenant: str, row: _CounterRow, attributed: bool = True) -> tuple[bytes, ...]:
+    """One tenant's lines of each per-tenant counter family (``_COUNTER_HEADERS``' order); the
+    unattributed row has only its non-zero outcomes (and ``rejected``) and its rejections."""
+    label = f'tenant="{_escape(tenant)}"'
+    requests = "".join([f'apsd_requests_total{{outcome="{outcome}",{label}}} {_number(value)}\n'
+                        for outcome, value in zip(_OUTCOMES, row) if attributed or value or outcome == "rejected"])
+    rejections = "".join([f'apsd_rejections_total{{error="{_escape(error)}",{label}}} {_number(count)}\n'
+                          for error, count in row[5]])
+    if not attributed:
+        return requests.encode(), rejections.encode(), b"", b"", b""
+    _, _, _, _, _, _, queued, running, prompt, generated, cost = row
+    return (requests.encode(), rejections.encode(),
+            (f'apsd_requests_in_flight{{state="queued",{label}}} {_number(queued)}\n'
+             f'apsd_requests_in_flight{{state="running",{label}}} {_number(running)}\n').encode(),
+            (f'apsd_tokens_total{{phase="prompt",{label}}} {_number(prompt)}\n'
+             f'apsd_tokens_total{{phase="generated",{label}}} {_number(generated)}\n').encode(),
+            f'apsd_tenant_cost_usd_total{{{label}}} {_number(cost)}\n'.encode())
+
+
+def _histogram_chunks(tenant: str, row: _HistogramsRow) -> tuple[bytes, ...]:
+    """One tenant's lines of each per-tenant histogram family (``_HISTOGRAM_HEADERS``' order)."""
+    label = f'tenant="{_escape(tenant)}"'
+    chunks = []
+    for (name, _, _, _), prefixes, (counts, total) in zip(_TENANT_HISTOGRAMS, _BUCKET_PREFIXES, row):
+        cumulative = list(itertools.accumulate(counts))
+        lines = [f"{prefix}{label}}} {_number(count)}\n" for prefix, count in zip(prefixes, cumulative)]
+        lines.append(f"{name}_count{{{label}}} {_number(cumulative[-1])}\n{name}_sum{{{label}}} {_number(total)}\n")
+        chunks.append("".join(lines).encode())
+    return tuple(chunks)
+
+
+def _render(scrape: _Scrape, chunks: _Chunks) -> bytes:
+    """The exposition of ``scrape``: the tenants it carries rendered into ``chunks``, the others'
+    lines taken from there. Reads nothing but its arguments (it may run in a worker thread)."""
+    for tenant, row in scrape.counters.items():
+        chunks.counters[tenant] = _counter_chunks(tenant, row)
+    for tenant, histograms in scrape.histograms.items():
+        chunks.histograms[tenant] = _histogram_chunks(tenant, histograms)
+    chunks.counters_mark, chunks.histograms_mark = scrape.counters_mark, scrape.histograms_mark
+    unattributed = _counter_chunks(UNATTRIBUTED, scrape.unattributed, attributed=False)
+    rendered = [chunks.counters[tenant] for tenant in scrape.tenants]
+    parts: list[bytes] = []
+    for index, header in enumerate(_COUNTER_HEADERS):
+        parts.append(header)
+        parts.extend([tenant_chunks[index] for tenant_chunks in rendered])
+        parts.append(unattributed[index])
+    parts.append(scrape.middle)
+    rendered = [chunks.histograms[tenant] for tenant in scrape.histogram_tenants]
+    for index, header in enumerate(_HISTOGRAM_HEADERS):
+        parts.append(header)
+        parts.extend([tenant_chunks[index] for tenant_chunks in rendered])
+    parts.append(scrape.end)
+    return b"".join(parts)
+
 
 class PrometheusExporter:
-    """The registry, collector and histograms of one pipeline; build with :func:`exporter_for`."""
+    """The registry, collector and histograms of one pipeline; build with :func:`exporter_for`.
+
+    Two ways to the same bytes: :meth:`collect` (the registry's collector, rendered by
+    prometheus_client's ``generate_latest``) is the reference; :meth:`scrape` and
+    :meth:`exposition` render the per-tenant families themselves, line for line the same
+    (``tests/test_tenant_scale.py`` compares them), and keep each tenant's lines until its
+    figures move.
+    """
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -210,24 +415,86 @@ class PrometheusExporter:
         self.observer = HistogramObserver(pipeline.ledger.tenants)
         self.observer.subscribe(pipeline.ledger.events)
         self._states_seen: dict[str, None] = {}
+        self._tenants_with_histograms = 0
+        self._chunks = _Chunks()
+        self._scrape_lock = trio.Lock()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
-    def exposition(self) -> bytes:
-        """The text exposition format (``content_type``) of every metric, now."""
-        return generate_latest(self.registry)
+    async def scrape(self) -> bytes:
+        """The text exposition format (``content_type``) of every metric, now, without holding up
+        the event loop: what ``GET /metrics`` serves.
 
-    # -- the collector -----------------------------------------------------------------------
+        The moment is copied in the trio thread (the figures of the tenants whose figures moved
+        since the last scrape: nothing is summed over tenants); the lines are rendered from that
+        copy in a worker thread (``trio.to_thread.run_sync``), each tenant's only when its
+        figures moved. One scrape at a time: a second waits for the first. Cancelled, it
+        still waits for its worker thread (which touches nothing but the copy and the chunks).
+        """
+        async with self._scrape_lock:
+            pipeline = self._pipeline()
+            if pipeline is None or UNATTRIBUTED in pipeline.ledger.tenants:
+                return generate_latest(self.registry)
+            scrape = self._take(pipeline, self._chunks)
+            return await trio.to_thread.run_sync(_render, scrape, self._chunks)
+
+    def exposition(self) -> bytes:
+        """The same bytes as :meth:`scrape`, rendered whole in the calling thread (it blocks it).
+
+        A tenant configured with the blank name (whose figures are added to the unattributed
+        refusals') is left to prometheus_client, which adds the samples up.
+        """
+        pipeline = self._pipeline()
+        if pipeline is None or UNATTRIBUTED in pipeline.ledger.tenants:
+            return generate_latest(self.registry)
+        chunks = _Chunks()
+        return _render(self._take(pipeline, chunks), chunks)
+
+    def _take(self, pipeline: Pipeline, chunks: _Chunks) -> _Scrape:
+        """Copy what a scrape shows (in the trio thread: one consistent moment): the figures of the
+        tenants that changed since ``chunks``' marks (or have no chunks yet), and the other
+        families rendered. Time: proportional to the tenants that changed, not to all of them."""
+        ledger, observer = pipeline.ledger, self.observer
+        statistics = pipeline.statistics()  # the JSON view's figures, so both views agree
+        middle = generate_latest(_Families(self._middle_families(pipeline, statistics)))
+        self._histograms_for_every_tenant(ledger.tenants)
+        histogram_tenants = observer.sorted_tenants()
+        end = generate_latest(_Families(self._end_families(pipeline, statistics)))
+        stats = ledger.tenants
+        # (tenants are only ever added, to both: a count that differs means some have no chunks yet)
+        changed = stats if len(chunks.counters) != len(stats) else ledger.changes.since(chunks.counters_mark)
+        counters = {tenant: _counter_row(stats[tenant]) for tenant in changed if tenant in stats}
+        every = observer.tenants
+        changed = every if len(chunks.histograms) != len(every) else observer.changes.since(chunks.histograms_mark)
+        histograms = {tenant: every[tenant].share() for tenant in changed}
+        return _Scrape(tenants=list(stats), counters=counters, counters_mark=ledger.changes.mark,
+                       unattributed=_counter_row(ledger.unattributed), histogram_tenants=list(histogram_tenants),
+                       histograms=histograms, histograms_mark=observer.changes.mark, middle=middle, end=end)
+
+    def _histograms_for_every_tenant(self, tenants: Mapping[str, object]) -> None:
+        """Every configured tenant has its histogram series from the start (the ledger only ever
+        adds tenants: a loop only when their number changed)."""
+        if len(tenants) != self._tenants_with_histograms:
+            for tenant in tenants:
+                self.observer.histograms_for(tenant)
+            self._tenants_with_histograms = len(tenants)
+
+    # -- the collector (the reference rendering) ---------------------------------------------
     def collect(self) -> Iterator[Metric]:
         pipeline = self._pipeline()
         if pipeline is None:
             return
-        ledger = pipeline.ledger
         statistics = pipeline.statistics()  # the JSON view's figures, so both views agree
-        books = statistics.books
-        per_tenant: list[tuple[str, TenantStats]] = [*ledger.tenants.items(),
-                                                     (UNATTRIBUTED, ledger.unattributed)]
+        yield from self._tenant_counter_families(pipeline.ledger)
+        yield from self._middle_families(pipeline, statistics)
+        for tenant in pipeline.ledger.tenants:  # every configured tenant has its series from the start
+            self.observer.histograms_for(tenant)
+        yield from self._tenant_histogram_families()
+        yield from self._end_families(pipeline, statistics)
 
+    @staticmethod
+    def _tenant_counter_families(ledger: Ledger) -> Iterator[Metric]:
+        per_tenant: list[tuple[str, TenantStats]] = [*ledger.tenants.items(), (UNATTRIBUTED, ledger.unattributed)]
         requests = _Samples()
         rejections = _Samples()
         in_flight = _Samples()
@@ -248,23 +515,26 @@ class PrometheusExporter:
                 tokens.add((tenant, "generated"), stats.generated_tokens)
                 tenant_cost.add((tenant,), stats.cost_usd)
 
-        yield requests.family(CounterMetricFamily, "apsd_requests_total", (
-            "Requests by tenant and outcome: admitted or rejected when received; an admitted request "
-            "later counts once as completed, failed or cancelled (empty tenant: no configured tenant named)"),
-            ["tenant", "outcome"])
-        yield rejections.family(CounterMetricFamily, "apsd_rejections_total",
-                                "Requests refused before admission, by tenant and error code",
-                                ["tenant", "error"])
-        yield in_flight.family(GaugeMetricFamily, "apsd_requests_in_flight",
-                               "Admitted requests without an outcome yet, by tenant and state",
-                               ["tenant", "state"])
-        yield tokens.family(CounterMetricFamily, "apsd_tokens_total",
-                            "Tokens charged to the tenant, by phase (prompt, generated): what its completed "
-                            "requests, and those cancelled while running, used", ["tenant", "phase"])
-        yield tenant_cost.family(CounterMetricFamily, "apsd_tenant_cost_usd_total",
-                                 "Cost in USD of what the tenant was charged (its share of its engines' time)",
-                                 ["tenant"])
+        yield requests.family(CounterMetricFamily, *_REQUESTS, ["tenant", "outcome"])
+        yield rejections.family(CounterMetricFamily, *_REJECTIONS, ["tenant", "error"])
+        yield in_flight.family(GaugeMetricFamily, *_IN_FLIGHT, ["tenant", "state"])
+        yield tokens.family(CounterMetricFamily, *_TOKENS, ["tenant", "phase"])
+        yield tenant_cost.family(CounterMetricFamily, *_TENANT_COST, ["tenant"])
 
+    def _tenant_histogram_families(self) -> Iterator[Metric]:
+        histograms = sorted(self.observer.tenants.items())
+        for name, attribute, documentation, _ in _TENANT_HISTOGRAMS:
+            family = HistogramMetricFamily(name, documentation, labels=["tenant"])
+            for tenant, per_tenant_histograms in histograms:
+                histogram = getattr(per_tenant_histograms, attribute)
+                family.add_metric([tenant], histogram.buckets(), histogram.sum)
+            yield family
+
+    @staticmethod
+    def _middle_families(pipeline: Pipeline, statistics: PipelineStatistics) -> Iterator[Metric]:
+        """The totals and queue families (between the per-tenant counters and histograms)."""
+        ledger = pipeline.ledger
+        books = statistics.books
         yield CounterMetricFamily("apsd_cost_usd_total", "Cost in USD of every engine's busy time",
                                   value=ledger.cost_usd)
         yield CounterMetricFamily("apsd_batches_total", "Micro-batches that finished running", value=ledger.batches)
@@ -280,21 +550,9 @@ class PrometheusExporter:
         yield GaugeMetricFamily("apsd_queue_tokens", "Prompt + requested tokens of the requests waiting "
                                 "for dispatch (bounded by queue.max_tokens)", value=books.tokens.queued)
 
-        for tenant in ledger.tenants:  # every configured tenant has its series from the start
-            self.observer.histograms_for(tenant)
-        histograms = sorted(self.observer.tenants.items())
-        for name, attribute, documentation in (
-                ("apsd_queue_wait_seconds", "queue_wait", "Model seconds from admission to dispatch, per dispatch"),
-                ("apsd_ttft_seconds", "ttft", "Model seconds from admission to the first token, per started request"),
-                ("apsd_tpot_seconds", "tpot", "Mean model seconds per output token after the first, per completed "
-                 "request of two tokens or more"),
-                ("apsd_request_latency_seconds", "latency", "Model seconds from admission to the last token, per "
-                 "completed request")):
-            family = HistogramMetricFamily(name, documentation, labels=["tenant"])
-            for tenant, per_tenant_histograms in histograms:
-                histogram = getattr(per_tenant_histograms, attribute)
-                family.add_metric([tenant], histogram.buckets(), histogram.sum)
-            yield family
+    def _end_families(self, pipeline: Pipeline, statistics: PipelineStatistics) -> Iterator[Metric]:
+        """Every family after the per-tenant histograms."""
+        books = statistics.books
         batch_size = HistogramMetricFamily("apsd_batch_size", "Requests per micro-batch, per batch that ran")
         batch_size.add_metric([], self.observer.batch_size.buckets(), self.observer.batch_size.sum)
         yield batch_size
