@@ -42,7 +42,6 @@ plugin is the same fair share with first-come-first-served order inside a tenant
 
 from __future__ import annotations
 
-import collections
 import heapq
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -66,8 +65,30 @@ class ChargeWeights:
 
 _heappush, _heappop, _heapreplace = heapq.heappush, heapq.heappop, heapq.heapreplace
 
-#: One tenant's entry in the heap of tenants: (counter, last served at, backlogged since, tenant, version).
-TenantEntry = tuple[float, int, int, str, int]
+
+class _Tenant:
+    """One tenant's fair-share state. It is backlogged while ``queue`` holds requests: a heap of
+    (order key, seq, charge before weighting, request)."""
+
+    __slots__ = ("name", "weight", "counter", "queue", "version", "since", "served_at")
+
+    def __init__(self, name: str, weight: float) -> None:
+        self.name, self.weight = name, weight
+        self.counter = 0.0
+        self.queue: list[tuple[float, int, float, InferenceRequest]] = []
+        self.version = 0
+        self.since = 0
+        self.served_at = -1
+
+    def entry(self) -> TenantEntry:
+        """A new entry for the heap of tenants (the older ones go stale)."""
+        self.version += 1
+        return (self.counter, self.served_at, self.since, self.version, self)
+
+
+#: A backlogged tenant's place in the heap of tenants: (counter, last served at, backlogged since,
+#: version, tenant). ``since`` differs between backlogged tenants, so tuples never compare tenants.
+TenantEntry = tuple[float, int, int, int, _Tenant]
 
 
 class FairShareQueue:
@@ -79,12 +100,12 @@ class FairShareQueue:
     = 1`` is APS. ``weights`` maps a tenant to its share (1.0 for a tenant it does not name).
     The scheduler calls :meth:`on_finish` for every finished request (the charge correction).
 
-    State: ``counters`` (tenant -> weighted service; public, read-only for others), one heap of
-    requests per backlogged tenant, and a heap of :data:`TenantEntry`; an entry is stale once
-    its tenant's version moved on (its counter changed, or its queue emptied). A pop moves the
-    served tenant's entry with one ``heapreplace``; a finish that corrects a backlogged tenant's
-    counter pushes a new entry, and stale ones are dropped when they reach the top (the heap is
-    rebuilt when they outnumber the live ones).
+    State: every tenant seen (its counter, weight and queue), and a heap of :data:`TenantEntry`
+    for the backlogged ones; an entry is stale once its tenant's version moved on (its counter
+    changed, or its queue emptied). A pop moves the served tenant's entry with one
+    ``heapreplace``; a finish that corrects a backlogged tenant's counter pushes a new entry, and
+    stale ones are dropped when they reach the top (the heap is rebuilt when they outnumber the
+    live ones).
     """
 
     def __init__(self, alpha: float = 0.0, bid_weight: float = 0.0, weights: Mapping[str, float] | None = None,
@@ -92,19 +113,24 @@ class FairShareQueue:
         self.alpha, self.bid_weight = alpha, bid_weight
         self._weights = dict(weights or {})
         self.charges = charges
-        self.counters: dict[str, float] = collections.defaultdict(float)
-        #: Backlogged tenant -> heap of (order key, seq, charge before weighting, request).
-        self._queues: dict[str, list[tuple[float, int, float, InferenceRequest]]] = {}
+        self._tenants: dict[str, _Tenant] = {}
         self._heap: list[TenantEntry] = []
-        self._version: dict[str, int] = {}
-        self._since: dict[str, int] = {}
-        self._served_at: dict[str, int] = {}
+        self._backlogged = 0
         self._pops = 0
-        self._last_served: str | None = None
+        self._last_served: _Tenant | None = None
         self._charged: dict[InferenceRequest, float] = {}
         self._length = 0
 
     # -- service ---------------------------------------------------------------------------------
+    @property
+    def counters(self) -> dict[str, float]:
+        """Tenant -> weighted service so far (a copy; O(T))."""
+        return {name: tenant.counter for name, tenant in self._tenants.items()}
+
+    def counter(self, tenant_id: str) -> float:
+        tenant = self._tenants.get(tenant_id)
+        return tenant.counter if tenant is not None else 0.0
+
     def weight(self, tenant_id: str) -> float:
         return self._weights.get(tenant_id, 1.0)
 
@@ -121,23 +147,19 @@ class FairShareQueue:
         return self.charge(request, request.tokens_generated)
 
     # -- the tenant heap ---------------------------------------------------------------------------
-    def _entry(self, tenant: str) -> TenantEntry:
-        version = self._version[tenant] = self._version.get(tenant, 0) + 1
-        return (self.counters[tenant], self._served_at.get(tenant, -1), self._since[tenant], tenant, version)
-
-    def _enter(self, tenant: str) -> None:
+    def _enter(self, tenant: _Tenant) -> None:
         """(Re)insert ``tenant``'s entry with its current counter; older entries go stale."""
-        _heappush(self._heap, self._entry(tenant))
-        if len(self._heap) > 2 * len(self._queues) + 64:
-            self._heap = [self._entry(t) for t in self._queues]
+        _heappush(self._heap, tenant.entry())
+        if len(self._heap) > 2 * self._backlogged + 64:
+            self._heap = [t.entry() for t in self._tenants.values() if t.queue]
             heapq.heapify(self._heap)
 
     def _top(self) -> TenantEntry:
         """The live entry of the backlogged tenant served next, on top of the heap (stale entries
         above it are dropped); IndexError when no tenant is backlogged."""
-        heap, version = self._heap, self._version
+        heap = self._heap
         entry = heap[0]
-        while entry[4] != version[entry[3]]:
+        while entry[3] != entry[4].version:
             _heappop(heap)
             entry = heap[0]
         return entry
@@ -147,26 +169,33 @@ class FairShareQueue:
         try:
             return self._top()[0]
         except IndexError:
-            return self.counters[self._last_served] if self._last_served is not None else 0.0
+            return self._last_served.counter if self._last_served is not None else 0.0
 
     # -- the ordering interface --------------------------------------------------------------------
     def push(self, request: InferenceRequest, now: float) -> None:
-        tenant = request.tenant_id
-        queue = self._queues.get(tenant)
-        if queue is None:  # the tenant becomes backlogged: lift its counter
-            counters = self.counters
-            counters[tenant] = max(counters[tenant], self._floor())
-            queue = self._queues[tenant] = []
-            self._since[tenant] = request.seq
+        name = request.tenant_id
+        tenant = self._tenants.get(name)
+        if tenant is None:
+            tenant = self._tenants[name] = _Tenant(name, self._weights.get(name, 1.0))
+        queue = tenant.queue
+        if not queue:  # the tenant becomes backlogged: lift its counter
+            tenant.counter = max(tenant.counter, self._floor())
+            tenant.since = request.seq
+            self._backlogged += 1
+            queue.append(self._item(request))
             self._enter(tenant)
-        charges = self.charges  # (its charge is computed now, while the request is in the CPU's cache)
-        _heappush(queue, (self.alpha * request.arrival - self.bid_weight * request.priority_bid, request.seq,
-                          charges.input_weight * request.prompt_tokens + charges.output_weight * request.tokens_requested,
-                          request))
+        else:
+            _heappush(queue, self._item(request))
         self._length += 1
 
+    def _item(self, request: InferenceRequest) -> tuple[float, int, float, InferenceRequest]:
+        charges = self.charges  # (the charge is computed now, while the request is in the CPU's cache)
+        return (self.alpha * request.arrival - self.bid_weight * request.priority_bid, request.seq,
+                charges.input_weight * request.prompt_tokens + charges.output_weight * request.tokens_requested,
+                request)
+
     def peek(self, now: float) -> InferenceRequest:
-        return self._queues[self._top()[3]][0][3]
+        return self._top()[4].queue[0][3]
 
     def pop(self, now: float) -> InferenceRequest:
         return self._serve(self._top(), on_top=True)
@@ -175,13 +204,13 @@ class FairShareQueue:
         """Pop the head of the first tenant, in fair order, whose head ``accept`` takes (None: no
         tenant's). For an engine's headroom, which only some tenants may use: the tenants passed
         over keep their place. O(k log T) for the k tenants looked at."""
-        heap, version, passed = self._heap, self._version, []
+        heap, passed = self._heap, []
         found = None
         while heap:
             entry = _heappop(heap)
-            if entry[4] != version[entry[3]]:
+            if entry[3] != entry[4].version:
                 continue  # stale: dropped
-            if accept(self._queues[entry[3]][0][3]):
+            if accept(entry[4].queue[0][3]):
                 found = entry
                 break
             passed.append(entry)
@@ -192,77 +221,75 @@ class FairShareQueue:
     def _serve(self, entry: TenantEntry, on_top: bool) -> InferenceRequest:
         """Pop the head of ``entry``'s tenant and charge it; ``entry`` is the tenant's live entry,
         on top of the heap (``on_top``) or already out of it."""
-        tenant = entry[3]
-        queue = self._queues[tenant]
+        tenant = entry[4]
+        queue = tenant.queue
         _, _, charge, request = _heappop(queue)
         self._length -= 1
-        moved = None
         if request.reply.outcome is None:  # (an answered request is skipped by the scheduler: no service)
             charged = self._charged
-            charge /= self._weights.get(tenant, 1.0)
+            charge /= tenant.weight
             earlier = charged.pop(request, None)  # popped again after a requeue: its first charge goes back
-            counter = self.counters[tenant] = entry[0] + (charge if earlier is None else charge - earlier)
+            tenant.counter += charge if earlier is None else charge - earlier
             charged[request] = charge
             self._last_served = tenant
-            pops = self._pops = self._pops + 1
-            self._served_at[tenant] = pops
-            if queue:  # its entry moves (on top: one sift, instead of a push now and a stale pop later)
-                moved = (counter, pops, entry[2], tenant, entry[4] + 1)
-        elif queue:
-            moved = entry
+            self._pops += 1
+            tenant.served_at = self._pops
+            moved = tenant.entry() if queue else None  # (on top: one sift, not a push now and a stale pop later)
+        else:
+            moved = entry if queue else None
         if moved is None:  # its queue emptied
-            del self._queues[tenant], self._since[tenant]
-            self._version[tenant] += 1
+            tenant.version += 1
+            self._backlogged -= 1
             if on_top:
                 _heappop(self._heap)
+        elif on_top:
+            _heapreplace(self._heap, moved)
         else:
-            self._version[tenant] = moved[4]
-            if on_top:
-                _heapreplace(self._heap, moved)
-            else:
-                _heappush(self._heap, moved)
+            _heappush(self._heap, moved)
         return request
 
     def effective_priority(self, request: InferenceRequest, now: float) -> float:
         """Minus the tenant's counter: higher means less served so far."""
-        return -self.counters[request.tenant_id]
+        return -self.counter(request.tenant_id)
 
     def on_finish(self, request: InferenceRequest, outcome: Outcome, now: float) -> None:
         """Correct the charge made at pop to the service received (nothing if it failed)."""
         charge = self._charged.pop(request, None)
         if charge is None:
             return  # never charged by this queue (not popped yet, or popped by a replaced one)
-        tenant = request.tenant_id
-        correction = self._served(request, outcome) / self._weights.get(tenant, 1.0) - charge
+        tenant = self._tenants[request.tenant_id]
+        correction = self._served(request, outcome) / tenant.weight - charge
         if correction:
-            self.counters[tenant] += correction
-            if tenant in self._queues:
+            tenant.counter += correction
+            if tenant.queue:
                 self._enter(tenant)
 
     def discard_answered(self) -> None:
         """Drop requests answered while queued (their clients left); O(N)."""
-        for tenant, queue in list(self._queues.items()):
-            kept = [entry for entry in queue if not entry[3].answered]
-            if kept:
-                heapq.heapify(kept)
-                self._queues[tenant] = kept
+        self._heap, self._backlogged, self._length = [], 0, 0
+        for tenant in self._tenants.values():
+            if tenant.queue:
+                tenant.queue = [item for item in tenant.queue if not item[3].answered]
+                heapq.heapify(tenant.queue)
+            if tenant.queue:
+                self._backlogged += 1
+                self._length += len(tenant.queue)
+                self._heap.append(tenant.entry())
             else:
-                del self._queues[tenant], self._since[tenant]
-        self._length = sum(len(q) for q in self._queues.values())
-        self._heap = [self._entry(t) for t in self._queues]
+                tenant.version += 1
         heapq.heapify(self._heap)
 
     def backlogged(self) -> list[str]:
         """The tenants with requests queued."""
-        return list(self._queues)
+        return [name for name, tenant in self._tenants.items() if tenant.queue]
 
     def __len__(self) -> int:
         return self._length
 
     def __iter__(self) -> Iterator[InferenceRequest]:
-        for queue in self._queues.values():
-            for entry in queue:
-                yield entry[3]
+        for tenant in self._tenants.values():
+            for item in tenant.queue:
+                yield item[3]
 
 
 class FairQueue(FairShareQueue):
