@@ -24,6 +24,9 @@ other exception while deciding answers 500 ``internal_error`` (:meth:`Admission.
 
 Buckets fill in model time (so ``gpu.time_scale`` speeds tenants up with the
 GPU); the seconds in headers are wall seconds, what a real client must wait.
+The buckets come from the store (:mod:`apsd.store`): this process's own by default, or slices
+leased from buckets shared by every replica (Redis). A request a shared bucket cannot cover
+while the store is unreachable may be answered 503 ``store_unavailable`` instead of 429.
 
 Settlement: admission takes a request's whole ``cost_tokens`` (prompt + requested)
 from its bucket. When the request ends, admission (subscribed to
@@ -49,6 +52,7 @@ from .models import InferenceRequest, Outcome, Refusal
 if TYPE_CHECKING:
     from .ledger import Ledger
     from .policy import BatchingPolicy
+    from .store import Bucket, Store
 
 __all__ = ["Admission", "TokenBucket"]
 
@@ -84,7 +88,7 @@ class TokenBucket:
     def give_back(self, amount: float, now: float) -> None:
         """Refund ``amount`` tokens (capped at ``burst``), or charge ``-amount`` more (the level may
         then be negative: a debt that refills at ``rate`` like any other shortfall)."""
-        self.tokens = min(self.burst, self.level(now) + amount)
+        self.tokens = min(self.burst, self.level(max(now, self.updated)) + amount)
 
     def seconds_until(self, amount: float, now: float) -> float:
         """How long until ``amount`` tokens are available (0 if they are now)."""
@@ -116,14 +120,19 @@ class Admission:
     max_queued_per_tenant: int
     #: Most tokens (prompt + requested) the queue may hold; None: unbounded.
     max_queued_tokens: int | None = None
-    buckets: dict[str, TokenBucket] = attrs.field(init=False)
+    #: Where the buckets come from (:mod:`apsd.store`); None: this process's own, full at start.
+    store: Store | None = None
+    buckets: dict[str, Bucket] = attrs.field(init=False)
     accepting: bool = True
     _next_seq: int = 0
 
     def __attrs_post_init__(self) -> None:
         now = self.clock.now()
-        self.buckets = {name: TokenBucket.full(t, now) for name, t in self.tenants.items()}
+        self.buckets = {name: self._new_bucket(name, t, now) for name, t in self.tenants.items()}
         self.ledger.events.subscribe("request_finished", self.settle, "admission's settlement")
+
+    def _new_bucket(self, name: str, tenant: TenantConfig, now: float) -> Bucket:
+        return self.store.bucket(name, tenant, now) if self.store is not None else TokenBucket.full(tenant, now)
 
     def rate_limit_headers(self, tenant_id: str) -> dict[str, str]:
         """IETF RateLimit fields for the tenant's bucket as of now (seconds are wall seconds).
@@ -190,10 +199,13 @@ class Admission:
         now = self.clock.now()
         bucket = self.buckets[request.tenant_id]
         if not bucket.try_take(cost, now):
+            unavailable = self.store.refusal() if self.store is not None else None
+            if unavailable is not None:
+                return unavailable
             wait = self.clock.wall_seconds(bucket.seconds_until(cost, now))  # what the client waits
             headers = {"Retry-After": _retry_after(wait), **self.rate_limit_headers(request.tenant_id)}
             return Refusal(429, "rate_limited",
-                           f"tenant {request.tenant_id!r} has {int(bucket.tokens)} of the {cost} tokens this "
+                           f"tenant {request.tenant_id!r} has {int(bucket.level(now))} of the {cost} tokens this "
                            f"request costs; enough accrue in {wait:.2f} s",
                            headers=headers)
         request.arrival = now
@@ -213,12 +225,15 @@ class Admission:
         for name, tenant in sorted(tenants.items()):
             bucket = self.buckets.get(name)
             if bucket is None:
-                self.buckets[name] = TokenBucket.full(tenant, now)
+                self.buckets[name] = self._new_bucket(name, tenant, now)
                 changes.append(f"tenant {name} added (rate {tenant.rate:g}, burst {tenant.burst})")
             elif (bucket.rate, bucket.burst) != (tenant.rate, float(tenant.burst)):
-                level = bucket.level(now)
-                self.buckets[name] = TokenBucket(rate=tenant.rate, burst=float(tenant.burst),
-                                                 tokens=min(level, float(tenant.burst)), updated=now)
+                if self.store is not None and self.store.kind != "memory":
+                    self.buckets[name] = self.store.bucket(name, tenant, now)  # (the shared level stays)
+                else:
+                    level = bucket.level(now)
+                    self.buckets[name] = TokenBucket(rate=tenant.rate, burst=float(tenant.burst),
+                                                     tokens=min(level, float(tenant.burst)), updated=now)
                 changes.append(f"tenant {name} re-rated (rate {tenant.rate:g}, burst {tenant.burst})")
             old = self.tenants.get(name)
             if old is not None and (old.max_bid, old.default_bid) != (tenant.max_bid, tenant.default_bid):
@@ -239,7 +254,7 @@ class Admission:
         difference = request.reserved_tokens - billed_tokens(request, outcome)
         bucket = self.buckets.get(request.tenant_id)
         if difference and bucket is not None:
-            bucket.give_back(difference, max(now, bucket.updated))
+            bucket.give_back(difference, now)
 
     def handle(self, request: InferenceRequest) -> bool:
         """Decide ``request`` and book it: admitted (True) or answered with its refusal (False)."""

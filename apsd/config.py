@@ -171,6 +171,40 @@ class AdmissionConfig:
     max_prompt_tokens: int = attrs.field(default=32_768, validator=between(1, 10**9))
 
 
+def store_kind(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+    if value not in ("memory", "redis"):
+        raise ValueError(f"must be \"memory\" or \"redis\", got {value!r}")
+
+
+def unavailable_mode(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+    if value not in ("local", "refuse"):
+        raise ValueError(f"must be \"local\" or \"refuse\", got {value!r}")
+
+
+def redis_url(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+    if value and not re.fullmatch(r"(redis|rediss|unix)://\S+", value):
+        raise ValueError(f"must be a redis://, rediss:// or unix:// URL, got {value!r}")
+
+
+@attrs.frozen
+class StoreConfig:
+    """Where tenants' buckets and fair-share counters live: this process (``memory``), or Redis,
+    shared by every replica (``redis``: :mod:`apsd.store`)."""
+
+    kind: str = attrs.field(default="memory", validator=store_kind)
+    #: The Redis server (``redis://host:6379/0``); required with ``kind = "redis"``.
+    url: str = attrs.field(default="", validator=redis_url)
+    #: When Redis cannot be reached: ``local`` keeps admitting on this replica's share of each
+    #: tenant's rate; ``refuse`` answers 503 ``store_unavailable``. Either way it is logged and
+    #: exported, and the store reconnects by itself.
+    on_unavailable: str = attrs.field(default="local", validator=unavailable_mode)
+    #: Wall seconds between two exchanges with Redis: leases topped up and returned, fair-share
+    #: counters pushed and pulled. Shorter: closer to exact, more Redis traffic.
+    sync_interval_s: float = attrs.field(default=0.05, validator=between(0.001, 60))
+    #: Prefix of every key apsd writes (several deployments may share one Redis).
+    key_prefix: str = attrs.field(default="apsd", validator=non_empty)
+
+
 @attrs.frozen
 class GatewayConfig:
     """The OpenAI-compatible API (``/v1``)."""
@@ -357,6 +391,7 @@ class Config:
     engine: EngineConfig = EngineConfig()
     gpu: GpuConfig = GpuConfig()
     forward: ForwardConfig = ForwardConfig()
+    store: StoreConfig = StoreConfig()
     backends: tuple[BackendConfig, ...] = ()
     tenants: dict[str, TenantConfig] = attrs.field(factory=_default_tenants)
     #: Where this config came from, for error messages ("<defaults>" if embedded).
@@ -464,6 +499,7 @@ def parse_config(data: dict[str, Any], source: str = "<string>") -> Config:
             config = attrs.evolve(config, tenants=parsed)
         _check_keys_unique(config)
         config = _check_backends(config, engine_kind_given="kind" in (data.get("engine") or {}))
+        _check_store(config)
         if config.gpu.decode_batch_base + config.gpu.decode_batch_sqrt <= 0:
             raise ConfigError("gpu.decode_batch_sqrt: decode_batch_base + decode_batch_sqrt must be > 0 "
                               "(else nothing ever decodes)")
@@ -488,6 +524,15 @@ def _check_backends(config: Config, *, engine_kind_given: bool) -> Config:
     if config.engine.kind == "forward" and config.gpu.time_scale != 1.0:
         raise ConfigError("gpu.time_scale: real backends run in real time: it must be 1 with [[backends]]")
     return config
+
+
+def _check_store(config: Config) -> None:
+    if config.store.kind == "redis":
+        if not config.store.url:
+            raise ConfigError('store.url: required with kind = "redis" (e.g. "redis://127.0.0.1:6379/0")')
+        if config.gpu.time_scale != 1.0:
+            raise ConfigError("gpu.time_scale: a shared store times buckets by Redis's clock, in wall seconds: "
+                              'it must be 1 with [store] kind = "redis"')
 
 
 def _check_keys_unique(config: Config) -> None:

@@ -45,6 +45,7 @@ from .ledger import Ledger, LedgerStatistics
 from .models import Dispatch, InferenceRequest, Refusal
 from .policy import PolicySet
 from .scheduler import Scheduler
+from .store import Store, build_store
 
 __all__ = ["GovernorView", "Health", "Pipeline", "PipelineStatistics", "TenantStatus", "open_pipeline"]
 
@@ -118,6 +119,8 @@ class Pipeline:
     scheduler: Scheduler
     engines: list[Engine]
     faults: FaultInjector
+    #: Where tenants' buckets and fair-share counters live (``[store]``); its task runs with the stages.
+    store: Store
     request_id_prefix: str
     _ingress_send: trio.MemorySendChannel[InferenceRequest]
     _ingress_receive: trio.MemoryReceiveChannel[InferenceRequest]
@@ -126,10 +129,13 @@ class Pipeline:
 
     @classmethod
     def build(cls, config: Config, policies: PolicySet, *, request_id_prefix: str | None = None,
-              profiles: ProfileRegistry | None = None, backend_client: BackendClient | None = None) -> Pipeline:
+              profiles: ProfileRegistry | None = None, backend_client: BackendClient | None = None,
+              store: Store | None = None) -> Pipeline:
         """Assemble a pipeline (call inside ``trio.run``: the clock starts now). Raises ConfigError
-        for an ``[engine]`` whose profiles are unknown or do not fit."""
+        for an ``[engine]`` whose profiles are unknown or do not fit. ``store``: the one ``[store]``
+        asks for unless given (several simulated replicas may share one)."""
         clock = ModelClock(time_scale=config.gpu.time_scale)
+        store = store if store is not None else build_store(config)
         ledger = Ledger(tenant_names=config.tenants, clock=clock, events=EventBus(policies.plugin_manager))
         scheduler = Scheduler(policies=policies, ledger=ledger, clock=clock, queue_timeout_s=config.queue.timeout_s)
         faults = FaultInjector(config.gpu)
@@ -138,10 +144,12 @@ class Pipeline:
         admission = Admission(tenants=dict(config.tenants), batching=policies.batching, ledger=ledger,
                               clock=clock, engine_refuse=engines[0].refuse, max_queued=config.queue.max_requests,
                               max_queued_per_tenant=config.queue.max_requests_per_tenant,
-                              max_queued_tokens=config.queue.max_tokens)
+                              max_queued_tokens=config.queue.max_tokens, store=store)
+        scheduler.on_new_queue = store.share
+        store.share(scheduler.queue)
         send, receive = trio.open_memory_channel[InferenceRequest](config.queue.ingress_buffer)
         return cls(config=config, policies=policies, clock=clock, ledger=ledger, admission=admission,
-                   scheduler=scheduler, engines=engines, faults=faults,
+                   scheduler=scheduler, engines=engines, faults=faults, store=store,
                    request_id_prefix=request_id_prefix if request_id_prefix is not None else secrets.token_hex(4),
                    ingress_send=send, ingress_receive=receive)
 
@@ -154,6 +162,7 @@ class Pipeline:
         """Run the stages in a nursery of their own (which :meth:`stop_stages` cancels)."""
         async with trio.open_nursery() as nursery:
             self._stages_scope = nursery.cancel_scope
+            await nursery.start(self.store.run)  # (admission decides against what it has from the start)
             self._start_stages(nursery)
             task_status.started()
 

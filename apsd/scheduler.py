@@ -92,6 +92,8 @@ class Scheduler:
     _answered_in_queue: int = attrs.field(default=0, init=False)
     #: Decisions the dispatcher has made: a heartbeat (the systemd watchdog reads it).
     decisions: int = attrs.field(default=0, init=False)
+    #: Told of every new waiting queue (the store shares fair-share queues' service between replicas).
+    on_new_queue: Callable[[OrderingPolicy], None] | None = attrs.field(default=None, init=False)
     #: Engines answered with an empty dispatch, not asked to ask again since (by engine id).
     _answered_empty: dict[int, Engine] = attrs.field(factory=dict, init=False)
     #: The engine whose demand the dispatcher is answering (None: none is asking).
@@ -142,6 +144,8 @@ class Scheduler:
         policies = (("aging", queue), ("governor", self.policies.governor), ("batching", self.policies.batching))
         self._on_dispatch = [(k, p.on_dispatch) for k, p in policies if hasattr(p, "on_dispatch")]
         self._on_finish = [(k, p.on_finish) for k, p in policies if hasattr(p, "on_finish")]
+        if self.on_new_queue is not None:
+            self.on_new_queue(queue)
 
     @property
     def queue_depth(self) -> int:

@@ -120,6 +120,8 @@ class FairShareQueue:
         self._last_served: _Tenant | None = None
         self._charged: dict[InferenceRequest, float] = {}
         self._length = 0
+        #: Weighted service given since the store last took it (None: not shared, not kept).
+        self._given: dict[str, float] | None = None
 
     # -- service ---------------------------------------------------------------------------------
     @property
@@ -229,8 +231,11 @@ class FairShareQueue:
             charged = self._charged
             charge /= tenant.weight
             earlier = charged.pop(request, None)  # popped again after a requeue: its first charge goes back
-            tenant.counter += charge if earlier is None else charge - earlier
+            service = charge if earlier is None else charge - earlier
+            tenant.counter += service
             charged[request] = charge
+            if self._given is not None:
+                self._given[tenant.name] = self._given.get(tenant.name, 0.0) + service
             self._last_served = tenant
             self._pops += 1
             tenant.served_at = self._pops
@@ -261,6 +266,25 @@ class FairShareQueue:
         correction = self._served(request, outcome) / tenant.weight - charge
         if correction:
             tenant.counter += correction
+            if self._given is not None:
+                self._given[tenant.name] = self._given.get(tenant.name, 0.0) + correction
+            if tenant.queue:
+                self._enter(tenant)
+
+    # -- shared between replicas (apsd.store.SharedService) ---------------------------------------
+    def take_service(self) -> dict[str, float]:
+        """Weighted service given here since the last call (the first call starts the bookkeeping)."""
+        given, self._given = self._given or {}, {}
+        return given
+
+    def add_service(self, service: Mapping[str, float]) -> None:
+        """Add the weighted service other replicas gave: their tenants' counters move, so this
+        replica orders its own backlog by what every replica served."""
+        for name, amount in service.items():
+            tenant = self._tenants.get(name)
+            if tenant is None:
+                tenant = self._tenants[name] = _Tenant(name, self._weights.get(name, 1.0))
+            tenant.counter += amount
             if tenant.queue:
                 self._enter(tenant)
 

@@ -1,0 +1,35 @@
+"""Where tenants' token buckets and fair-share counters live: the store seam.
+
+Admission and the fair-share queue decide synchronously, on the request's path, against state
+that is local to this process; a store decides what that local state is and how it is shared.
+
+* :class:`~apsd.store.memory.MemoryStore` (``[store] kind = "memory"``, the default, the
+  simulator's): buckets are plain :class:`~apsd.admission.TokenBucket` objects; nothing is shared.
+* :class:`~apsd.store.redis.RedisStore` (``kind = "redis"``): every replica leases slices of each
+  tenant's bucket from Redis and returns what it does not use, and pushes and pulls fair-share
+  service, in one background task; Redis is never on a request's path.
+
+The interfaces (:class:`Store`, :class:`Bucket`, :class:`SharedService`) are public for plugins
+and embedders: ``docs/architecture.md`` ("Many replicas") tells the story.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .base import Bucket, SharedService, Store, StoreStatistics
+from .memory import MemoryStore
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+__all__ = ["Bucket", "MemoryStore", "SharedService", "Store", "StoreStatistics", "build_store"]
+
+
+def build_store(config: Config) -> Store:
+    """The store ``[store]`` asks for (not started: run :meth:`Store.run` in a nursery)."""
+    if config.store.kind == "redis":
+        from .redis import RedisStore  # (coredis is imported only when asked for)
+
+        return RedisStore(config.store)
+    return MemoryStore()

@@ -1,0 +1,93 @@
+"""The store's interfaces: what admission and the fair-share queue ask of it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import attrs
+import trio
+
+if TYPE_CHECKING:
+    from ..config import TenantConfig
+    from ..models import Refusal
+
+__all__ = ["Bucket", "SharedService", "Store", "StoreStatistics"]
+
+
+@runtime_checkable
+class Bucket(Protocol):
+    """One tenant's tokens as admission sees them, synchronously. ``now`` is model seconds.
+
+    ``rate`` (tokens/s) and ``burst`` are the tenant's contract; ``tokens`` what this process may
+    admit now. ``give_back`` refunds (or, negative, charges) tokens after a request ended.
+    """
+
+    rate: float
+    burst: float
+    tokens: float
+
+    def level(self, now: float) -> float: ...
+
+    def try_take(self, amount: float, now: float) -> bool: ...
+
+    def give_back(self, amount: float, now: float) -> None: ...
+
+    def seconds_until(self, amount: float, now: float) -> float: ...
+
+
+@runtime_checkable
+class SharedService(Protocol):
+    """A fair-share policy whose service counters are shared between replicas (the built-in
+    ``fair`` and ``apsd-vtc`` queues are): the store takes the service this replica gave since the
+    last call and hands in what the other replicas gave, both as weighted service per tenant."""
+
+    def take_service(self) -> dict[str, float]:
+        """Weighted service given here since the last call (and forget it)."""
+
+    def add_service(self, service: Mapping[str, float]) -> None:
+        """Add weighted service the other replicas gave."""
+
+
+@attrs.frozen
+class StoreStatistics:
+    kind: str
+    #: Whether the shared state can be reached now (always True in memory).
+    available: bool
+    #: Times it became unreachable since start.
+    outages: int = 0
+    #: Exchanges with the shared state that succeeded and failed.
+    syncs: int = 0
+    sync_failures: int = 0
+    #: Replicas seen sharing the state (1 in memory).
+    replicas: int = 1
+    #: Tokens leased from the shared buckets and held by this replica now, summed over tenants.
+    leased_tokens: float = 0.0
+
+
+class Store(Protocol):
+    """Buckets for admission, service sharing for the fair-share queue, one background task.
+
+    Ownership: the daemon builds one store and runs :meth:`run` in its root nursery; admission asks
+    it for buckets (:meth:`bucket`) and, before taking tokens, whether it refuses everything now
+    (:meth:`refusal`); the pipeline hands it the scheduler's aging policy (:meth:`share`) whenever
+    that changes.
+    """
+
+    kind: str
+
+    def bucket(self, tenant_id: str, tenant: TenantConfig, now: float) -> Bucket:
+        """The bucket of ``tenant_id`` (full, or where the shared state has it); called once per tenant
+        at start and whenever a reload adds or re-rates one."""
+
+    def refusal(self) -> Refusal | None:
+        """The answer to every request while the store cannot decide (None: admit as usual)."""
+
+    def share(self, policy: object) -> None:
+        """Share the service counters of ``policy`` if it is a :class:`SharedService` (else nothing)."""
+
+    def statistics(self) -> StoreStatistics: ...
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep the shared state in step until cancelled; on cancellation return what this replica
+        holds (unused leases) if it can, within a second."""

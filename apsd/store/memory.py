@@ -1,0 +1,34 @@
+"""``[store] kind = "memory"``: this process's own buckets, nothing shared."""
+
+from __future__ import annotations
+
+import trio
+
+from ..admission import TokenBucket
+from ..config import TenantConfig
+from ..models import Refusal
+from .base import StoreStatistics
+
+__all__ = ["MemoryStore"]
+
+
+class MemoryStore:
+    """Buckets start full at every start; fair-share counters stay in the queue."""
+
+    kind = "memory"
+
+    def bucket(self, tenant_id: str, tenant: TenantConfig, now: float) -> TokenBucket:
+        return TokenBucket.full(tenant, now)
+
+    def refusal(self) -> Refusal | None:
+        return None
+
+    def share(self, policy: object) -> None:
+        pass
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics(kind=self.kind, available=True)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep_forever()
