@@ -84,3 +84,46 @@ async def test_three_replicas_admit_one_tenants_rate_between_them():
     assert set(outcomes) <= {200, 429}, outcomes
     assert admitted <= (burst + rate * seconds) * 1.05, outcomes
     assert admitted >= 0.9 * rate * seconds, outcomes
+
+
+async def test_two_replicas_keep_a_4_to_1_share_when_traffic_is_skewed_9_to_1():
+    """Tenants weighted 4:1, both flooding, ``gold``'s traffic 90% to the first replica and ``lead``'s
+    90% to the second: the tokens served in the last 20 s are within 10% of 4:1. (Alone, each replica
+    would serve mostly what it is sent: about 1:1.)"""
+    tenants = {"gold": {"rate": 1e9, "burst": 10**12, "weight": 4.0},
+               "lead": {"rate": 1e9, "burst": 10**12, "weight": 1.0}}
+    async with open_redis_server() as redis:
+        config = store_config(redis.url, tenants)
+        async with replicas(config, 2) as (first, second):
+            served: collections.Counter[str] = collections.Counter()
+            measuring = False
+
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            clients = {id(d): httpx.AsyncClient(base_url=d.url, timeout=60, limits=limits) for d in (first, second)}
+
+            async def keep_sending(daemon: LiveDaemon, tenant: str) -> None:
+                while True:
+                    response = await clients[id(daemon)].post("/infer", json=infer(tenant, 16))
+                    assert response.status_code == 200, response.text
+                    if measuring:
+                        served[tenant] += response.json()["tokens_generated"] + 4
+
+            async with trio.open_nursery() as senders:
+                for daemon, heavy, light in ((first, "gold", "lead"), (second, "lead", "gold")):
+                    for _ in range(270):
+                        senders.start_soon(keep_sending, daemon, heavy)
+                    for _ in range(30):
+                        senders.start_soon(keep_sending, daemon, light)
+                await trio.sleep(5.0)  # both replicas backlogged with both tenants
+                measuring = True
+                await trio.sleep(20.0)
+                senders.cancel_scope.cancel()
+            for daemon in (first, second):
+                queue = daemon.daemon.pipeline.scheduler.queue
+                print("counters", {t: round(queue.counter(t)) for t in ("gold", "lead")},
+                      daemon.daemon.pipeline.store.statistics())
+            for client in clients.values():
+                await client.aclose()
+    ratio = served["gold"] / served["lead"]
+    print(f"served gold:lead = {served['gold']}:{served['lead']} = {ratio:.2f}:1")
+    assert 3.6 <= ratio <= 4.4

@@ -446,3 +446,68 @@ async def test_reload_sends_reloading_then_ready_and_status_says_when_it_failed(
             assert (await client.get("/tenants/a/status")).json()["rate"] == 200.0
         assert await apsd.stop() == 0
     sock.close()
+
+
+# -- the template unit: several replicas on one machine (apsd@8001 apsd@8002 ...) ------------------
+TEMPLATE = ROOT / "systemd" / "apsd@.service"
+#: The settings in which an instance of the template differs from apsd.service; every other one
+#: (notify, watchdog, stop timeout, limits, hardening, [Install]) must be the same.
+TEMPLATE_OWN_SETTINGS = ("Description", "ExecStart")
+
+
+def unit_file_settings(path: Path) -> dict[str, list[str]]:
+    """``unit_settings`` for any unit file: each key's values in order (sections ignored)."""
+    settings: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        if line and not line.startswith(("#", "[")):
+            key, _, value = line.partition("=")
+            settings.setdefault(key, []).append(value)
+    return settings
+
+
+def test_template_unit_runs_one_replica_per_port_with_the_shared_config():
+    settings = unit_file_settings(TEMPLATE)
+    assert settings["ExecStart"] == ["/usr/local/bin/apsd --port %i /etc/apsd/apsd.toml"]
+    assert "%i" in settings["Description"][0]
+
+
+def test_template_unit_matches_apsd_service_but_for_its_own_settings():
+    single, template = unit_file_settings(UNIT), unit_file_settings(TEMPLATE)
+    assert set(template) == set(single)
+    for key in single.keys() - set(TEMPLATE_OWN_SETTINGS):
+        assert template[key] == single[key], key
+    sections = [line for line in TEMPLATE.read_text().splitlines() if line.startswith("[")]
+    assert sections == [line for line in UNIT.read_text().splitlines() if line.startswith("[")]
+
+
+def test_template_unit_header_says_how_to_install_it():
+    header = TEMPLATE.read_text().partition("[Unit]")[0]
+    assert "systemctl enable --now apsd@8001 apsd@8002" in header
+    assert "cp systemd/apsd@.service /etc/systemd/system/" in header
+
+
+def template_with_existing_binary(tmp_path: Path) -> Path:
+    """The template in ``tmp_path`` with ExecStart= at this environment's apsd; returns the path of
+    its instance ``apsd@8001.service``, which systemd-analyze loads from the template beside it."""
+    text = TEMPLATE.read_text().replace("ExecStart=/usr/local/bin/apsd ", f"ExecStart={APSD} ")
+    assert APSD in text
+    (tmp_path / TEMPLATE.name).write_text(text)
+    return tmp_path / "apsd@8001.service"
+
+
+@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_verify_template_instance(tmp_path):
+    result = subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", str(template_with_existing_binary(tmp_path))],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and not result.stderr.strip() and not result.stdout.strip(), result
+
+
+@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_security_rates_the_template_instance_ok(tmp_path):
+    result = subprocess.run([SYSTEMD_ANALYZE, "security", "--offline=yes", "--no-pager",
+                             str(template_with_existing_binary(tmp_path))], capture_output=True, text=True, timeout=60)
+    if "--offline" in result.stderr or "unrecognized option" in result.stderr:
+        pytest.skip("this systemd-analyze has no --offline (systemd < 250)")
+    match = re.search(r"Overall exposure level for apsd@8001\.service: (\d+\.\d+) (\w+)", result.stdout)
+    assert match, result
+    assert float(match.group(1)) <= 2.0 and match.group(2) == "OK", match.group(0)

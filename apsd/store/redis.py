@@ -130,7 +130,9 @@ class LeasedBucket:
     def _fallback(self, now: float) -> TokenBucket:
         if self.fallback is None:
             share = 1.0 / self._store.replicas
-            self.fallback = TokenBucket(rate=self.rate * share, burst=self.burst * share, tokens=0.0, updated=now)
+            # it starts with its share of what the shared bucket held at the last exchange
+            self.fallback = TokenBucket(rate=self.rate * share, burst=self.burst * share,
+                                        tokens=self._optimistic_room(), updated=now)
         return self.fallback
 
     def level(self, now: float) -> float:
