@@ -106,6 +106,9 @@ class ServerConfig:
     #: Connections the kernel queues for apsd to accept (the listen backlog; the kernel caps it
     #: at ``net.core.somaxconn``).
     backlog: int = attrs.field(default=2048, validator=between(1, 65535))
+    #: Listen with SO_REUSEPORT, so that several replicas on one machine share one port (the
+    #: kernel spreads new connections between them).
+    reuse_port: bool = False
 
 
 @attrs.frozen

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 
 from typing import Any
@@ -114,6 +115,20 @@ def _describe_engine(config: Config) -> str:
 
 def _bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _shared_port_bind(host: str, port: int) -> str:
+    """An ``fd://`` bind for hypercorn: a socket bound to ``host:port`` with SO_REUSEPORT (hypercorn
+    takes the descriptor over, listens on it and closes it)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return f"fd://{sock.detach()}"
 
 
 @attrs.define(eq=False)
@@ -292,7 +307,9 @@ class Daemon:
     async def _serve_http(self, pipeline: Pipeline, stop: trio.Event, done: trio.Event,
                           *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         config = hypercorn.config.Config()
-        config.bind = [_bind_address(self.config.server.host, self.config.server.port)]
+        server = self.config.server
+        config.bind = [_shared_port_bind(server.host, server.port) if server.reuse_port
+                       else _bind_address(server.host, server.port)]
         config.accesslog = None
         errorlog = logging.getLogger("apsd.hypercorn")
         if not any(isinstance(f, ClientTransportErrors) for f in errorlog.filters):

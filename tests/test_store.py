@@ -8,6 +8,7 @@ bounded by ``trio.fail_after``.
 from __future__ import annotations
 
 import collections
+import errno
 import contextlib
 import itertools
 from collections.abc import AsyncIterator
@@ -127,3 +128,26 @@ async def test_two_replicas_keep_a_4_to_1_share_when_traffic_is_skewed_9_to_1():
     ratio = served["gold"] / served["lead"]
     print(f"served gold:lead = {served['gold']}:{served['lead']} = {ratio:.2f}:1")
     assert 3.6 <= ratio <= 4.4
+
+
+async def test_two_daemons_share_one_port_with_reuse_port():
+    """``[server] reuse_port``: a second daemon binds the port the first listens on, and both answer."""
+    async with trio.open_nursery() as nursery:
+        first = await start_daemon(nursery, make_config({"server": {"port": 0, "reuse_port": True}}))
+        port = int(first.url.rsplit(":", 1)[1])
+        second = await start_daemon(nursery, make_config({"server": {"port": port, "reuse_port": True}}))
+        assert second.url == first.url
+        for daemon in (first, second):
+            assert (await daemon.client.get("/health")).status_code == 200
+            await daemon.client.aclose()
+        nursery.cancel_scope.cancel()
+    with pytest.raises(BaseExceptionGroup) as refused:  # without it, the port is taken
+        async with trio.open_nursery() as nursery:
+            first = await start_daemon(nursery, make_config({"server": {"port": 0}}))
+            port = int(first.url.rsplit(":", 1)[1])
+            try:
+                await start_daemon(nursery, make_config({"server": {"port": port}}))
+            finally:
+                await first.client.aclose()
+                nursery.cancel_scope.cancel()
+    assert refused.value.subgroup(lambda e: isinstance(e, OSError) and e.errno == errno.EADDRINUSE) is not None
