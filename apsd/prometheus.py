@@ -58,6 +58,13 @@ Metrics (``tenant`` is a configured tenant's name)::
     apsd_fairness_jain                        gauge    (no sample while there is nothing to compare)
     apsd_conservation_ok                      gauge    1 when admitted == completed + failed +
                                                        cancelled + queued + running, else 0
+    apsd_store_info{kind}                     gauge    memory or redis (``[store]``)
+    apsd_store_available                      gauge    1 while the shared store can be reached
+    apsd_store_outages_total                  counter  times it became unreachable
+    apsd_store_syncs_total                    counter  exchanges with it, succeeded and failed
+    apsd_store_sync_failures_total            counter
+    apsd_store_replicas                       gauge    replicas seen sharing it in the last second
+    apsd_store_leased_tokens                  gauge    tokens this replica holds leased
     apsd_accepting                            gauge    1 while admitting, 0 once draining
     apsd_policy_info{aging,governor,batching,preset}  gauge 1: the policies in force
 
@@ -109,6 +116,7 @@ if TYPE_CHECKING:
     from .engines.base import EngineStatistics
     from .ledger import Ledger, TenantStats
     from .pipeline import GovernorView, Pipeline, PipelineStatistics
+    from .store import StoreStatistics
 
 __all__ = [
     "BATCH_SIZE_BUCKETS",
@@ -573,12 +581,31 @@ class PrometheusExporter:
                                 value=1 if books.requests.conservation_ok else 0)
         yield GaugeMetricFamily("apsd_accepting", "1 while admitting requests, 0 once shutting down",
                                 value=1 if pipeline.accepting else 0)
+        yield from self._store(pipeline.store.statistics())
         policy = {kind: str(statistics.policy.get(kind) or "") for kind in ("aging", "governor", "batching",
                                                                             "preset")}
         info = GaugeMetricFamily("apsd_policy_info", "The policies in force (value always 1)",
                                  labels=list(policy))
         info.add_metric(list(policy.values()), 1)
         yield info
+
+    @staticmethod
+    def _store(store: StoreStatistics) -> Iterator[Metric]:
+        info = GaugeMetricFamily("apsd_store_info", "Where buckets and fair share live (value always 1)",
+                                 labels=["kind"])
+        info.add_metric([store.kind], 1)
+        yield info
+        yield GaugeMetricFamily("apsd_store_available", "1 while the shared store can be reached (always 1 in memory)",
+                                value=1 if store.available else 0)
+        yield CounterMetricFamily("apsd_store_outages", "Times the shared store became unreachable", value=store.outages)
+        yield CounterMetricFamily("apsd_store_syncs", "Exchanges with the shared store that succeeded",
+                                  value=store.syncs)
+        yield CounterMetricFamily("apsd_store_sync_failures", "Exchanges with the shared store that failed",
+                                  value=store.sync_failures)
+        yield GaugeMetricFamily("apsd_store_replicas", "Replicas seen sharing the store in the last second",
+                                value=store.replicas)
+        yield GaugeMetricFamily("apsd_store_leased_tokens", "Tokens this replica holds leased from shared buckets",
+                                value=store.leased_tokens)
 
     @staticmethod
     def _engines(engines: Sequence[EngineStatistics]) -> Iterator[Metric]:
