@@ -19,7 +19,7 @@ import trio
 
 from apsd.config import ConfigError, parse_config
 
-from .helpers import LiveDaemon, make_config, start_daemon
+from .helpers import LiveDaemon, make_config, start_apsd, start_daemon, stop_apsd
 from .redis_server import open_redis_server
 
 
@@ -151,3 +151,89 @@ async def test_two_daemons_share_one_port_with_reuse_port():
                 await first.client.aclose()
                 nursery.cancel_scope.cancel()
     assert refused.value.subgroup(lambda e: isinstance(e, OSError) and e.errno == errno.EADDRINUSE) is not None
+
+
+def metric(text: str, name: str) -> float:
+    (line,) = [line for line in text.splitlines() if line.startswith(name + " ")]
+    return float(line.split()[1])
+
+
+async def wait_for_store(daemons: list[LiveDaemon], available: bool) -> None:
+    with trio.fail_after(10):
+        while any(d.daemon.pipeline.store.statistics().available != available for d in daemons):
+            await trio.sleep(0.02)
+
+
+@pytest.mark.parametrize("mode", ["local", "refuse"])
+async def test_redis_killed_under_load_then_restarted(mode, caplog):
+    """Every request sent is answered; while Redis is down, ``local`` keeps admitting and ``refuse``
+    answers 503 ``store_unavailable`` once leases are spent; both recover by themselves."""
+    tenants = {"t": {"rate": 400.0, "burst": 800}}
+    async with open_redis_server() as redis:
+        async with replicas(store_config(redis.url, tenants, on_unavailable=mode), 2) as daemons:
+            answers: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+            phase = "before"
+
+            async def one(daemon: LiveDaemon) -> None:
+                response = await daemon.client.post("/infer", json=infer("t", 6))
+                body = response.json()
+                answers[phase][body.get("error", "ok") if response.status_code != 200 else "ok"] += 1
+                assert response.status_code in (200, 429, 503), response.text
+
+            async def load(seconds: float) -> None:  # 30 requests/s of 10 tokens: below the rate
+                async with trio.open_nursery() as senders:
+                    for i in range(int(seconds * 30)):
+                        senders.start_soon(one, daemons[i % 2])
+                        await trio.sleep(1 / 30)
+
+            with trio.fail_after(60):
+                await load(1.5)
+                redis.kill()
+                await wait_for_store(daemons, available=False)
+                phase = "outage"
+                await load(3.0)
+                await redis.restart()
+                await wait_for_store(daemons, available=True)
+                phase = "after"
+                await load(1.5)
+            scrape = (await daemons[0].client.get("/metrics")).text
+    assert set(answers["before"]) == {"ok"}, answers
+    assert set(answers["after"]) == {"ok"}, answers
+    if mode == "local":
+        assert answers["outage"]["ok"] >= 0.8 * sum(answers["outage"].values()), answers
+        assert "store_unavailable" not in answers["outage"], answers
+    else:
+        assert answers["outage"]["store_unavailable"] > 0, answers
+        assert set(answers["outage"]) <= {"ok", "store_unavailable"}, answers
+    assert metric(scrape, "apsd_store_outages_total") >= 1 and metric(scrape, "apsd_store_available") == 1
+    logged = caplog.text
+    assert "unreachable" in logged and "reachable again" in logged
+
+
+@pytest.mark.parametrize("kind", ["redis", "memory"])
+async def test_a_replica_killed_and_restarted_finds_its_tenants_buckets_where_they_were(kind, tmp_path):
+    """A tenant drains its bucket through one ``apsd`` process, which is then SIGKILLed; a new process
+    refuses the tenant (the shared bucket is still empty). In memory, the new process starts full."""
+    async with open_redis_server() as redis:
+        store = f'[store]\nkind = "redis"\nurl = "{redis.url}"\n' if kind == "redis" else ""
+        config = tmp_path / "apsd.toml"
+        config.write_text(f'[server]\nport = 0\n{store}[tenants.t]\nrate = 0.5\nburst = 100\n')
+
+        async def admitted(url: str, attempts: int) -> int:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                codes = [(await client.post("/infer", json=infer("t", 6))).status_code for _ in range(attempts)]
+            assert set(codes) <= {200, 429}, codes
+            return codes.count(200)
+
+        process, url, _ = await start_apsd(str(config))
+        try:
+            assert await admitted(url, 15) == 10  # 100 tokens, 10 a request
+        finally:
+            process.kill()  # SIGKILL: no clean stop
+            await process.wait()
+        process, url, seen = await start_apsd(str(config))
+        try:
+            again = await admitted(url, 5)
+        finally:
+            await stop_apsd(process, seen)
+    assert again == (0 if kind == "redis" else 5)

@@ -64,6 +64,7 @@ for i, key in ipairs(KEYS) do
   local state = redis.call('HMGET', key, 'tokens', 'updated')
   local tokens = tonumber(state[1]) or burst
   local updated = tonumber(state[2]) or now
+  if not state[1] and returned < 0 then returned = 0 end  -- a bucket Redis lost starts full: no old debts
   if now > updated then
     tokens = math.min(burst, tokens + (now - updated) * rate)
     updated = now
