@@ -24,12 +24,13 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import trio
 
 from . import __version__
-from .config import ConfigError, load_config
+from .config import Config, ConfigError, load_config
 from .daemon import Daemon
 from .logs import configure_logging
 from .plugins import PluginError, describe_plugins, load_policy_registry, load_profile_registry, make_plugin_manager
@@ -146,6 +147,15 @@ def simulate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-plots", action="store_true", help="write report.md and summary.json only")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no table")
     parser.add_argument("--list", action="store_true", help="list the built-in workloads and their parameters")
+    replicas = parser.add_argument_group(
+        "replicas sharing a store", "with --replicas N: N pipelines share tenants' buckets and fair share through "
+        "a simulated store, once per --sync-interval; prints what each tenant was offered, admitted and served "
+        "against what its bucket grants (tenants' buckets from --config when it names the workload's tenants)")
+    replicas.add_argument("--replicas", type=int, metavar="N", help="replicas (2 or more)")
+    replicas.add_argument("--sync-interval", type=float, action="append", metavar="S",
+                          help="[store] sync_interval_s to compare, in seconds (repeatable; default 0.01, 0.05, 0.2, 1)")
+    replicas.add_argument("--store-delay", type=float, default=0.001, metavar="S",
+                          help="model seconds each exchange with the store takes (default 0.001)")
     return parser
 
 
@@ -174,6 +184,8 @@ def simulate_main(argv: Sequence[str]) -> int:
         if len({c.label for c in choices}) != len(choices):
             raise ConfigError("--policy: the same policy is given twice")
         config = load_config(args.config)
+        if args.replicas is not None:
+            return _simulate_replicas(args, workload, choices, config)
         pm = make_plugin_manager()
         registry = load_policy_registry(pm)
         for choice in choices:  # every policy must build before anything runs
@@ -202,6 +214,34 @@ def simulate_main(argv: Sequence[str]) -> int:
         print(f"\nreport: {out / 'report.md'}")
     print(f"simulated {total} requests ({len(workload.arrivals)} arrivals x {len(runs)} policies) in {wall:.2f} s: "
           f"{total / wall if wall else 0:,.0f} simulated requests per wall-clock second")
+    return 0
+
+
+def _simulate_replicas(args: argparse.Namespace, workload: Any, choices: Sequence[Any], config: Config) -> int:
+    """``apsd simulate --replicas``: the sync periods compared, as a table on stdout."""
+    from .sim.replicas import run_replicas
+
+    if args.replicas < 2:
+        raise ConfigError(f"--replicas: must be 2 or more, got {args.replicas}")
+    intervals = args.sync_interval or [0.01, 0.05, 0.2, 1.0]
+    if not all(0.001 <= i <= 60 for i in intervals) or not 0 <= args.store_delay <= 10:
+        raise ConfigError("--sync-interval: each must be 0.001-60 s; --store-delay: 0-10 s")
+    names = {a.tenant for a in workload.arrivals}
+    tenants = config.tenants if names <= set(config.tenants) else None
+    print(f"{workload.name}: {len(workload.arrivals)} arrivals over {args.replicas} replicas, "
+          f"each exchange taking {args.store_delay:g} s" + ("" if tenants else
+          " (the workload's tenants are unthrottled: pass --config with their buckets to compare quotas)"))
+    print(f"{'policy':<10} {'sync s':>7} {'tenant':<12} {'offered':>9} {'admitted':>9} {'bucket grants':>13} "
+          f"{'admitted/grants':>15} {'served':>9} {'p99 latency s':>13}")
+    for choice in choices:
+        for interval in intervals:
+            run = run_replicas(workload, choice, replicas=args.replicas, sync_interval_s=interval,
+                               delay_s=args.store_delay, base_config=config, tenants=tenants)
+            for t in run.tenants:
+                grants = t.bound(run.duration_s)
+                latency = "-" if t.latency_p99_s is None else f"{t.latency_p99_s:.3f}"
+                print(f"{choice.label:<10} {interval:>7g} {t.tenant:<12} {t.offered_tokens:>9} {t.admitted_tokens:>9} "
+                      f"{grants:>13.0f} {t.admitted_tokens / grants:>15.3f} {t.served_tokens:>9} {latency:>13}")
     return 0
 
 

@@ -425,7 +425,8 @@ class Pipeline:
 @asynccontextmanager
 async def open_pipeline(config: Config, policies: PolicySet, *, request_id_prefix: str | None = "sim",
                         profiles: ProfileRegistry | None = None,
-                        backend_client: BackendClient | None = None) -> AsyncIterator[Pipeline]:
+                        backend_client: BackendClient | None = None,
+                        store: Store | None = None) -> AsyncIterator[Pipeline]:
     """Build a pipeline, run its stages in a nursery of their own, and yield it.
 
     The one way a pipeline runs: the daemon (which adds HTTP), the simulator and tests.
@@ -433,10 +434,11 @@ async def open_pipeline(config: Config, policies: PolicySet, *, request_id_prefi
     ``trio.testing.MockClock(autojump_threshold=0)`` it runs in virtual time. On exit, new
     requests are refused, requests still unfinished are answered 503, and the stages stop.
     Raises ConfigError before anything runs for an ``[engine]`` that cannot be built. The forward
-    engine talks to its backends through ``backend_client`` (default: over HTTP).
+    engine talks to its backends through ``backend_client`` (default: over HTTP), and tenants'
+    buckets live in ``store`` (default: the one ``[store]`` asks for).
     """
     pipeline = Pipeline.build(config, policies, request_id_prefix=request_id_prefix, profiles=profiles,
-                              backend_client=backend_client)
+                              backend_client=backend_client, store=store)
     async with trio.open_nursery() as nursery:
         await nursery.start(pipeline._run_stages)
         try:

@@ -19,7 +19,7 @@ import trio
 
 from apsd.config import ConfigError, parse_config
 
-from .helpers import LiveDaemon, make_config, start_apsd, start_daemon, stop_apsd
+from .helpers import LiveDaemon, make_config, run_cli, start_apsd, start_daemon, stop_apsd
 from .redis_server import open_redis_server
 
 
@@ -237,3 +237,56 @@ async def test_a_replica_killed_and_restarted_finds_its_tenants_buckets_where_th
         finally:
             await stop_apsd(process, seen)
     assert again == (0 if kind == "redis" else 5)
+
+
+async def test_the_simulated_shared_state_exchanges_as_the_lua_scripts_do():
+    """The same random exchanges against Redis and against the simulator's shared state give the same
+    grants, levels and totals (rate 0: Redis's clock and trio's never meet)."""
+    import random
+
+    from apsd.store.leasing import LeaseAsk
+    from apsd.store.redis import RedisState
+    from apsd.store.simulated import SimulatedSharedState
+
+    rng = random.Random(7)
+    simulated = SimulatedSharedState()
+    async with open_redis_server() as redis:
+        async with RedisState(redis.url, "eq").session() as session:
+            for _ in range(200):
+                asks = [LeaseAsk(f"t{rng.randrange(4)}", 0.0, 500.0, float(rng.choice([0, 10, 100, 600])),
+                                 float(rng.choice([0, 0, 25, -40, 300]))) for _ in range(rng.randint(1, 3))]
+                asks = list({a.tenant: a for a in asks}.values())  # one ask per tenant per exchange
+                assert await session.lease(asks) == await simulated.lease(asks)
+                given = {f"t{rng.randrange(4)}": rng.choice([1.5, 20.0, -3.0])}
+                (_, remote), (_, local) = await session.service("r", given), await simulated.service("r", given)
+                assert remote == pytest.approx(local)
+
+
+def test_simulated_replicas_stay_within_what_the_buckets_grant():
+    from apsd.config import TenantConfig
+    from apsd.sim.replicas import run_replicas
+    from apsd.sim.runner import parse_policy_choice
+    from apsd.sim.workloads import build_workload
+
+    workload = build_workload("vtc-overload", {"duration": 120.0, "prompt_tokens": 32, "output_tokens": 32})
+    tenants = {"tenant_a": TenantConfig(rate=30.0, burst=200), "tenant_b": TenantConfig(rate=30.0, burst=200)}
+    for interval in (0.01, 1.0):
+        run = run_replicas(workload, parse_policy_choice("fair"), replicas=3, sync_interval_s=interval,
+                           delay_s=0.001, tenants=tenants)
+        for tenant in run.tenants:
+            assert tenant.offered_tokens > 2 * tenant.bound(run.duration_s)  # demand exceeds the rate
+            assert 0.85 * tenant.bound(run.duration_s) <= tenant.admitted_tokens <= 1.05 * tenant.bound(run.duration_s)
+
+
+def test_apsd_simulate_compares_sync_intervals(tmp_path):
+    config = tmp_path / "tenants.toml"
+    config.write_text("[tenants.tenant_a]\nrate = 100.0\nburst = 400\n[tenants.tenant_b]\nrate = 100.0\nburst = 400\n")
+    done = run_cli("simulate", "--workload", "vtc-overload", "--set", "duration=30", "--policy", "fair",
+                   "--replicas", "2", "--sync-interval", "0.05", "--sync-interval", "0.5", "--config", str(config))
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("fair")]
+    assert [(r[1], r[2]) for r in rows] == [("0.05", "tenant_a"), ("0.05", "tenant_b"), ("0.5", "tenant_a"),
+                                            ("0.5", "tenant_b")]
+    assert all(float(r[6]) <= 1.05 for r in rows)  # admitted / what the bucket grants
+    refused = run_cli("simulate", "--replicas", "1")
+    assert refused.returncode == 2 and "--replicas: must be 2 or more" in refused.stderr

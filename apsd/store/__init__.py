@@ -5,9 +5,11 @@ that is local to this process; a store decides what that local state is and how 
 
 * :class:`~apsd.store.memory.MemoryStore` (``[store] kind = "memory"``, the default, the
   simulator's): buckets are plain :class:`~apsd.admission.TokenBucket` objects; nothing is shared.
-* :class:`~apsd.store.redis.RedisStore` (``kind = "redis"``): every replica leases slices of each
-  tenant's bucket from Redis and returns what it does not use, and pushes and pulls fair-share
-  service, in one background task; Redis is never on a request's path.
+* :class:`~apsd.store.leasing.LeasingStore` over Redis (``kind = "redis"``,
+  :mod:`apsd.store.redis`): every replica leases slices of each tenant's bucket and returns what it
+  does not use, and pushes and pulls fair-share service, in one background task; Redis is never on
+  a request's path. The simulator runs the same store over an in-memory shared state with a
+  delay (:mod:`apsd.store.simulated`).
 
 The interfaces (:class:`Store`, :class:`Bucket`, :class:`SharedService`) are public for plugins
 and embedders: ``docs/architecture.md`` ("Many replicas") tells the story.
@@ -29,7 +31,7 @@ __all__ = ["Bucket", "MemoryStore", "SharedService", "Store", "StoreStatistics",
 def build_store(config: Config) -> Store:
     """The store ``[store]`` asks for (not started: run :meth:`Store.run` in a nursery)."""
     if config.store.kind == "redis":
-        from .redis import RedisStore  # (coredis is imported only when asked for)
+        from .redis import redis_store
 
-        return RedisStore(config.store)
+        return redis_store(config.store)
     return MemoryStore()

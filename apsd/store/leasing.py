@@ -1,0 +1,344 @@
+"""A replica's side of shared buckets and fair share: leases, optimistic admission, outages.
+
+Nothing here is on a request's path. Admission decides against this replica's :class:`LeasedBucket`,
+synchronously; one background task (:meth:`LeasingStore.run`) exchanges with the shared state
+(:class:`SharedState`: Redis in a deployment, :mod:`apsd.store.redis`; in memory with a delay in the
+simulator, :mod:`apsd.store.simulated`) every ``[store] sync_interval_s``:
+
+* **Leases.** Each tenant's bucket lives in the shared state, refilled by its clock (Redis's
+  ``TIME``: every replica reads time from one source). A replica leases slices of it: it asks for
+  what its recent demand needs for the next two intervals, returns what it holds beyond that
+  (everything once idle), and settles its refunds and debts, all in one exchange.
+* **Service.** The fair-share queue's weighted service given here since the last exchange is added
+  to the shared totals and the totals come back; what the other replicas gave is handed to the
+  queue (:class:`~apsd.store.base.SharedService`). The same exchange counts the replicas seen in
+  the last second.
+
+Accuracy. A replica admits from its lease, and beyond it optimistically up to its share (1/N for N
+replicas seen) of what the tenant's bucket held at the last exchange, charged at the next one. The
+tokens a tenant gets are therefore at most what its bucket grants (``burst + rate * T``) plus what
+the other replicas leased between one replica's reading and its next exchange: at most one
+interval's grants, one lease slice per replica (about ``2 * rate * sync_interval_s`` each once
+demand is steady). It loses at most the slices idle replicas hold for an interval before returning
+them. Both shrink with the interval; ``apsd simulate --replicas`` measures the trade.
+
+Unavailable shared state (a failed or slow exchange): the store logs the switch, counts it
+(``apsd_store_available``, ``apsd_store_outages_total``) and retries every interval. With
+``on_unavailable = "local"`` each bucket keeps admitting at its share of the tenant's rate
+(``rate / N`` for the N replicas last seen, starting from its share of what the bucket held), and
+what it admits beyond its lease is charged to the shared bucket when the state is back, so every
+token is counted once (unless the state lost the bucket meanwhile: a lost bucket starts full).
+With ``"refuse"``, a request its lease cannot cover is answered 503 ``store_unavailable``.
+
+Restarts: the buckets are in the shared state, so a replica that restarts finds them where they
+were; on a clean stop it returns its leases (within a second), on a crash they are lost to the
+tenant (at most a lease slice each).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol
+
+import attrs
+import trio
+
+from ..admission import TokenBucket
+from ..config import StoreConfig, TenantConfig
+from ..models import Refusal
+from .base import SharedService, StoreStatistics
+
+__all__ = ["LeaseAsk", "LeasedBucket", "LeasingStore", "SharedSession", "SharedState"]
+
+log = logging.getLogger("apsd.store")
+
+#: An exchange that takes longer than this (wall seconds) counts as failed.
+EXCHANGE_TIMEOUT_S = 1.0
+#: Seconds a lease keeps room for the largest demand it saw in one interval, after a pause.
+HOLD_S = 2.0
+
+
+@attrs.frozen
+class LeaseAsk:
+    """One tenant's part of an exchange: its contract, the tokens wanted, and those returned
+    (negative: a debt charged to the shared bucket)."""
+
+    tenant: str
+    rate: float
+    burst: float
+    want: float
+    returned: float
+
+
+class SharedSession(Protocol):
+    """An open connection to the shared state; each call is atomic on the shared side."""
+
+    async def lease(self, asks: Sequence[LeaseAsk]) -> list[tuple[float, float]]:
+        """Refill each bucket to now, add what is returned (capped at ``burst``; a bucket the state
+        does not have starts full, with no debt), grant up to ``want`` of what it holds; per ask,
+        (granted, tokens left in the shared bucket)."""
+
+    async def service(self, replica: str, given: Mapping[str, float]) -> tuple[int, dict[str, float]]:
+        """Add ``given`` (tenant -> weighted service) to the totals and mark ``replica`` seen now;
+        (replicas seen in the last second, every tenant's total)."""
+
+
+class SharedState(Protocol):
+    #: What the logs call it (its URL).
+    name: str
+
+    def session(self) -> AbstractAsyncContextManager[SharedSession]: ...
+
+
+class LeasedBucket:
+    """A tenant's bucket as one replica sees it: tokens leased from Redis (``tokens``), plus an
+    optimistic share of what the shared bucket held at the last exchange (see the module docstring)."""
+
+    def __init__(self, tenant: TenantConfig, store: RedisStore) -> None:
+        self.rate, self.burst = tenant.rate, float(tenant.burst)
+        self._store = store
+        #: Tokens this replica holds (leased, plus refunds; negative: a debt to settle).
+        self.tokens = 0.0
+        #: What the shared bucket held after the last exchange, and what was taken from it since.
+        self.shared_seen = self.burst
+        self.optimistic = 0.0
+        #: Demand since the last exchange: tokens taken, and the largest request refused.
+        self.taken = 0.0
+        self.refused = 0.0
+        #: The largest interval's demand lately, and when (the lease keeps that much for HOLD_S).
+        self.largest = 0.0
+        self.largest_at = 0.0
+        #: While Redis is unreachable ("local"): admit from a bucket refilling at this replica's share of
+        #: the rate, made at the first request after the switch; what it admitted is charged later.
+        self.falling_back = False
+        self.fallback: TokenBucket | None = None
+        self.outage_spent = 0.0
+
+    # -- what admission calls --------------------------------------------------------------------
+    def _optimistic_room(self) -> float:
+        return max(0.0, self.shared_seen / self._store.replicas - self.optimistic)
+
+    def _fallback(self, now: float) -> TokenBucket:
+        if self.fallback is None:
+            share = 1.0 / self._store.replicas
+            # it starts with its share of what the shared bucket held at the last exchange
+            self.fallback = TokenBucket(rate=self.rate * share, burst=self.burst * share,
+                                        tokens=self._optimistic_room(), updated=now)
+        return self.fallback
+
+    def level(self, now: float) -> float:
+        if self.falling_back:
+            return max(self.tokens, 0.0) + self._fallback(now).level(now)
+        return self.tokens + self._optimistic_room()
+
+    def try_take(self, amount: float, now: float) -> bool:
+        if self.falling_back:
+            self._fallback(now)
+        if self.tokens >= amount:
+            self.tokens -= amount
+        elif self.fallback is not None:
+            if not self.fallback.try_take(amount, now):
+                self.refused = max(self.refused, amount)
+                return False
+            self.outage_spent += amount
+        elif not self._store.available:
+            self.refused = max(self.refused, amount)
+            return False
+        elif self.tokens + self._optimistic_room() >= amount:
+            beyond = amount - max(self.tokens, 0.0)
+            self.tokens -= amount - beyond
+            self.optimistic += beyond
+        else:
+            self.refused = max(self.refused, amount)
+            return False
+        self.taken += amount
+        return True
+
+    def give_back(self, amount: float, now: float) -> None:
+        self.tokens += amount
+
+    def seconds_until(self, amount: float, now: float) -> float:
+        return max(self._store.sync_interval_s, (amount - self.level(now)) / self.rate)
+
+    # -- what the exchange does ------------------------------------------------------------------
+    def request(self, interval: float, now: float) -> tuple[float, float]:
+        """(want, returned) for the next exchange at ``now``; clears the demand counters. It keeps
+        twice the last interval's demand, and for :data:`HOLD_S` the largest request it saw, so a
+        tenant's next request after a pause need not wait for an exchange."""
+        demand = max(self.taken, self.refused)
+        if demand >= self.largest or now - self.largest_at > HOLD_S:
+            self.largest, self.largest_at = demand if demand else 0.0, now
+        target = min(self.burst, max(2.0 * demand, 2.0 * self.rate * interval if self.taken else 0.0, self.largest))
+        returned = -self.optimistic
+        self.optimistic = 0.0
+        held = self.tokens
+        if held < 0:  # a debt (refunds below zero): settle it
+            returned += held
+            held = 0.0
+        want = max(0.0, target - held)
+        if held > target:  # return what recent demand does not need (everything once idle)
+            returned += held - target
+            held = target
+        self.tokens = held
+        self.taken = self.refused = 0.0
+        return want, returned
+
+    def settle(self, granted: float, left: float) -> None:
+        self.tokens += granted
+        self.shared_seen = left
+
+    def recover(self) -> float:
+        """Redis is back: what was admitted beyond the lease meanwhile, to charge to it."""
+        spent, self.outage_spent, self.fallback, self.falling_back = self.outage_spent, 0.0, None, False
+        return spent
+
+    def unrequest(self, returned: float) -> None:
+        """The exchange failed: keep what was to be returned or settled (a debt stays a debt)."""
+        self.tokens += returned
+
+
+class LeasingStore:
+    """A replica's side of shared buckets and fair share (see the module docstring), exchanging with
+    ``state`` every ``[store] sync_interval_s``; :meth:`run` does every exchange."""
+
+    def __init__(self, config: StoreConfig, state: SharedState, *, kind: str = "redis",
+                 replica_id: str | None = None) -> None:
+        self.config, self.state, self.kind = config, state, kind
+        self.sync_interval_s = config.sync_interval_s
+        self.replica_id = replica_id or secrets.token_hex(6)
+        self.available = False  # until the first exchange succeeds
+        self.replicas = 1
+        self._buckets: dict[str, LeasedBucket] = {}
+        self._policy: SharedService | None = None
+        self._service_seen: dict[str, float] | None = None
+        self._outages = 0
+        self._syncs = 0
+        self._failures = 0
+
+    # -- the seam --------------------------------------------------------------------------------
+    def bucket(self, tenant_id: str, tenant: TenantConfig, now: float) -> LeasedBucket:
+        bucket = LeasedBucket(tenant, self)
+        old = self._buckets.get(tenant_id)
+        if old is not None:  # a reload re-rated it: keep what this replica holds
+            bucket.tokens, bucket.optimistic, bucket.shared_seen = old.tokens, old.optimistic, old.shared_seen
+        self._buckets[tenant_id] = bucket
+        return bucket
+
+    def refusal(self) -> Refusal | None:
+        if self.available or self.config.on_unavailable == "local":
+            return None
+        return Refusal(503, "store_unavailable", f"the shared quota store ({self.kind}) cannot be reached and this "
+                       "replica's leases cannot cover the request ([store] on_unavailable = \"refuse\")",
+                       headers={"Retry-After": "1"})
+
+    def share(self, policy: object) -> None:
+        if isinstance(policy, SharedService):
+            policy.take_service()  # (starts its bookkeeping; it has given nothing shared yet)
+            self._policy, self._service_seen = policy, None
+        else:
+            self._policy = None
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics(kind=self.kind, available=self.available, outages=self._outages, syncs=self._syncs,
+                               sync_failures=self._failures, replicas=self.replicas,
+                               leased_tokens=sum(max(b.tokens, 0.0) for b in self._buckets.values()))
+
+    # -- the exchange task ---------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        started = False
+        try:
+            while True:
+                try:
+                    async with self.state.session() as session:
+                        while True:
+                            with trio.fail_after(EXCHANGE_TIMEOUT_S):
+                                await self._exchange(session)
+                            if not started:
+                                task_status.started()
+                                started = True
+                            await trio.sleep(self.sync_interval_s)
+                except Exception as exc:  # unreachable, refused, timed out (trio.TooSlowError): retry
+                    self._unavailable(exc)
+                    if not started:
+                        task_status.started()
+                        started = True
+                    await trio.sleep(self.sync_interval_s)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._return_leases()
+
+    async def _exchange(self, session: SharedSession) -> None:
+        recovering = not self.available
+        asks: list[LeaseAsk] = []
+        for name, bucket in self._buckets.items():
+            debt = bucket.recover() if recovering else 0.0
+            want, returned = bucket.request(self.sync_interval_s, trio.current_time())
+            returned -= debt
+            if want or returned or recovering:
+                asks.append(LeaseAsk(name, bucket.rate, bucket.burst, want, returned))
+        try:
+            if asks:
+                for ask, (granted, left) in zip(asks, await session.lease(asks)):
+                    self._buckets[ask.tenant].settle(granted, left)
+                asks = []
+            await self._exchange_service(session)
+        except BaseException:
+            for ask in asks:  # (not sent, or no answer: nothing granted, keep the returns)
+                self._buckets[ask.tenant].unrequest(ask.returned)
+            raise
+        self._syncs += 1
+        if recovering:
+            if self._outages:
+                log.warning("shared store %s reachable again: buckets and fair share are shared (%d replicas)",
+                            self.state.name, self.replicas)
+            else:
+                log.info("shared store %s: buckets and fair share are shared (%d replicas)", self.state.name,
+                         self.replicas)
+            self.available = True
+
+    async def _exchange_service(self, session: SharedSession) -> None:
+        given = self._policy.take_service() if self._policy is not None else {}
+        self.replicas, totals = await session.service(self.replica_id, given)
+        self.replicas = max(1, self.replicas)
+        if self._policy is not None:
+            seen = self._service_seen if self._service_seen is not None else {}
+            remote = {t: total - seen.get(t, 0.0) - given.get(t, 0.0) for t, total in totals.items()}
+            self._policy.add_service({t: v for t, v in remote.items() if v})
+            self._service_seen = totals
+
+    def _unavailable(self, exc: BaseException) -> None:
+        """An exchange failed: switch to ``on_unavailable`` (logged once per outage)."""
+        self._failures += 1
+        if self.available or (self._syncs == 0 and self._failures == 1):
+            self._outages += 1
+            log.warning("shared store %s unreachable (%s): %s", self.state.name, _describe(exc),
+                        "admitting at this replica's share of each tenant's rate"
+                        if self.config.on_unavailable == "local" else "refusing what leases cannot cover")
+        self.available = False
+        if self.config.on_unavailable == "local":
+            for bucket in self._buckets.values():
+                bucket.falling_back = True
+
+    async def _return_leases(self) -> None:
+        """Give back what this replica holds (a clean stop); best effort, within a second."""
+        if not self.available:
+            return
+        asks = [LeaseAsk(name, b.rate, b.burst, 0.0, b.tokens - b.optimistic) for name, b in self._buckets.items()
+                if b.tokens - b.optimistic]
+        if not asks:
+            return
+        with trio.move_on_after(1.0):
+            try:
+                async with self.state.session() as session:
+                    await session.lease(asks)
+            except Exception as exc:
+                log.warning("could not return leases to %s: %s", self.state.name, _describe(exc))
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        return _describe(exc.exceptions[0])
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
