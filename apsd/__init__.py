@@ -34,6 +34,9 @@ from .policy import GovernorReading as GovernorReading
 from .policy import OrderingPolicy as OrderingPolicy
 from .policy import PolicyRegistry as PolicyRegistry
 from .policy import PolicySet as PolicySet
+from .store import Bucket as Bucket
+from .store import SharedService as SharedService
+from .store import Store as Store
 
 try:
     __version__ = version("apsd")
