@@ -15,12 +15,17 @@ simulator, :mod:`apsd.store.simulated`) every ``[store] sync_interval_s``:
   the last second.
 
 Accuracy. A replica admits from its lease, and beyond it optimistically up to its share (1/N for N
-replicas seen) of what the tenant's bucket held at the last exchange, charged at the next one. The
-tokens a tenant gets are therefore at most what its bucket grants (``burst + rate * T``) plus what
-the other replicas leased between one replica's reading and its next exchange: at most one
-interval's grants, one lease slice per replica (about ``2 * rate * sync_interval_s`` each once
-demand is steady). It loses at most the slices idle replicas hold for an interval before returning
-them. Both shrink with the interval; ``apsd simulate --replicas`` measures the trade.
+replicas seen) of what the tenant's bucket held at its last exchange, charged at its next one. The
+leases never grant more than the bucket holds, so over ``T`` seconds a tenant gets at most
+``burst + rate * T`` plus the optimistic part: per exchange, at most what the bucket held when the
+replicas last read it (the shares of N replicas add up to one bucket), which is near zero while
+demand exceeds the rate (the bucket stays empty), and at most ``burst`` in one interval after a
+pause. It loses what idle replicas hold: a lease is twice the last interval's demand (at least
+``2 * rate * sync_interval_s`` while busy) and, for ``HOLD_S`` after a pause, the largest recent
+interval's demand, so N replicas park at most N such slices. A request larger than ``1/N`` of what
+the bucket holds waits for one exchange (its client is told ``Retry-After``). Measured: three
+replicas, one tenant at twice its rate for 30 s, 6,360 tokens admitted against a bound of 6,400
+(``tests/test_store.py``); ``apsd simulate --replicas`` compares sync intervals.
 
 Unavailable shared state (a failed or slow exchange): the store logs the switch, counts it
 (``apsd_store_available``, ``apsd_store_outages_total``) and retries every interval. With
