@@ -370,20 +370,28 @@ def unit_with_existing_binary(tmp_path: Path) -> Path:
     return path
 
 
+def unit_under_test(which: str, tmp_path: Path) -> Path:
+    """``apsd.service``, or the template's instance ``apsd@8001.service``, runnable here."""
+    return unit_with_existing_binary(tmp_path) if which == "unit" else template_with_existing_binary(tmp_path)
+
+
 @pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed")
-def test_systemd_analyze_verify(tmp_path):
-    result = subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", str(unit_with_existing_binary(tmp_path))],
+@pytest.mark.parametrize("which", ["unit", "template"])
+def test_systemd_analyze_verify(which, tmp_path):
+    result = subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", str(unit_under_test(which, tmp_path))],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and not result.stderr.strip() and not result.stdout.strip(), result
 
 
 @pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed")
-def test_systemd_analyze_security_rates_the_unit_ok(tmp_path):
-    result = subprocess.run([SYSTEMD_ANALYZE, "security", "--offline=yes", "--no-pager",
-                             str(unit_with_existing_binary(tmp_path))], capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("which", ["unit", "template"])
+def test_systemd_analyze_security_rates_the_unit_ok(which, tmp_path):
+    unit = unit_under_test(which, tmp_path)
+    result = subprocess.run([SYSTEMD_ANALYZE, "security", "--offline=yes", "--no-pager", str(unit)],
+                            capture_output=True, text=True, timeout=60)
     if "--offline" in result.stderr or "unrecognized option" in result.stderr:
         pytest.skip("this systemd-analyze has no --offline (systemd < 250)")
-    match = re.search(r"Overall exposure level for apsd\.service: (\d+\.\d+) (\w+)", result.stdout)
+    match = re.search(rf"Overall exposure level for {re.escape(unit.name)}: (\d+\.\d+) (\w+)", result.stdout)
     assert match, result
     assert float(match.group(1)) <= 2.0 and match.group(2) == "OK", match.group(0)
 
@@ -494,20 +502,3 @@ def template_with_existing_binary(tmp_path: Path) -> Path:
     (tmp_path / TEMPLATE.name).write_text(text)
     return tmp_path / "apsd@8001.service"
 
-
-@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed")
-def test_systemd_analyze_verify_template_instance(tmp_path):
-    result = subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", str(template_with_existing_binary(tmp_path))],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and not result.stderr.strip() and not result.stdout.strip(), result
-
-
-@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed")
-def test_systemd_analyze_security_rates_the_template_instance_ok(tmp_path):
-    result = subprocess.run([SYSTEMD_ANALYZE, "security", "--offline=yes", "--no-pager",
-                             str(template_with_existing_binary(tmp_path))], capture_output=True, text=True, timeout=60)
-    if "--offline" in result.stderr or "unrecognized option" in result.stderr:
-        pytest.skip("this systemd-analyze has no --offline (systemd < 250)")
-    match = re.search(r"Overall exposure level for apsd@8001\.service: (\d+\.\d+) (\w+)", result.stdout)
-    assert match, result
-    assert float(match.group(1)) <= 2.0 and match.group(2) == "OK", match.group(0)
