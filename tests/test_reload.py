@@ -62,13 +62,16 @@ async def test_reload_adds_removes_and_rerates_tenants(autojump_clock):
 async def test_settings_that_need_a_restart_keep_their_old_values(autojump_clock):
     config = make_config(tenants={"a": BIG})
     async with open_pipeline(config, build_policies(config)) as pipeline:
-        new = make_config({"queue": {"ingress_buffer": 7}}, tenants={"a": BIG}, server=ServerConfig(port=9999),
+        new = make_config({"queue": {"ingress_buffer": 7}, "store": {"key_prefix": "elsewhere"}}, tenants={"a": BIG},
+                          server=ServerConfig(port=9999),
                           engine=EngineConfig(count=4), gpu=GpuConfig(time_scale=0.5, price_per_hour_usd=6.0))
         changes = pipeline.reconfigure(new, build_policies(new))
         assert "queue.ingress_buffer needs a restart to change (kept as before)" in changes
         assert pipeline.config.queue.ingress_buffer == config.queue.ingress_buffer
         assert "[server] needs a restart to change (kept as before)" in changes
         assert "[engine] needs a restart to change (kept as before)" in changes
+        assert "[store] needs a restart to change (kept as before)" in changes
+        assert pipeline.config.store.key_prefix == "apsd"
         assert (pipeline.config.server.port, pipeline.config.engine.count, len(pipeline.engines), pipeline.config.gpu.time_scale) == (
             config.server.port, 1, 1, 1.0)
         assert pipeline.config.gpu.price_per_hour_usd == 6.0 == pipeline.engines[0].model.gpu.price_per_hour_usd
