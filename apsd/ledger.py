@@ -81,7 +81,8 @@ class TenantStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     cost_usd: float = 0.0
-    rejected_by_error: collections.Counter[str] = attrs.field(factory=collections.Counter)
+    #: (A dict of str -> int: the garbage collector does not track it, a Counter it would.)
+    rejected_by_error: dict[str, int] = attrs.field(factory=dict)
 
     @property
     def in_flight(self) -> int:
@@ -259,9 +260,10 @@ class Ledger:
         """Count a refusal of a request that never entered the pipeline (e.g. a bad body)."""
         stats = self._changing(tenant_id)
         stats.rejected += 1
-        stats.rejected_by_error[error] += 1
-        self.totals.rejected += 1
-        self.totals.rejected_by_error[error] += 1
+        stats.rejected_by_error[error] = stats.rejected_by_error.get(error, 0) + 1
+        totals = self.totals
+        totals.rejected += 1
+        totals.rejected_by_error[error] = totals.rejected_by_error.get(error, 0) + 1
 
     def admit(self, request: InferenceRequest) -> None:
         if request in self.outstanding:

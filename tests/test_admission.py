@@ -168,3 +168,35 @@ async def test_queued_tokens_are_bounded_and_given_back(autojump_clock):
     assert admission.decide(request(prompt=10, tokens=140)) is None
     never = admission.decide(request(prompt=10, tokens=241))                     # 251 > 250: never fits
     assert (never.status, never.error) == (413, "exceeds_queue_capacity") and "Retry-After" not in never.headers
+
+
+async def test_the_ledger_keeps_totals_and_logs_who_changed(autojump_clock):
+    """Figures over all tenants are running totals (read without a loop over tenants), equal to the
+    sums over the tenants and the unattributed refusals; the change log names each configured
+    tenant whose counters moved since a mark, once, and never a name nobody configured."""
+    from apsd.models import Refusal
+
+    admission = Admission(tenants={"a": TenantConfig(rate=1e6, burst=10**6), "b": TenantConfig(rate=1e6, burst=10**6)},
+                          batching=MicroBatching(MicroParams()), ledger=Ledger(tenant_names=["a", "b"]),
+                          clock=ModelClock(), engine_refuse=no_engine_limit, max_queued=10, max_queued_per_tenant=10)
+    ledger = admission.ledger
+    mark = ledger.changes.mark
+    done = [request(tenant="a"), request(tenant="a"), request(tenant="b")]
+    for r in done:
+        assert admission.handle(r)
+    assert not admission.handle(request(tenant="nobody"))                      # 404: unattributed
+    ledger.count_refusal(None, "invalid_json")
+    ledger.finish(done[0], Refusal(504, "queue_timeout", "waited", kind="cancelled"))
+    ledger.finish(done[1], Refusal(502, "engine_failed", "boom", kind="failed"))
+    assert ledger.changes.since(mark) == ["a", "b"]
+    later = ledger.changes.mark
+    ledger.finish(done[2], Refusal(499, "client_disconnected", "left", kind="cancelled"))
+    assert ledger.changes.since(later) == ["b"]
+
+    everyone = [*ledger.tenants.values(), ledger.unattributed]
+    for name in ("admitted", "rejected", "completed", "failed", "cancelled", "prompt_tokens", "generated_tokens"):
+        assert getattr(ledger.totals, name) == sum(getattr(s, name) for s in everyone), name
+    assert ledger.totals.rejected_by_error == {"unknown_tenant": 1, "invalid_json": 1}
+    books = ledger.statistics(1.0, 1, {"a": 1e6, "b": 1e6}).requests
+    assert (books.admitted, books.rejected, books.failed, books.cancelled, books.in_flight) == (3, 2, 1, 2, 0)
+    assert books.rejected_by_error == {"unknown_tenant": 1, "invalid_json": 1} and books.conservation_ok

@@ -251,6 +251,53 @@ async def test_promtool_accepts_the_exposition(live):
         assert not (result.stdout + result.stderr).strip(), (result.stdout + result.stderr).decode()
 
 
+async def test_the_exposition_is_prometheus_clients_own_byte_for_byte(autojump_clock):
+    """``scrape`` (what GET /metrics serves: per-tenant lines rendered by apsd, reused while a
+    tenant's figures stay put) and ``exposition`` give exactly what prometheus_client renders from
+    the collector, after every kind of step: completions, refusals (by a tenant's bucket, for an
+    unknown tenant, before the pipeline), a tenant whose name needs escaping, a reload adding one."""
+    odd = 'we"ird\\na\nme'
+    tenants = {"a": TenantConfig(rate=1e6, burst=10**6), "b": TenantConfig(rate=1e6, burst=10**6),
+               "trickle": TenantConfig(rate=0.001, burst=100), odd: TenantConfig(rate=1e6, burst=10**6)}
+    config = make_config(tenants=tenants)
+    policies = build_policies(config)
+    async with open_pipeline(config, policies) as pipeline:
+        exporter = exporter_for(pipeline)
+
+        async def same_bytes() -> None:
+            reference = prometheus_client.generate_latest(exporter.registry)
+            assert await exporter.scrape() == reference     # (the moment is copied before the thread runs)
+            reference = prometheus_client.generate_latest(exporter.registry)   # (virtual time moved meanwhile)
+            assert exporter.exposition() == reference
+
+        async def run(*tenant_tokens: tuple[str, int]) -> None:
+            requests = []
+            for tenant, tokens in tenant_tokens:
+                request = pipeline.new_request(tenant_id=tenant, prompt="hello", tokens_requested=tokens,
+                                               priority_bid=5)
+                pipeline.submit_nowait(request)
+                requests.append(request)
+            for request in requests:
+                await request.reply.wait()
+
+        await same_bytes()                                   # nothing yet: every tenant rendered
+        await run(("a", 10), ("a", 20), ("b", 30), (odd, 5), ("trickle", 60), ("trickle", 60), ("nobody", 5))
+        pipeline.ledger.count_refusal(None, "invalid_json")
+        await same_bytes()                                   # every tenant changed
+        await run(("b", 7))
+        await same_bytes()                                   # one changed, the others' lines reused
+        await same_bytes()                                   # none changed
+        added = make_config(tenants={**tenants, "late": TenantConfig(rate=1e6, burst=10**6)})
+        pipeline.reconfigure(added, build_policies(added))
+        await run(("late", 3), ("a", 4))
+        await same_bytes()                                   # a tenant more: rendered whole again
+        text = (await exporter.scrape()).decode()
+        assert 'apsd_requests_total{outcome="rejected",tenant="trickle"} 1.0' in text
+        assert 'apsd_rejections_total{error="unknown_tenant",tenant=""} 1.0' in text
+        assert 'apsd_requests_total{outcome="completed",tenant="we\\"ird\\\\na\\nme"} 1.0' in text
+        assert Scrape(text).value("apsd_request_latency_seconds_count", tenant="late") == 1
+
+
 def test_the_global_registry_is_left_alone():
     assert b"apsd_" not in prometheus_client.generate_latest(prometheus_client.REGISTRY)
 

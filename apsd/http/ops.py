@@ -53,7 +53,7 @@ async def metrics(caller: Caller) -> Any:
         return error_response(Refusal(400, "invalid_format", "format must be json or prometheus", field="format"))
     if view == "json":
         return json_response(metrics_document(state.pipeline), headers={"Vary": "Accept"})
-    return Response(state.exporter.exposition(), status=200, content_type=state.exporter.content_type,
+    return Response(await state.exporter.scrape(), status=200, content_type=state.exporter.content_type,
                     headers={"Vary": "Accept"})
 
 

@@ -115,7 +115,8 @@ class FairShareQueue:
         self.charges = charges
         self._tenants: dict[str, _Tenant] = {}
         self._heap: list[TenantEntry] = []
-        self._backlogged = 0
+        #: The tenants with requests queued (so that nothing per operation visits every tenant seen).
+        self._backlogged: dict[str, _Tenant] = {}
         self._pops = 0
         self._last_served: _Tenant | None = None
         self._charged: dict[InferenceRequest, float] = {}
@@ -152,8 +153,8 @@ class FairShareQueue:
     def _enter(self, tenant: _Tenant) -> None:
         """(Re)insert ``tenant``'s entry with its current counter; older entries go stale."""
         _heappush(self._heap, tenant.entry())
-        if len(self._heap) > 2 * self._backlogged + 64:
-            self._heap = [t.entry() for t in self._tenants.values() if t.queue]
+        if len(self._heap) > 2 * len(self._backlogged) + 64:
+            self._heap = [t.entry() for t in self._backlogged.values()]
             heapq.heapify(self._heap)
 
     def _top(self) -> TenantEntry:
@@ -183,7 +184,7 @@ class FairShareQueue:
         if not queue:  # the tenant becomes backlogged: lift its counter
             tenant.counter = max(tenant.counter, self._floor())
             tenant.since = request.seq
-            self._backlogged += 1
+            self._backlogged[name] = tenant
             queue.append(self._item(request))
             self._enter(tenant)
         else:
@@ -244,7 +245,7 @@ class FairShareQueue:
             moved = entry if queue else None
         if moved is None:  # its queue emptied
             tenant.version += 1
-            self._backlogged -= 1
+            del self._backlogged[tenant.name]
             if on_top:
                 _heappop(self._heap)
         elif on_top:
@@ -290,13 +291,12 @@ class FairShareQueue:
 
     def discard_answered(self) -> None:
         """Drop requests answered while queued (their clients left); O(N)."""
-        self._heap, self._backlogged, self._length = [], 0, 0
-        for tenant in self._tenants.values():
+        backlogged, self._heap, self._backlogged, self._length = self._backlogged, [], {}, 0
+        for tenant in backlogged.values():
+            tenant.queue = [item for item in tenant.queue if not item[3].answered]
+            heapq.heapify(tenant.queue)
             if tenant.queue:
-                tenant.queue = [item for item in tenant.queue if not item[3].answered]
-                heapq.heapify(tenant.queue)
-            if tenant.queue:
-                self._backlogged += 1
+                self._backlogged[tenant.name] = tenant
                 self._length += len(tenant.queue)
                 self._heap.append(tenant.entry())
             else:
@@ -305,13 +305,13 @@ class FairShareQueue:
 
     def backlogged(self) -> list[str]:
         """The tenants with requests queued."""
-        return [name for name, tenant in self._tenants.items() if tenant.queue]
+        return list(self._backlogged)
 
     def __len__(self) -> int:
         return self._length
 
     def __iter__(self) -> Iterator[InferenceRequest]:
-        for tenant in self._tenants.values():
+        for tenant in self._backlogged.values():
             for item in tenant.queue:
                 yield item[3]
 
