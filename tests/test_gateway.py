@@ -118,7 +118,7 @@ async def test_while_the_backend_is_saturated_the_queue_keeps_apsds_priority_ord
                 assert response.status_code == 200
                 finished.append(bid)
 
-            load.start_soon(one, 5, 60)          # occupies the only slot for a while
+            load.start_soon(one, 5, 300)         # occupies the only slot for a while (a second or so)
             await wait_until(lambda: running.daemon.pipeline.engines[0].backends[0].in_flight == 1)
             for _ in range(4):
                 load.start_soon(one, 1, 4)       # low bids queue in apsd, in arrival order...
