@@ -99,10 +99,10 @@ class SharedState(Protocol):
 
 
 class LeasedBucket:
-    """A tenant's bucket as one replica sees it: tokens leased from Redis (``tokens``), plus an
+    """A tenant's bucket as one replica sees it: tokens leased from the shared state (``tokens``), plus an
     optimistic share of what the shared bucket held at the last exchange (see the module docstring)."""
 
-    def __init__(self, tenant: TenantConfig, store: RedisStore) -> None:
+    def __init__(self, tenant: TenantConfig, store: LeasingStore) -> None:
         self.rate, self.burst = tenant.rate, float(tenant.burst)
         self._store = store
         #: Tokens this replica holds (leased, plus refunds; negative: a debt to settle).
@@ -196,7 +196,7 @@ class LeasedBucket:
         self.shared_seen = left
 
     def recover(self) -> float:
-        """Redis is back: what was admitted beyond the lease meanwhile, to charge to it."""
+        """The shared state is back: what was admitted beyond the lease meanwhile, to charge to it."""
         spent, self.outage_spent, self.fallback, self.falling_back = self.outage_spent, 0.0, None, False
         return spent
 
