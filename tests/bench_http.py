@@ -401,6 +401,20 @@ HEADER = ["server", "client", "sent", "200", "other", "errors", "unsent", "req/s
           "max ms", "srv CPU us/req", "client CPU"]
 
 
+def report_problems(problems: list[str], started: float, directory: Path, logs: str = "server logs") -> int:
+    """Print the benchmark's verdict and its problems; keep ``directory`` only if there are any.
+    Returns the exit status (1 with problems)."""
+    elapsed = time.perf_counter() - started
+    if not problems:
+        shutil.rmtree(directory, ignore_errors=True)
+    print(f"\n{'PROBLEMS' if problems else 'OK'}: {len(problems)} problem(s); {elapsed:.0f} s in all")
+    for problem in problems[:40]:
+        print(f"  - {problem}")
+    if problems:
+        print(f"  ({logs} kept in {directory})")
+    return 1 if problems else 0
+
+
 def table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]
     line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)  # noqa: E731
@@ -697,15 +711,7 @@ def main(argv: list[str] | None = None) -> int:
                 way the request was never admitted.""")
               .rstrip().replace("\n", "\n  "))
     finally:
-        elapsed = time.perf_counter() - started
-        if not problems:
-            shutil.rmtree(directory, ignore_errors=True)
-    print(f"\n{'PROBLEMS' if problems else 'OK'}: {len(problems)} problem(s); {elapsed:.0f} s in all")
-    for problem in problems[:40]:
-        print(f"  - {problem}")
-    if problems:
-        print(f"  (server logs kept in {directory})")
-    return 1 if problems else 0
+        return report_problems(problems, started, directory)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.bench_http import report_problems
 from tests.helpers import APSD, LISTENING, ROOT
 from tests.redis_server import RedisServer, free_loopback_port
 
@@ -792,15 +793,7 @@ def main(argv: list[str] | None = None) -> int:
                 if "Traceback" in replica.log():
                     problems.append(f"{replica.name}: a traceback in its log {replica.log_path}")
         redis.kill()
-        elapsed = time.perf_counter() - started
-        if not problems:
-            shutil.rmtree(directory, ignore_errors=True)
-    print(f"\n{'PROBLEMS' if problems else 'OK'}: {len(problems)} problem(s); {elapsed:.0f} s in all")
-    for problem in problems[:40]:
-        print(f"  - {problem}")
-    if problems:
-        print(f"  (replica logs kept in {directory})")
-    return 1 if problems else 0
+    return report_problems(problems, started, directory, "replica logs")
 
 
 if __name__ == "__main__":

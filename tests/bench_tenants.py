@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -59,6 +58,7 @@ from bench_http import (
     Server,
     get_json,
     percentile,
+    report_problems,
     run_load,
     start_apsd,
     table,
@@ -278,15 +278,7 @@ def main(argv: list[str] | None = None) -> int:
           f"throughput ratio {b_scraped.rate / b_quiet.rate:.2f}")
     print(f"  scraper (a separate process): {scrapes.summary()}")
 
-    elapsed = time.perf_counter() - started
-    if not problems:
-        shutil.rmtree(directory, ignore_errors=True)
-    print(f"\n{'PROBLEMS' if problems else 'OK'}: {len(problems)} problem(s); {elapsed:.0f} s in all")
-    for problem in problems[:40]:
-        print(f"  - {problem}")
-    if problems:
-        print(f"  (server logs kept in {directory})")
-    return 1 if problems else 0
+    return report_problems(problems, started, directory)
 
 
 if __name__ == "__main__":
