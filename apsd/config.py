@@ -174,14 +174,12 @@ class AdmissionConfig:
     max_prompt_tokens: int = attrs.field(default=32_768, validator=between(1, 10**9))
 
 
-def store_kind(_inst: object, attribute: attrs.Attribute, value: str) -> None:
-    if value not in ("memory", "redis"):
-        raise ValueError(f"must be \"memory\" or \"redis\", got {value!r}")
-
-
-def unavailable_mode(_inst: object, attribute: attrs.Attribute, value: str) -> None:
-    if value not in ("local", "refuse"):
-        raise ValueError(f"must be \"local\" or \"refuse\", got {value!r}")
+def either(first: str, second: str):
+    """A validator: the value is ``first`` or ``second``."""
+    def check(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+        if value not in (first, second):
+            raise ValueError(f"must be \"{first}\" or \"{second}\", got {value!r}")
+    return check
 
 
 def redis_url(_inst: object, attribute: attrs.Attribute, value: str) -> None:
@@ -194,13 +192,13 @@ class StoreConfig:
     """Where tenants' buckets and fair-share counters live: this process (``memory``), or Redis,
     shared by every replica (``redis``: :mod:`apsd.store`)."""
 
-    kind: str = attrs.field(default="memory", validator=store_kind)
+    kind: str = attrs.field(default="memory", validator=either("memory", "redis"))
     #: The Redis server (``redis://host:6379/0``); required with ``kind = "redis"``.
     url: str = attrs.field(default="", validator=redis_url)
     #: When Redis cannot be reached: ``local`` keeps admitting on this replica's share of each
     #: tenant's rate; ``refuse`` answers 503 ``store_unavailable``. Either way it is logged and
     #: exported, and the store reconnects by itself.
-    on_unavailable: str = attrs.field(default="local", validator=unavailable_mode)
+    on_unavailable: str = attrs.field(default="local", validator=either("local", "refuse"))
     #: Wall seconds between two exchanges with Redis: leases topped up and returned, fair-share
     #: counters pushed and pulled. Shorter: closer to exact, more Redis traffic.
     sync_interval_s: float = attrs.field(default=0.05, validator=between(0.001, 60))
