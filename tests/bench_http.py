@@ -126,6 +126,18 @@ trio.run(main)
 
 # -- servers --------------------------------------------------------------------------------------
 
+def stop_process(process: subprocess.Popen, timeout: float = 30.0) -> int | None:
+    """SIGTERM ``process`` (by its PID), SIGKILL it after ``timeout`` s; its exit status."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+    return process.returncode
+
+
 @attrs.define
 class Server:
     name: str
@@ -144,14 +156,7 @@ class Server:
         return self.log_path.read_text(encoding="utf-8", errors="replace") if self.log_path else ""
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-        return self.process.returncode
+        return stop_process(self.process, timeout)
 
 
 def start_apsd(directory: Path, name: str, config_text: str, *args: str) -> Server:

@@ -83,7 +83,6 @@ import platform
 import random
 import selectors
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -99,7 +98,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.bench_http import report_problems
+from tests.bench_http import report_problems, stop_process
 from tests.helpers import APSD, LISTENING, ROOT
 from tests.redis_server import RedisServer, free_loopback_port
 
@@ -183,14 +182,7 @@ class Replica:
         return self.log_path.read_text(encoding="utf-8", errors="replace")
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-        return self.process.returncode
+        return stop_process(self.process, timeout)
 
 
 def start_replica(directory: Path, name: str, config_text: str, port: int = 0) -> Replica:
