@@ -1,7 +1,7 @@
 """API keys: who is calling, decided from ``Authorization: Bearer <key>``.
 
 Ownership: a :class:`KeyRing` is built from a validated :class:`~apsd.config.Config`
-(tenants' ``api_key_hashes`` and ``[auth] admin_key_hashes``) and is immutable;
+(tenants' ``api_key_hashes``, ``[auth] admin_key_hashes`` and ``metrics_key_hashes``) and is immutable;
 the HTTP layer keeps the one built from the pipeline's current config (rebuilt when a
 reload replaces the config: :mod:`apsd.http.common`) and asks :meth:`KeyRing.identify`
 before it reads a request's body.
@@ -14,6 +14,10 @@ The rules (the README's "API keys" section says them for operators):
 * A presented key is hashed and compared with **every** stored hash using
   :func:`hmac.compare_digest`, without stopping at a match: the time taken does not
   depend on which key, or how much of one, matched.
+* A key proves one of three identities: a tenant (submits as it, reads its status), the admin
+  (reads everything, submits nothing) or a metrics scraper (:data:`METRICS_READER`: reads
+  ``/metrics`` and ``/metrics.json`` and nothing else, so a Prometheus server need not hold the
+  admin key). A hash may appear once across all of them (the config refuses a repeat).
 * No key is configured at all: authentication is off and every caller is
   :data:`OPEN_ACCESS` (the quick start on 127.0.0.1). Then the body's ``tenant_id``
   says who the request is for. :func:`check_exposure` refuses to listen beyond
@@ -34,8 +38,8 @@ import attrs
 from .config import KEY_HASH_PATTERN, Config, ConfigError
 from .models import Refusal
 
-__all__ = ["Caller", "KeyRing", "OPEN_ACCESS", "check_exposure", "hash_key", "is_loopback", "is_usable_key", "new_key",
-           "KEY_HASH_PATTERN", "MIN_KEY_CHARS"]
+__all__ = ["Caller", "KeyRing", "METRICS_READER", "OPEN_ACCESS", "check_exposure", "hash_key", "is_loopback",
+           "is_usable_key", "new_key", "KEY_HASH_PATTERN", "MIN_KEY_CHARS"]
 
 #: Shortest key ``apsd hash-key`` accepts: a key is a secret token, not a password.
 MIN_KEY_CHARS = 24
@@ -62,19 +66,29 @@ def new_key() -> str:
 
 @attrs.frozen
 class Caller:
-    """Who a request comes from: a tenant (by key), the operator (admin key), or anyone (keys off)."""
+    """Who a request comes from: a tenant (by key), the operator (admin key), a metrics scraper
+    (metrics key), or anyone (keys off)."""
 
     tenant: str | None
     admin: bool = False
     #: Authentication is off: the caller is whoever the request says (loopback only).
     anonymous: bool = False
+    #: A metrics key: may read ``/metrics`` and ``/metrics.json``, and nothing else.
+    metrics_only: bool = False
 
     def may_read_tenant(self, tenant_id: str) -> bool:
         return self.admin or self.anonymous or self.tenant == tenant_id
 
+    def may_read_metrics(self) -> bool:
+        return self.admin or self.anonymous or self.metrics_only
+
 
 #: The caller when no key is configured: may do everything, as whichever tenant the body names.
 OPEN_ACCESS = Caller(tenant=None, admin=True, anonymous=True)
+#: The caller a metrics key proves: no tenant, not the admin; reads the metrics only.
+METRICS_READER = Caller(tenant=None, metrics_only=True)
+#: The caller the admin key proves.
+_ADMIN = Caller(tenant=None, admin=True)
 
 
 def _unauthorized(error: str, message: str, challenge: str = _CHALLENGE) -> Refusal:
@@ -83,16 +97,20 @@ def _unauthorized(error: str, message: str, challenge: str = _CHALLENGE) -> Refu
 
 @attrs.frozen
 class KeyRing:
-    """The configured keys, as SHA-256 digests, each with its owner (a tenant, or None for admin)."""
+    """The configured keys, as SHA-256 digests, each with the :class:`Caller` it proves."""
 
-    entries: tuple[tuple[bytes, str | None], ...] = ()
+    entries: tuple[tuple[bytes, Caller], ...] = ()
+    #: The metrics keys' digests (also in ``entries``): what :meth:`is_metrics_key` compares with.
+    metrics_digests: tuple[bytes, ...] = ()
 
     @classmethod
     def from_config(cls, config: Config) -> KeyRing:
-        entries = [(bytes.fromhex(h.removeprefix("sha256:")), name)
+        entries = [(_digest(h), Caller(tenant=name))
                    for name, tenant in sorted(config.tenants.items()) for h in tenant.api_key_hashes]
-        entries += [(bytes.fromhex(h.removeprefix("sha256:")), None) for h in config.auth.admin_key_hashes]
-        return cls(tuple(entries))
+        entries += [(_digest(h), _ADMIN) for h in config.auth.admin_key_hashes]
+        metrics = tuple(_digest(h) for h in config.auth.metrics_key_hashes)
+        entries += [(digest, METRICS_READER) for digest in metrics]
+        return cls(tuple(entries), metrics)
 
     @property
     def enabled(self) -> bool:
@@ -119,13 +137,31 @@ class KeyRing:
                                  f'{_CHALLENGE}, error="invalid_request"')
         digest = hashlib.sha256(match.group(1).encode("ascii")).digest()
         found: Caller | None = None
-        for stored, tenant in self.entries:  # every entry, every time: no early exit
+        for stored, caller in self.entries:  # every entry, every time: no early exit
             if hmac.compare_digest(stored, digest):
-                found = Caller(tenant=tenant, admin=tenant is None)
+                found = caller
         if found is None:
             return _unauthorized("invalid_api_key", "the API key is not valid",
                                  f'{_CHALLENGE}, error="invalid_token"')
         return found
+
+    def is_metrics_key(self, values: list[str]) -> bool:
+        """Whether a request's ``Authorization`` headers are exactly one valid metrics key.
+
+        Compares with the metrics keys only (every one, no early exit), so the HTTP layer can keep
+        such a key to the metrics endpoints without identifying every request twice over the whole ring.
+        """
+        if len(values) != 1 or not self.metrics_digests or (match := _BEARER.fullmatch(values[0])) is None:
+            return False
+        digest = hashlib.sha256(match.group(1).encode("ascii")).digest()
+        found = False
+        for stored in self.metrics_digests:
+            found |= hmac.compare_digest(stored, digest)
+        return found
+
+
+def _digest(stored_hash: str) -> bytes:
+    return bytes.fromhex(stored_hash.removeprefix("sha256:"))
 
 
 def is_loopback(host: str) -> bool:

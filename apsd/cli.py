@@ -100,7 +100,8 @@ def hash_key_main(argv: Sequence[str]) -> int:
 
     parser = argparse.ArgumentParser(
         prog="apsd hash-key",
-        description="Print the hash of an API key, for a tenant's api_key_hashes or [auth] admin_key_hashes. "
+        description="Print the hash of an API key, for a tenant's api_key_hashes, [auth] admin_key_hashes "
+                    "or [auth] metrics_key_hashes. "
                     "The key is read from standard input (or a prompt), never from the command line, "
                     "so it stays out of shell history and the process list.",
         epilog="Example: apsd hash-key --new   (prints a new random key, then its hash)")

@@ -137,13 +137,18 @@ class TenantConfig:
 
 @attrs.frozen
 class AuthConfig:
-    """Operator access: keys for the operator-only endpoints (``/metrics``, any tenant's status).
+    """Operator access: keys for the operator-only endpoints (``/metrics``, any tenant's status),
+    and keys that may only scrape ``/metrics`` (a Prometheus server's).
 
-    Authentication is on as soon as any key (a tenant's or an admin's) is configured.
+    Authentication is on as soon as any key (a tenant's, an admin's or a metrics key) is configured.
     """
 
     admin_key_hashes: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=key_hashes,
                                                     metadata=SECRET)
+    #: Keys that read ``/metrics`` and ``/metrics.json`` and nothing else (403 ``metrics_only``
+    #: everywhere else): what a scraper holds instead of the admin key.
+    metrics_key_hashes: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=key_hashes,
+                                                      metadata=SECRET)
 
 
 @attrs.frozen
@@ -335,6 +340,10 @@ class ForwardConfig:
     """How the ``forward`` engine talks to its backends (wall seconds)."""
 
     connect_timeout_s: float = attrs.field(default=5.0, validator=between(0.01, 3600))
+    #: A health check, model list or metrics read unanswered within this marks the backend down:
+    #: a stalled server (stopped, hung) is found out in seconds, and the requests it holds that
+    #: have no token yet go back to the queue, to another backend.
+    health_timeout_s: float = attrs.field(default=5.0, validator=between(0.01, 3600))
     #: From sending a request to its first token (a non-streamed request: to its whole answer).
     first_token_timeout_s: float = attrs.field(default=120.0, validator=between(0.01, 86_400))
     #: Longest silence between two chunks of a stream.
@@ -342,6 +351,9 @@ class ForwardConfig:
     #: Times a request whose backend failed before its first token goes back to the queue (and on
     #: to another backend); then 502 ``backend_failed``.
     max_retries: int = attrs.field(default=2, validator=between(0, 100))
+    #: Once no healthy backend has served a model for this long, the requests queued for it are
+    #: answered 503 ``no_backend`` (new ones get it at once, with ``Retry-After``).
+    no_backend_wait_s: float = attrs.field(default=30.0, validator=between(0.0, 86_400))
     #: How often each backend's health (``/health``, else ``/v1/models``) and its Prometheus
     #: ``/metrics`` are read.
     health_interval_s: float = attrs.field(default=2.0, validator=between(0.01, 3600))
@@ -537,15 +549,16 @@ def _check_store(config: Config) -> None:
 
 
 def _check_keys_unique(config: Config) -> None:
-    """One key, one identity: a hash may appear once across every tenant and the admin."""
+    """One key, one identity: a hash may appear once across every tenant, the admin and the scrapers."""
     seen: dict[str, str] = {}
     places = [(f"tenants.{name}.api_key_hashes", h) for name, t in config.tenants.items()
               for h in t.api_key_hashes]
     places += [("auth.admin_key_hashes", h) for h in config.auth.admin_key_hashes]
+    places += [("auth.metrics_key_hashes", h) for h in config.auth.metrics_key_hashes]
     for place, value in places:
         if value in seen and seen[value] != place:
             raise ConfigError(f"{place}: the same key hash is also in {seen[value]}; "
-                              "each key must identify one tenant or the admin")
+                              "each key must identify one tenant, the admin or a metrics scraper")
         seen[value] = place
 
 

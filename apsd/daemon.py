@@ -287,6 +287,8 @@ class Daemon:
                    and set(old.tenants[name].api_key_hashes) != set(new.tenants[name].api_key_hashes)]
         if set(old.auth.admin_key_hashes) != set(new.auth.admin_key_hashes):
             changed.append("the admin")
+        if set(old.auth.metrics_key_hashes) != set(new.auth.metrics_key_hashes):
+            changed.append("the metrics scrapers")
         return [f"API keys changed for {', '.join(changed)}"] if changed else []
 
     def status_text(self) -> str:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from apsd import auth
-from apsd.auth import Caller, KeyRing, check_exposure, hash_key, is_loopback, new_key
+from apsd.auth import METRICS_READER, Caller, KeyRing, check_exposure, hash_key, is_loopback, new_key
 from apsd.config import AuthConfig, ConfigError, ServerConfig, TenantConfig, load_config, parse_config
 from apsd.daemon import Daemon
 from apsd.plugins import make_plugin_manager
@@ -20,14 +20,14 @@ from apsd.plugins import make_plugin_manager
 from .helpers import FAST_GPU, make_config, start_daemon
 from .helpers import APSD, run_cli, start_apsd, stop_apsd
 
-KEY_A, KEY_A2, KEY_B, ADMIN = (new_key() for _ in range(4))
+KEY_A, KEY_A2, KEY_B, ADMIN, SCRAPER = (new_key() for _ in range(5))
 
 
 def keyed_config(**server):
     return make_config(
         server=ServerConfig(host="127.0.0.1", port=0, shutdown_grace_s=5.0, **server),
         gpu=FAST_GPU,
-        auth=AuthConfig(admin_key_hashes=[hash_key(ADMIN)]),
+        auth=AuthConfig(admin_key_hashes=[hash_key(ADMIN)], metrics_key_hashes=[hash_key(SCRAPER)]),
         tenants={"tenant_a": TenantConfig(rate=1e4, burst=10_000, api_key_hashes=[hash_key(KEY_A), hash_key(KEY_A2)]),
                  "tenant_b": TenantConfig(rate=1e4, burst=10_000, api_key_hashes=[hash_key(KEY_B)]),
                  "keyless": TenantConfig(rate=1e4, burst=10_000)},
@@ -63,6 +63,7 @@ def test_identify_names_the_owner_or_answers_401():
     assert ring.identify(f"Bearer {KEY_A}") == Caller(tenant="tenant_a")
     assert ring.identify(f"bearer  {KEY_A2}") == Caller(tenant="tenant_a")
     assert ring.identify(f"Bearer {ADMIN}") == Caller(tenant=None, admin=True)
+    assert ring.identify(f"Bearer {SCRAPER}") == METRICS_READER == Caller(tenant=None, metrics_only=True)
     for header, error in [(None, "missing_api_key"), ("", "missing_api_key"), (f"Basic {KEY_A}", "invalid_authorization"),
                           (f"Bearer {KEY_A} extra", "invalid_authorization"), ("Bearer é", "invalid_authorization"),
                           (f"Bearer {KEY_A}x", "invalid_api_key"), (f"Bearer {hash_key(KEY_A)[7:]}", "invalid_api_key")]:
@@ -78,12 +79,25 @@ def test_every_stored_hash_is_compared_whichever_matches(monkeypatch, which):
     calls = []
     monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append(1) or a == b)
     ring = KeyRing.from_config(keyed_config())
-    assert len(ring.entries) == 4
+    assert len(ring.entries) == 5
     ring.identify(f"Bearer {[KEY_A, KEY_B, ADMIN][which]}")
-    assert len(calls) == 4
+    assert len(calls) == 5
     calls.clear()
     ring.identify("Bearer " + "n" * 40)
-    assert len(calls) == 4
+    assert len(calls) == 5
+
+
+def test_only_a_metrics_key_is_a_metrics_key():
+    ring = KeyRing.from_config(keyed_config())
+    assert ring.is_metrics_key([f"Bearer {SCRAPER}"]) and ring.is_metrics_key([f"bearer  {SCRAPER}"])
+    for values in ([], [f"Bearer {KEY_A}"], [f"Bearer {ADMIN}"], [f"Bearer {SCRAPER}x"], [f"Basic {SCRAPER}"],
+                   [f"Bearer {SCRAPER}"] * 2, ["Bearer é"]):
+        assert not ring.is_metrics_key(values), values
+    unscraped = KeyRing.from_config(attrs.evolve(keyed_config(), auth=AuthConfig(admin_key_hashes=[hash_key(ADMIN)])))
+    assert not unscraped.is_metrics_key([f"Bearer {SCRAPER}"])
+    assert KeyRing.from_config(make_config(auth=AuthConfig(metrics_key_hashes=[hash_key(SCRAPER)]))).enabled
+    assert not Caller(tenant="t").may_read_metrics() and METRICS_READER.may_read_metrics()
+    assert not METRICS_READER.may_read_tenant("tenant_a") and not METRICS_READER.admin
 
 
 # -- the config -------------------------------------------------------------------------------------
@@ -104,6 +118,12 @@ def test_every_stored_hash_is_compared_whichever_matches(monkeypatch, which):
       "tenants": {"a": {"rate": 1.0, "burst": 1, "api_key_hashes": [hash_key(KEY_A)]}}},
      "auth.admin_key_hashes: the same key hash is also in tenants.a"),
     ({"auth": {"admin_key_hashes": [hash_key(KEY_A)] * 2}}, "listed twice"),
+    ({"auth": {"metrics_key_hashes": [KEY_A]}}, "auth.metrics_key_hashes: must be an array of 'sha256:<64 hex"),
+    ({"auth": {"admin_key_hashes": [hash_key(KEY_A)], "metrics_key_hashes": [hash_key(KEY_A)]}},
+     "auth.metrics_key_hashes: the same key hash is also in auth.admin_key_hashes"),
+    ({"auth": {"metrics_key_hashes": [hash_key(KEY_A)]},
+      "tenants": {"a": {"rate": 1.0, "burst": 1, "api_key_hashes": [hash_key(KEY_A)]}}},
+     "auth.metrics_key_hashes: the same key hash is also in tenants.a"),
     ({"auth": {"admin_keys": []}}, "auth.admin_keys: unknown key"),
 ])
 def test_bad_key_config_names_the_key(data, fragment):
@@ -194,6 +214,37 @@ async def test_metrics_are_for_the_admin_and_health_is_open(keyed):
     assert health.status_code == 200 and "tenant" not in health.text
 
 
+async def test_a_metrics_key_reads_the_metrics_and_nothing_else(keyed):
+    """What a Prometheus server holds instead of the admin key: /metrics and /metrics.json only."""
+    client = keyed.client
+    scrape = await client.get("/metrics", headers=bearer(SCRAPER))
+    assert scrape.status_code == 200 and "apsd_conservation_ok" in scrape.text
+    assert scrape.headers["content-type"].startswith("text/plain")
+    as_json = await client.get("/metrics", params={"format": "json"}, headers=bearer(SCRAPER))
+    assert as_json.status_code == 200 and "requests" in as_json.json()
+    assert (await client.get("/metrics.json", headers=bearer(SCRAPER))).json()["requests"]["admitted"] == 0
+    for path in ("/metrics", "/metrics.json"):  # the admin key still reads them
+        assert (await client.get(path, headers=bearer(ADMIN))).status_code == 200
+    refused = [await client.post("/infer", json=job(), headers=bearer(SCRAPER)),
+               await client.post("/infer", json=job(tenant_id="tenant_a"), headers=bearer(SCRAPER)),
+               await client.get("/tenants/tenant_a/status", headers=bearer(SCRAPER)),
+               await client.get("/tenants/nobody/status", headers=bearer(SCRAPER)),
+               await client.get("/nowhere", headers=bearer(SCRAPER))]
+    for answer in refused:
+        assert (answer.status_code, answer.json()["error"]) == (403, "metrics_only"), answer.text
+        assert answer.headers.get("connection") is None  # (the body was read: the connection stays)
+    chat = await client.post("/v1/chat/completions", headers=bearer(SCRAPER), json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    models = await client.get("/v1/models", headers=bearer(SCRAPER))
+    for answer in (chat, models):  # (OpenAI's error shape under /v1)
+        assert (answer.status_code, answer.json()["error"]["code"]) == (403, "metrics_only"), answer.text
+    assert (await client.get("/health", headers=bearer(SCRAPER))).status_code == 200  # open stays open
+    assert (await client.post("/infer", json=job(), headers=bearer(KEY_A))).status_code == 200  # (unaffected)
+    metrics = (await client.get("/metrics.json", headers=bearer(SCRAPER))).json()["requests"]
+    assert (metrics["admitted"], metrics["rejected_by_error"]) == (1, {"metrics_only": 7})
+    assert (await client.get("/tenants/tenant_a/status", headers=bearer(ADMIN))).json()["rejected"] == 0
+
+
 async def test_an_unauthenticated_body_is_never_parsed(keyed):
     """401 before the body is looked at; the body is then read and dropped so the connection stays
     usable, unless it is over max_body_bytes (then the answer says Connection: close)."""
@@ -234,7 +285,7 @@ async def test_keys_never_reach_the_log_or_an_answer(keyed, caplog):
     assert answers[0].status_code == 200
     await keyed.daemon.reload()  # (the config's hashes are not logged either)
     texts = [caplog.text, *(a.text for a in answers), *(str(a.headers) for a in answers)]
-    for secret in (KEY_A, KEY_B, ADMIN, hash_key(KEY_A)[7:], hash_key(ADMIN)[7:]):
+    for secret in (KEY_A, KEY_B, ADMIN, SCRAPER, hash_key(KEY_A)[7:], hash_key(ADMIN)[7:], hash_key(SCRAPER)[7:]):
         assert not any(secret in text for text in texts)
     assert "tenants keyless have none" in caplog.text
 

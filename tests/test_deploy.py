@@ -190,7 +190,7 @@ def test_the_configmap_config_loads_and_may_listen_beyond_loopback():
     args = apsd_command()
     served = attrs.evolve(config, server=attrs.evolve(config.server, host=args.host, port=args.port))
     check_exposure(served)          # API key hashes are configured: apsd starts on 0.0.0.0
-    assert config.auth.admin_key_hashes
+    assert config.auth.admin_key_hashes and config.auth.metrics_key_hashes  # (Prometheus's: not the admin's)
     assert all(tenant.api_key_hashes for tenant in config.tenants.values())
 
 

@@ -17,9 +17,12 @@ error is answered in the shape of the protocol its path belongs to (OpenAI's und
 apsd's ``{"error", "message"[, "field"]}`` elsewhere).
 
 Access (:mod:`apsd.auth`): with API keys configured, ``POST /infer`` and the ``/v1`` completions
-need a tenant's key and run as that tenant; ``/v1/models`` needs any valid key;
-``/tenants/<id>/status`` needs that tenant's key or the admin key; ``/metrics`` needs the admin
-key; ``/health`` is open. The key is checked before the body is parsed. Without keys (loopback
+need a tenant's key and run as that tenant; ``/v1/models`` needs a tenant's key or the admin key;
+``/tenants/<id>/status`` needs that tenant's key or the admin key; ``/metrics`` and
+``/metrics.json`` need the admin key or a metrics key; ``/health`` is open. A metrics key
+(``[auth] metrics_key_hashes``) reads those two and nothing else: anywhere else that asks for a
+key it is refused 403 ``metrics_only`` before the handler runs (one rule, so a new endpoint
+cannot forget it). The key is checked before the body is parsed. Without keys (loopback
 only) everything is open, and ``X-Apsd-Tenant`` names a ``/v1`` request's tenant.
 """
 
@@ -63,6 +66,19 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
     app.extensions["apsd"] = HttpState(pipeline=pipeline, exporter=exporter_for(pipeline), created=openai.unix_time())
     for blueprint in (infer.blueprint, openai.blueprint, ops.blueprint):
         app.register_blueprint(blueprint)
+
+    @app.before_request
+    async def confine_metrics_keys() -> Response | None:
+        """A metrics key goes no further than ``/metrics``, ``/metrics.json`` and the open endpoints:
+        anywhere else (a submission, a tenant's status, ``/v1/models``, an unknown path) it is
+        refused 403 ``metrics_only``, counted like every refusal, before any handler runs."""
+        if request.endpoint in ops.METRICS_ENDPOINTS or request.endpoint in ops.OPEN_ENDPOINTS:
+            return None
+        state: HttpState = app.extensions["apsd"]
+        if not state.keyring.get(pipeline.config).is_metrics_key(request.headers.getlist("Authorization")):
+            return None
+        pipeline.ledger.count_refusal(None, "metrics_only")
+        return _answer_for_path(Refusal(403, "metrics_only", "a metrics key may only read /metrics and /metrics.json"))
 
     @app.after_request
     async def close_when_unread_or_draining(response: Response) -> Response:

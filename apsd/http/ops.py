@@ -1,8 +1,10 @@
 """The operator's endpoints: ``/health``, ``/metrics``, ``/metrics.json``, ``/tenants/<id>/status``.
 
 Access: ``/health`` is open (liveness probes carry no credentials; it names no tenant);
-``/metrics`` and ``/metrics.json`` need the admin key; a tenant's status needs that tenant's key
-or the admin key. Without keys (loopback only) everything is open.
+``/metrics`` and ``/metrics.json`` need the admin key or a metrics key (``[auth]
+metrics_key_hashes``: a scraper's, which reads these two and nothing else; :data:`METRICS_ENDPOINTS`
+is what :func:`apsd.http.create_app` keeps it to); a tenant's status needs that tenant's key or
+the admin key. Without keys (loopback only) everything is open.
 """
 
 from __future__ import annotations
@@ -18,9 +20,14 @@ from ..pipeline import Pipeline
 from ..prometheus import negotiate
 from .common import authenticated, error_response, http_state, json_response
 
-__all__ = ["blueprint", "metrics_document"]
+__all__ = ["METRICS_ENDPOINTS", "OPEN_ENDPOINTS", "blueprint", "metrics_document"]
 
 blueprint = Blueprint("ops", __name__)
+
+#: The endpoints a metrics key may read (Quart endpoint names); it is refused everywhere else.
+METRICS_ENDPOINTS = frozenset({"ops.metrics", "ops.metrics_json"})
+#: The endpoints that ask for no key: open to anyone, whatever key a request carries.
+OPEN_ENDPOINTS = frozenset({"ops.health"})
 
 
 def metrics_document(pipeline: Pipeline) -> dict[str, Any]:
@@ -36,8 +43,16 @@ async def health() -> Response:
     return json_response(attrs.asdict(http_state().pipeline.health()))
 
 
+def _metrics_refusal(caller: Caller) -> Response | None:
+    """403 ``admin_only`` for a caller that may not read the metrics (a tenant's key), else None."""
+    if caller.may_read_metrics():
+        return None
+    http_state().pipeline.ledger.count_refusal(None, "admin_only")
+    return error_response(Refusal(403, "admin_only", "this endpoint needs the admin key or a metrics key"))
+
+
 @blueprint.get("/metrics")
-@authenticated(admin=True)
+@authenticated()
 async def metrics(caller: Caller) -> Any:
     """Prometheus text exposition by default; JSON (as ``/metrics.json``) on request.
 
@@ -47,6 +62,8 @@ async def metrics(caller: Caller) -> Any:
     Prometheus text in every other case: no Accept header, a scraper's, wildcards only
     (curl's ``*/*``), a browser's, or a tie. See :func:`apsd.prometheus.negotiate`.
     """
+    if (refused := _metrics_refusal(caller)) is not None:
+        return refused
     state = http_state()
     view = negotiate(request.args.get("format"), request.headers.get("Accept"))
     if view is None:
@@ -58,9 +75,11 @@ async def metrics(caller: Caller) -> Any:
 
 
 @blueprint.get("/metrics.json")
-@authenticated(admin=True)
+@authenticated()
 async def metrics_json(caller: Caller) -> Any:
     """The JSON view of ``/metrics``, whatever the Accept header."""
+    if (refused := _metrics_refusal(caller)) is not None:
+        return refused
     return json_response(metrics_document(http_state().pipeline))
 
 
