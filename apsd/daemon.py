@@ -12,7 +12,7 @@ the HTTP socket listens; ``STATUS=`` lines and ``WATCHDOG=1`` pings from two mor
 root-nursery tasks; ``STOPPING=1`` when shutdown begins. :attr:`Daemon.notifier`
 is there for the reload to send ``RELOADING=1`` and ``READY=1``.
 
-Shutdown (SIGTERM/SIGINT or :meth:`request_shutdown`): new requests get 503;
+Shutdown (SIGTERM/SIGINT or :meth:`request_shutdown`): new requests get 503 (so does ``/ready``);
 queued and running requests get ``server.shutdown_grace_s`` wall seconds to
 finish (a second SIGTERM/SIGINT ends the grace period at once); whatever is left
 is answered 503 (tokens refunded) and the stages are cancelled; then hypercorn

@@ -238,7 +238,8 @@ async def test_a_metrics_key_reads_the_metrics_and_nothing_else(keyed):
     models = await client.get("/v1/models", headers=bearer(SCRAPER))
     for answer in (chat, models):  # (OpenAI's error shape under /v1)
         assert (answer.status_code, answer.json()["error"]["code"]) == (403, "metrics_only"), answer.text
-    assert (await client.get("/health", headers=bearer(SCRAPER))).status_code == 200  # open stays open
+    for path in ("/health", "/ready"):  # open stays open
+        assert (await client.get(path, headers=bearer(SCRAPER))).status_code == 200
     assert (await client.post("/infer", json=job(), headers=bearer(KEY_A))).status_code == 200  # (unaffected)
     metrics = (await client.get("/metrics.json", headers=bearer(SCRAPER))).json()["requests"]
     assert (metrics["admitted"], metrics["rejected_by_error"]) == (1, {"metrics_only": 7})

@@ -153,8 +153,8 @@ def test_one_port_everywhere():
     container = only_container(deployment)
     port = apsd_command().port
     assert container_port(container, port) == port
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"]["path"] == "/health", probe
+    for probe, path in (("readinessProbe", "/ready"), ("livenessProbe", "/health")):  # (not the same question)
+        assert container[probe]["httpGet"]["path"] == path, probe
         assert container_port(container, container[probe]["httpGet"]["port"]) == port, probe
     (service_port,) = resource("Service", "apsd")["spec"]["ports"]
     assert container_port(container, service_port["targetPort"]) == port

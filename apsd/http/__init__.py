@@ -5,7 +5,7 @@ One blueprint per protocol:
 * :mod:`apsd.http.infer`: apsd's own ``POST /infer``;
 * :mod:`apsd.http.openai`: the OpenAI-compatible ``/v1/chat/completions``, ``/v1/completions``
   and ``/v1/models``;
-* :mod:`apsd.http.ops`: ``/health``, ``/metrics``, ``/metrics.json``, ``/tenants/<id>/status``.
+* :mod:`apsd.http.ops`: ``/health``, ``/ready``, ``/metrics``, ``/metrics.json``, ``/tenants/<id>/status``.
 
 What they share (the app's state, the :func:`~apsd.http.common.authenticated` decorator, body
 parsing, answers) is in :mod:`apsd.http.common`.
@@ -19,11 +19,11 @@ apsd's ``{"error", "message"[, "field"]}`` elsewhere).
 Access (:mod:`apsd.auth`): with API keys configured, ``POST /infer`` and the ``/v1`` completions
 need a tenant's key and run as that tenant; ``/v1/models`` needs a tenant's key or the admin key;
 ``/tenants/<id>/status`` needs that tenant's key or the admin key; ``/metrics`` and
-``/metrics.json`` need the admin key or a metrics key; ``/health`` is open. A metrics key
-(``[auth] metrics_key_hashes``) reads those two and nothing else: anywhere else that asks for a
-key it is refused 403 ``metrics_only`` before the handler runs (one rule, so a new endpoint
-cannot forget it). The key is checked before the body is parsed. Without keys (loopback
-only) everything is open, and ``X-Apsd-Tenant`` names a ``/v1`` request's tenant.
+``/metrics.json`` need the admin key or a metrics key; ``/health`` and ``/ready`` are open.
+A metrics key (``[auth] metrics_key_hashes``) reads those two and nothing else: anywhere else
+that asks for a key it is refused 403 ``metrics_only`` before the handler runs (one rule, so a
+new endpoint cannot forget it). The key is checked before the body is parsed. Without keys
+(loopback only) everything is open, and ``X-Apsd-Tenant`` names a ``/v1`` request's tenant.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
-"""The operator's endpoints: ``/health``, ``/metrics``, ``/metrics.json``, ``/tenants/<id>/status``.
+"""The operator's endpoints: ``/health``, ``/ready``, ``/metrics``, ``/metrics.json``, ``/tenants/<id>/status``.
 
-Access: ``/health`` is open (liveness probes carry no credentials; it names no tenant);
+``/health`` is liveness (200 while the process serves, draining included); ``/ready`` is
+readiness (200 while a new request would be served; 503 while draining or while the forward
+engine has no usable backend: :mod:`apsd.readiness` decides).
+
+Access: ``/health`` and ``/ready`` are open (probes carry no credentials; they name no tenant);
 ``/metrics`` and ``/metrics.json`` need the admin key or a metrics key (``[auth]
 metrics_key_hashes``: a scraper's, which reads these two and nothing else; :data:`METRICS_ENDPOINTS`
 is what :func:`apsd.http.create_app` keeps it to); a tenant's status needs that tenant's key or
@@ -18,6 +22,7 @@ from ..auth import Caller
 from ..models import Refusal
 from ..pipeline import Pipeline
 from ..prometheus import negotiate
+from ..readiness import readiness
 from .common import authenticated, error_response, http_state, json_response
 
 __all__ = ["METRICS_ENDPOINTS", "OPEN_ENDPOINTS", "blueprint", "metrics_document"]
@@ -27,7 +32,7 @@ blueprint = Blueprint("ops", __name__)
 #: The endpoints a metrics key may read (Quart endpoint names); it is refused everywhere else.
 METRICS_ENDPOINTS = frozenset({"ops.metrics", "ops.metrics_json"})
 #: The endpoints that ask for no key: open to anyone, whatever key a request carries.
-OPEN_ENDPOINTS = frozenset({"ops.health"})
+OPEN_ENDPOINTS = frozenset({"ops.health", "ops.ready"})
 
 
 def metrics_document(pipeline: Pipeline) -> dict[str, Any]:
@@ -41,6 +46,15 @@ def metrics_document(pipeline: Pipeline) -> dict[str, Any]:
 @blueprint.get("/health")
 async def health() -> Response:
     return json_response(attrs.asdict(http_state().pipeline.health()))
+
+
+@blueprint.get("/ready")
+async def ready() -> Response:
+    """200 ``{"status": "ready", ...}``, or 503 with ``status`` ``draining`` or ``no_backend``
+    (see :mod:`apsd.readiness`); ``Cache-Control: no-store``: a probe must see it change."""
+    answer = readiness(http_state().pipeline)
+    return json_response(attrs.asdict(answer), status=200 if answer.ready else 503,
+                         headers={"Cache-Control": "no-store"})
 
 
 def _metrics_refusal(caller: Caller) -> Response | None:
