@@ -174,7 +174,12 @@ class QueueConfig:
 class AdmissionConfig:
     """How a prompt's token count is estimated (there is no tokenizer)."""
 
+    #: ASCII characters per token of a prompt's estimate (English text: about 4) ...
     chars_per_token: float = attrs.field(default=4.0, validator=between(0.1, 1000))
+    #: ... and UTF-8 bytes per token for the rest of it (CJK, emoji, accents): 1 (the default) is
+    #: what a byte-level tokenizer can spend at worst, so the estimate does not undercount them (a
+    #: real tokenizer's count, the backend's usage, settles the difference).
+    non_ascii_bytes_per_token: float = attrs.field(default=1.0, validator=between(0.1, 1000))
     #: Longest prompt, in estimated tokens: a longer one gets 413 ``prompt_too_long``.
     max_prompt_tokens: int = attrs.field(default=32_768, validator=between(1, 10**9))
 

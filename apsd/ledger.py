@@ -60,9 +60,10 @@ def jain_index(values: Iterable[float]) -> float | None:
 
 
 def billed_tokens(request: InferenceRequest, outcome: Outcome) -> int:
-    """What ``request`` is charged once it has ``outcome``: what it used, unless it failed."""
-    if isinstance(outcome, Refusal) and outcome.kind == "failed":
-        return 0
+    """What ``request`` is charged once it has ``outcome``: what it used (its prompt once it
+    started, and the output produced), whatever the outcome. A request that failed before its
+    first token used nothing and pays nothing; one that failed after tokens reached its client
+    pays for them (the backend did that work)."""
     return request.used_tokens
 
 

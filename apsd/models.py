@@ -112,6 +112,13 @@ class ReplySlot:
         return self.outcome
 
 
+#: Names under which inference servers read a request's output limit besides OpenAI's
+#: ``max_tokens``/``max_completion_tokens`` (llama.cpp's ``n_predict``, which takes precedence over
+#: ``max_tokens`` there; TGI's and SGLang's ``max_new_tokens``). A client may use any of them; apsd
+#: reserves the limit and sends it under every name the client used.
+LENGTH_ALIASES = ("n_predict", "max_new_tokens")
+
+
 @attrs.define(eq=False)
 class InferenceRequest:
     """One request and its progress; identity matters, so no value equality.
@@ -154,6 +161,11 @@ class InferenceRequest:
     #: The client's OpenAI request body, which a forwarding engine relays (parameters apsd does not
     #: interpret pass through untouched).
     payload: dict | None = attrs.field(default=None, repr=False)
+    #: The client set no output limit: ``tokens_requested`` is only admission's estimate
+    #: (``[gateway] default_max_tokens``), and a forwarding engine sends no limit: the backend
+    #: generates until it stops, and the tenant is charged what it generated (its bucket may go
+    #: into debt, which it repays before its next request is admitted).
+    open_ended: bool = False
     #: Tokens admission took from the tenant's bucket for it (its ``cost_tokens`` then); settlement
     #: gives back, or takes, the difference with what it used.
     reserved_tokens: int = 0

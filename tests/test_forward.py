@@ -264,3 +264,109 @@ async def test_a_head_request_whose_model_has_no_free_slot_waits_without_spinnin
         for r in (busy, head, behind):
             assert isinstance(await r.reply.wait(), Completion)
         assert head.dispatched_at <= behind.dispatched_at
+
+
+# -- bounded waits: stalled and missing backends ----------------------------------------------------
+
+async def test_a_stalled_backend_is_marked_down_and_its_waiting_requests_go_elsewhere_without_a_retry(
+        autojump_clock):
+    servers = {"a": SimulatedServer(ttft_s=30.0), "b": SimulatedServer(ttft_s=0.05)}
+    async with forwarding(servers, max_concurrency=1) as pipeline:
+        first, second = request(pipeline, stream=True), request(pipeline, stream=True)
+        assert pipeline.admit_now(first) and pipeline.admit_now(second)
+        await pipeline.clock.sleep(0.02)
+        on_a = next(r for r in (first, second) if servers["a"].running and r.started_at is None
+                    and r.dispatched_at is not None and servers["a"].bodies[-1]["user"] == "bid5")
+        servers["a"].stalled = True           # a stopped process: connections hang, health checks time out
+        start = pipeline.clock.now()
+        outcome = await on_a.reply.wait()
+        a, b = pipeline.engines[0].backends
+        assert isinstance(outcome, Completion) and on_a.retries == 0 and not a.healthy
+        # found out by one health check (interval 1 s) that timed out (5 s), then run on b
+        assert pipeline.clock.now() - start < 1.0 + servers["a"].stall_s + 1.0
+        assert len(servers["b"].bodies) == 2
+
+
+async def test_with_no_backend_new_requests_get_503_at_once_and_queued_ones_within_the_wait(autojump_clock):
+    servers = {"a": SimulatedServer(ttft_s=30.0)}
+    async with forwarding(servers, max_concurrency=1, no_backend_wait_s=30.0) as pipeline:
+        held = [request(pipeline) for _ in range(3)]      # one on the backend, two queued behind it
+        for r in held:
+            assert pipeline.admit_now(r)
+        await pipeline.clock.sleep(0.02)
+        servers["a"].stalled = True
+        start = pipeline.clock.now()
+        await pipeline.clock.sleep(10.0)                  # marked down by now: refused at once
+        late = request(pipeline)
+        assert not pipeline.admit_now(late)
+        refusal = await late.reply.wait()
+        assert (refusal.status, refusal.error) == (503, "no_backend") and "Retry-After" in refusal.headers
+        for r in held:                                    # answered within the health check + the wait
+            outcome = await r.reply.wait()
+            assert (outcome.status, outcome.error) == (503, "no_backend")
+        assert pipeline.clock.now() - start <= 1.0 + servers["a"].stall_s + 30.0 + 0.1
+        assert pipeline.admission.buckets["t"].level(pipeline.clock.now()) == 10**9   # nothing charged
+        assert not pipeline.ledger.outstanding
+        servers["a"].stalled = False                      # back: its next health check finds it up
+        await pipeline.clock.sleep(1.0 + servers["a"].stall_s + 0.5)
+        again = request(pipeline, tokens=3)
+        assert pipeline.admit_now(again)
+        assert isinstance(await again.reply.wait(), Completion)
+
+
+# -- what is sent upstream, and what is charged -------------------------------------------------------
+
+def openai_request(pipeline, payload, *, tokens, open_ended=False):
+    return pipeline.new_request(tenant_id="t", prompt="hello", tokens_requested=tokens, priority_bid=5, model="sim",
+                                api="chat.completions", open_ended=open_ended,
+                                payload={"model": "sim", "messages": [{"role": "user", "content": "hello"}],
+                                         **payload})
+
+
+async def test_a_request_without_a_limit_is_sent_without_one_and_charged_what_ran(autojump_clock):
+    servers = {"a": SimulatedServer()}
+    async with forwarding(servers) as pipeline:
+        r = openai_request(pipeline, {}, tokens=5, open_ended=True)   # 5: admission's estimate only
+        assert pipeline.admit_now(r)
+        outcome = await r.reply.wait()
+        sent = servers["a"].bodies[-1]
+        assert "max_tokens" not in sent and "max_completion_tokens" not in sent
+        assert outcome.tokens_generated == 16             # the simulated server's own default, beyond the estimate
+        level = pipeline.admission.buckets["t"].level(pipeline.clock.now())
+        assert level == pytest.approx(10**9 - r.prompt_tokens - 16)
+
+
+async def test_backend_length_parameters_carry_the_reservation(autojump_clock):
+    servers = {"a": SimulatedServer()}
+    async with forwarding(servers) as pipeline:
+        r = openai_request(pipeline, {"n_predict": 7, "max_new_tokens": 7}, tokens=7)
+        assert pipeline.admit_now(r)
+        await r.reply.wait()
+        sent = servers["a"].bodies[-1]
+        assert (sent["max_tokens"], sent["n_predict"], sent["max_new_tokens"]) == (7, 7, 7)
+        assert r.payload == {"model": "sim", "messages": [{"role": "user", "content": "hello"}],
+                             "n_predict": 7, "max_new_tokens": 7}        # the client's body is not touched
+
+
+async def test_a_stream_that_breaks_after_tokens_is_charged_what_arrived(autojump_clock):
+    servers = {"a": SimulatedServer(fail_after_tokens=9)}
+    async with forwarding(servers) as pipeline:
+        r = request(pipeline, stream=True, tokens=20)
+        assert pipeline.admit_now(r)
+        outcome = await r.reply.wait()
+        assert (outcome.status, outcome.kind) == (502, "failed") and 0 < r.tokens_generated <= 9
+        level = pipeline.admission.buckets["t"].level(pipeline.clock.now())
+        assert level == pytest.approx(10**9 - r.prompt_tokens - r.tokens_generated)
+        assert pipeline.tenant_status("t").generated_tokens == r.tokens_generated
+
+
+async def test_a_client_that_stops_reading_does_not_hold_the_backend(autojump_clock):
+    servers = {"a": SimulatedServer(tpot_s=0.01)}
+    async with forwarding(servers, max_concurrency=1, read_timeout_s=1.0) as pipeline:
+        r = request(pipeline, stream=True, tokens=500)    # nobody reads its stream
+        assert pipeline.admit_now(r)
+        outcome = await r.reply.wait()
+        assert isinstance(outcome, Completion) and outcome.tokens_generated == 500   # not a backend failure
+        assert pipeline.statistics().backends[0].failures == 0
+        level = pipeline.admission.buckets["t"].level(pipeline.clock.now())
+        assert level == pytest.approx(10**9 - r.prompt_tokens - 500)

@@ -268,14 +268,26 @@ def expected_infer(raw: bytes) -> tuple[set[int], dict[str, str] | None]:
         repeated.extend(k for i, k in enumerate(keys) if k in keys[:i])
         return dict(items)
 
+    nonstandard: list[str] = []
+
+    def constant(name: str) -> float:
+        nonstandard.append(name)
+        return 0.0
+
     try:
-        data = json.loads(raw, object_pairs_hook=pairs)
-    except (ValueError, RecursionError):
+        data = json.loads(raw, object_pairs_hook=pairs, parse_constant=constant)
+    except RecursionError:
+        return {400}, {"": "too_deep"}
+    except ValueError:
         return {400}, {"": "invalid_json"}
+    # document-level faults: which one apsd names first depends on where each sits in the text
+    document = {f"{i}": fault for i, fault in enumerate(
+        (["invalid_json"] if nonstandard or _has_lone_surrogate(data) else [])
+        + (["duplicate_key"] if repeated else []) + (["too_deep"] if _depth(data) > 100 else []))}
+    if document:
+        return {400}, document
     if not isinstance(data, dict):
         return {400}, {"": "invalid_json"}
-    if repeated:
-        return {400}, {"": "duplicate_key"}
     faults = {name: "unknown_field" for name in data if name not in FIELDS and name not in OPTIONAL_FIELDS}
     for name, kind in FIELDS.items():
         if name not in data:
@@ -358,6 +370,32 @@ def post_infer(apsd: Apsd, raw: bytes, extra_headers: dict[str, str] | None = No
         assert data["error"] in faults.values(), (data, faults)
     if response.status_code == 429:
         assert int(response.headers["Retry-After"]) >= 1
+
+
+def _depth(value: object) -> int:
+    """Nesting depth of arrays and objects (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if any(0xD800 <= ord(c) <= 0xDFFF for c in item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 # -- the properties -----------------------------------------------------------------------------

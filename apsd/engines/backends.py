@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import re
+import reprlib
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -138,6 +141,9 @@ class Backend:
     #: Model time of the last metrics reading, and whether it exports metrics at all (None: not known yet).
     load_at: float | None = None
     has_metrics: bool | None = None
+    #: How it counts a prompt's tokens: "llama.cpp" (``/apply-template`` + ``/tokenize``), "vllm"
+    #: (``/tokenize`` with the messages), "" it cannot; None: not asked yet.
+    tokenizer: str | None = None
     in_flight: int = 0
     requests: int = 0
     failures: int = 0
@@ -197,9 +203,17 @@ class BackendClient(Protocol):
     async def read_load(self, backend: Backend) -> BackendLoad | None:
         """Its load from its metrics; None when it exports none; raises BackendError when unreachable."""
 
-    async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk) -> BackendAnswer:
-        """Send one request (``body`` for ``/v1/<api>``). Streamed (``body["stream"]``): ``on_chunk`` is
-        awaited with each chunk; the answer carries the usage of the last one. Raises BackendError."""
+    async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk,
+                       request_id: str = "") -> BackendAnswer:
+        """Send one request (``body`` for ``/v1/<api>``, with ``X-Request-Id: request_id``). Streamed
+        (``body["stream"]``): ``on_chunk`` is awaited with each chunk; the answer carries the usage of
+        the last one, checked (:class:`UsageBounds`). Raises BackendError, and nothing else for
+        anything the backend sends."""
+
+    async def count_prompt_tokens(self, backend: Backend, api: str, body: dict) -> int | None:
+        """The backend's own count of the prompt of ``body`` (chat: as its template renders it), or
+        None when it cannot say (no such endpoint, or no answer within ``health_timeout_s``). Never
+        raises. Used to charge a request that ended without the backend's usage."""
 
     async def aclose(self) -> None: ...
 
@@ -228,8 +242,10 @@ class HttpBackendClient:
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     async def _get(self, backend: Backend, path: str) -> httpx.Response:
+        """A GET of one of its small endpoints (health, models, metrics), answered within
+        ``health_timeout_s``: a stalled server (stopped, hung) is found out in seconds, not minutes."""
         try:
-            with trio.fail_after(self.settings.first_token_timeout_s):
+            with trio.fail_after(self.settings.health_timeout_s):
                 return await self._client.get(backend.config.url.rstrip("/") + path, headers=self._headers(backend))
         except (httpx.HTTPError, trio.TooSlowError) as exc:
             raise BackendError(502, "backend_unreachable", f"backend {backend.name}: {_describe(exc)}",
@@ -262,42 +278,83 @@ class HttpBackendClient:
         except ValueError:
             return None
 
-    async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk) -> BackendAnswer:
+    async def count_prompt_tokens(self, backend: Backend, api: str, body: dict) -> int | None:
+        base = backend.config.url.rstrip("/")
+        headers = self._headers(backend)
+        model = body.get("model")
+        chat = api == "chat.completions"
+        prompt = body.get("prompt") if not chat else None
+        try:
+            with trio.fail_after(self.settings.health_timeout_s):
+                if backend.tokenizer in (None, "llama.cpp"):
+                    if chat:   # its template renders the conversation as it will run it
+                        rendered = await self._client.post(base + "/apply-template", json=body, headers=headers)
+                        prompt = rendered.json().get("prompt") if rendered.status_code == 200 else None
+                    if isinstance(prompt, str):
+                        answer = await self._client.post(base + "/tokenize", headers=headers,
+                                                          json={"content": prompt, "add_special": True})
+                        tokens = answer.json().get("tokens") if answer.status_code == 200 else None
+                        if isinstance(tokens, list):
+                            backend.tokenizer = "llama.cpp"
+                            return len(tokens)
+                    if backend.tokenizer == "llama.cpp":
+                        return None
+                if backend.tokenizer in (None, "vllm"):
+                    ask = {"model": model, "messages": body.get("messages")} if chat else \
+                        {"model": model, "prompt": body.get("prompt")}
+                    answer = await self._client.post(base + "/tokenize", json=ask, headers=headers)
+                    count = answer.json().get("count") if answer.status_code == 200 else None
+                    if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+                        backend.tokenizer = "vllm"
+                        return count
+                backend.tokenizer = backend.tokenizer or ""
+                return None
+        except (httpx.HTTPError, trio.TooSlowError, ValueError, AttributeError, RecursionError):
+            return None
+
+    async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk,
+                       request_id: str = "") -> BackendAnswer:
         url = backend.config.url.rstrip("/") + _PATHS[api]
         settings = self.settings
+        content = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json", **self._headers(backend)}
+        if request_id:
+            headers["X-Request-Id"] = request_id
+        bounds = UsageBounds.of(body, content)
         started = False
         try:
             if not body.get("stream"):
                 with trio.fail_after(settings.first_token_timeout_s):
-                    response = await self._client.post(url, json=body, headers=self._headers(backend))
+                    response = await self._client.post(url, content=content, headers=headers)
                 _raise_for_status(backend, response.status_code, response.text)
-                data = response.json()
-                usage = data.get("usage") or {}
-                return BackendAnswer(usage.get("prompt_tokens"), usage.get("completion_tokens"), data)
-            usage: dict = {}
-            async with self._client.stream("POST", url, json=body, headers=self._headers(backend)) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    _raise_for_status(backend, response.status_code, response.text)
-                # one scope for the whole stream, its deadline moved on at each chunk (cheaper than
-                # a fail_after per chunk)
-                with trio.CancelScope(deadline=trio.current_time() + settings.first_token_timeout_s) as silence:
+                data = _json_object(response.content)
+                prompt, completion = bounds.check(backend, data.get("usage"))
+                return BackendAnswer(prompt, completion, data)
+            usage: Any = None
+            # One scope for the whole exchange: until the first token (headers included: llama.cpp
+            # sends them with its first token) within first_token_timeout_s, then no silence longer
+            # than read_timeout_s, its deadline moved on at each chunk (cheaper than a fail_after each).
+            with trio.CancelScope(deadline=trio.current_time() + settings.first_token_timeout_s) as silence:
+                async with self._client.stream("POST", url, content=content, headers=headers) as response:
+                    if response.status_code != 200:
+                        await response.aread()
+                        _raise_for_status(backend, response.status_code, response.text)
                     async for event in EventSource(response).aiter_sse():
                         if event.data.strip() == "[DONE]":
                             break
-                        chunk = json.loads(event.data)
-                        if not isinstance(chunk, dict):
-                            raise ValueError("a stream chunk is not a JSON object")
+                        chunk = _json_object(event.data)
                         if "error" in chunk:
                             raise BackendError(502, "backend_failed", f"backend {backend.name}: "
                                                f"{_error_message(chunk)}", retryable=not started)
-                        usage = chunk.get("usage") or usage
+                        if chunk.get("usage") is not None:
+                            usage = chunk["usage"]
                         started = True
                         await on_chunk(chunk)
                         silence.deadline = trio.current_time() + settings.read_timeout_s
-                if silence.cancelled_caught:
-                    raise trio.TooSlowError
-            return BackendAnswer(usage.get("prompt_tokens"), usage.get("completion_tokens"))
+            if silence.cancelled_caught:
+                raise trio.TooSlowError
+            prompt, completion = bounds.check(backend, usage)
+            return BackendAnswer(prompt, completion)
         except trio.TooSlowError:
             what = "between two tokens" if started else "before the first token"
             raise BackendError(504, "backend_timeout", f"backend {backend.name} was silent {what} for longer "
@@ -306,9 +363,92 @@ class HttpBackendClient:
         except httpx.HTTPError as exc:
             raise BackendError(502, "backend_failed", f"backend {backend.name}: {_describe(exc)}",
                                retryable=not started, unhealthy=not started) from None
-        except ValueError as exc:  # (malformed JSON from the backend)
+        except MalformedAnswer as exc:
             raise BackendError(502, "backend_failed", f"backend {backend.name} answered malformed JSON: {exc}",
-                               retryable=not started) from None
+                               retryable=not started, unhealthy=True) from None
+
+
+class MalformedAnswer(ValueError):
+    """A backend's answer is not the JSON object it should be."""
+
+
+def _json_object(text: str | bytes) -> dict:
+    """A backend's JSON answer or stream chunk, which must be one object (MalformedAnswer otherwise:
+    not JSON, nested past what Python parses, or not an object)."""
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise MalformedAnswer(str(exc)[:200] or type(exc).__name__) from None
+    if not isinstance(data, dict):
+        raise MalformedAnswer(f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+#: Most tokens a backend may report for any prompt or output: beyond every context window there is.
+MAX_REPORTED_TOKENS = 10_000_000
+#: Tokens a prompt may have beyond one per byte of its request body (chat templates add a few per
+#: message, far fewer than the JSON syntax around each message takes) ...
+_TEMPLATE_TOKENS = 1_024
+#: ... and per image, audio or file part (whose tokens its bytes do not bound: a URL is short).
+_MEDIA_PART_TOKENS = 16_384
+_MEDIA_PARTS = re.compile(rb'"type"\s*:\s*"(?:image_url|input_image|input_audio|file|input_file|image|audio)"')
+
+
+@attrs.frozen
+class UsageBounds:
+    """What a backend may truthfully report as one request's usage. Every figure of its ``usage``
+    is untrusted: a count that is not a whole number, is negative, or passes its bound fails the
+    request (:meth:`check`), the backend is suspected (marked down until its health check passes),
+    and the tenant is charged only what was seen to arrive.
+
+    A prompt has at most one token per byte of the request's body (every tokenizer in use encodes
+    a byte in at most one token), plus a chat template's few, plus a bounded number per media part.
+    The output has at most the ``max_tokens`` apsd sent (or :data:`MAX_REPORTED_TOKENS`).
+    """
+
+    prompt: int
+    completion: int
+
+    @classmethod
+    def of(cls, body: dict, content: bytes) -> UsageBounds:
+        limit = body.get("max_tokens")
+        completion = limit if isinstance(limit, int) and not isinstance(limit, bool) else MAX_REPORTED_TOKENS
+        media = len(_MEDIA_PARTS.findall(content)) if b'"type"' in content else 0
+        prompt = min(MAX_REPORTED_TOKENS, len(content) + _TEMPLATE_TOKENS + media * _MEDIA_PART_TOKENS)
+        return cls(prompt=prompt, completion=min(completion, MAX_REPORTED_TOKENS))
+
+    def check(self, backend: Backend, usage: Any) -> tuple[int | None, int | None]:
+        """``(prompt_tokens, completion_tokens)`` of a backend's ``usage`` (None where absent);
+        BackendError when a figure is not a believable count."""
+        if usage is None:
+            return None, None
+        if not isinstance(usage, dict):
+            raise _invalid_usage(backend, f"usage is {_shown(usage)}, not an object")
+        return (_count(backend, usage, "prompt_tokens", self.prompt),
+                _count(backend, usage, "completion_tokens", self.completion))
+
+
+def _count(backend: Backend, usage: dict, key: str, bound: int) -> int | None:
+    value = usage.get(key)
+    if value is None:
+        return None
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= bound:
+        raise _invalid_usage(backend, f"usage.{key} is {_shown(value)}, not a whole number of tokens from 0 to {bound}")
+    return value
+
+
+def _shown(value: Any) -> str:
+    """A backend's value for a message: short, whatever it is (reprlib bounds depth and length)."""
+    if isinstance(value, int) and not -10**18 < value < 10**18:
+        return "an integer of more than 18 digits"
+    return reprlib.repr(value)
+
+
+def _invalid_usage(backend: Backend, what: str) -> BackendError:
+    return BackendError(502, "backend_invalid_usage", f"backend {backend.name} reported an impossible usage ({what}); "
+                        "the request is failed and the backend suspected", retryable=False, unhealthy=True)
 
 
 def _describe(exc: BaseException) -> str:
@@ -344,8 +484,10 @@ def _raise_for_status(backend: Backend, status: int, text: str) -> None:
 class SimulatedServer:
     """A backend simulated in model time: at most ``slots`` requests run at once (the rest wait in its
     own FIFO, reported as ``waiting``); a request's first token comes ``ttft_s`` after it starts, then
-    one every ``tpot_s``. ``down`` makes it unreachable; ``fail_next`` fails that many requests
-    before their first token; ``fail_after_tokens`` breaks streams after that many tokens."""
+    one every ``tpot_s``. ``down`` makes it unreachable; ``stalled`` makes it accept connections and
+    answer nothing (a stopped process: its health check times out after ``stall_s``, requests hang);
+    ``fail_next`` fails that many requests before their first token; ``fail_after_tokens`` breaks
+    streams after that many tokens. ``bodies`` records every request body it received."""
 
     models: tuple[str, ...] = ("sim",)
     slots: int = 4
@@ -355,6 +497,9 @@ class SimulatedServer:
     fail_next: int = 0
     fail_after_tokens: int | None = None
     with_metrics: bool = True
+    stalled: bool = False
+    stall_s: float = 5.0
+    bodies: list[dict] = attrs.field(factory=list)
     running: int = 0
     waiting: int = 0
     started: list[str] = attrs.field(factory=list)
@@ -391,21 +536,36 @@ class SimulatedBackendClient:
 
     async def check_health(self, backend: Backend) -> bool:
         await trio.lowlevel.checkpoint()
-        return not self.servers[backend.name].down
+        server = self.servers[backend.name]
+        if server.stalled and not server.down:
+            await self.clock.sleep(server.stall_s)   # (the client's health timeout)
+            return False
+        return not server.down
+
+    async def _stall(self, server: SimulatedServer) -> None:
+        """A stalled server answers nothing: wait while it stays stalled."""
+        while server.stalled:
+            await self.clock.sleep(0.05)
 
     async def read_load(self, backend: Backend) -> BackendLoad | None:
         await trio.lowlevel.checkpoint()
         server = self._server(backend)
         return BackendLoad(server.waiting, server.running, None) if server.with_metrics else None
 
-    async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk) -> BackendAnswer:
+    async def count_prompt_tokens(self, backend: Backend, api: str, body: dict) -> int | None:
+        await trio.lowlevel.checkpoint()
+        return None if self.servers[backend.name].down else _simulated_prompt_tokens(body)
+
+    async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk,
+                       request_id: str = "") -> BackendAnswer:
         server = self._server(backend)
+        server.bodies.append(body)
+        await self._stall(server)
         if server.fail_next > 0:
             server.fail_next -= 1
             await trio.lowlevel.checkpoint()
             raise BackendError(502, "backend_failed", f"backend {backend.name} answered 503", retryable=True)
-        prompt = body.get("prompt") or body.get("messages") or ""
-        prompt_tokens = max(1, len(json.dumps(prompt)) // 4)
+        prompt_tokens = _simulated_prompt_tokens(body)
         tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         server.waiting += 1
         try:
@@ -416,6 +576,7 @@ class SimulatedBackendClient:
         server.started.append(str(body.get("user") or ""))
         try:
             await self.clock.sleep(server.ttft_s)
+            await self._stall(server)
             if not body.get("stream"):
                 await self.clock.sleep(server.tpot_s * (tokens - 1))
                 text = " tok" * tokens
@@ -442,6 +603,12 @@ class SimulatedBackendClient:
         finally:
             server.running -= 1
             server.semaphore().release()
+
+
+def _simulated_prompt_tokens(body: dict) -> int:
+    """A simulated server's tokenizer: a token per 4 bytes of the prompt's JSON."""
+    prompt = body.get("prompt") or body.get("messages") or ""
+    return max(1, len(json.dumps(prompt).encode()) // 4)
 
 
 def _simulated_chunk(api: str, tokens: int) -> dict:

@@ -9,20 +9,32 @@ Each dispatched request goes to the least-loaded usable backend serving its mode
 without a model, from ``POST /infer``, to any), in a task of its own:
 
 * The client's OpenAI body is sent as it came (parameters apsd does not interpret pass through
-  untouched), with ``max_tokens`` set to what admission reserved when the client gave none. A
-  stream always asks the backend for usage (``stream_options.include_usage``); the usage chunk
-  is relayed only if the client asked for it.
-* Tokens reach the client's stream as they arrive, one chunk at a time, waiting while the
-  client's buffer is full (backpressure reaches the backend through TCP).
+  untouched), its output limit set to what admission reserved under every name the client gave
+  it by (``max_tokens``, llama.cpp's ``n_predict``, ``max_new_tokens``); a client that gave none
+  gets none (``open_ended``: the backend decides, the tenant pays what ran). A stream always asks
+  the backend for usage (``stream_options.include_usage``); the usage chunk is relayed only if
+  the client asked for it.
+* Tokens reach the client's stream as they arrive, never waiting for the client: the backend's
+  slot is freed at the backend's pace, a slow reader only delays itself (the HTTP server's send
+  timeout drops one that stops reading), and the request is charged what the backend generated.
 * The end settles against the backend's usage: ``prompt_tokens`` and ``tokens_generated`` become
   the backend's figures, and admission gives back or takes the difference with what it reserved.
+  Usage is untrusted: a figure that is not a believable count fails the request and the backend
+  is suspected (:class:`~apsd.engines.backends.UsageBounds`).
 * A client that leaves cancels the request at once: the upstream request is closed (freeing the
   backend's slot), and it is billed for the tokens that had arrived.
 * A backend that fails before the first token (unreachable, timed out, 5xx or 429) is marked
   down if it looks so, and the request goes back to the queue in its place, to be dispatched to
   another backend, at most ``[forward] max_retries`` times; then 502 ``backend_failed``. After the
-  first token, a failure ends the stream with an error and the request counts as failed. A 4xx
-  is the request's own fault: its status and message are relayed.
+  first token, a failure ends the stream with an error and the request is charged what arrived.
+  A 4xx is the request's own fault: its status and message are relayed.
+* Every exchange is bounded in time: connecting (``connect_timeout_s``), the first token, headers
+  included (``first_token_timeout_s``; the whole answer when not streamed), each later chunk
+  (``read_timeout_s``), and the health checks (``health_timeout_s``). A backend marked down hands
+  back the requests it holds that have no token yet (they go to another backend without spending
+  a retry). While no healthy backend serves a model, new requests for it get 503 ``no_backend`` at
+  once; those already queued get it once it has been so for ``no_backend_wait_s``.
+* An unexpected error while forwarding fails that request only (logged with its id).
 
 Health (``[forward] health_interval_s``) and metrics (``metrics_interval_s``) are read by one task
 per backend; a down backend takes no work and comes back by itself. A backend without configured
@@ -34,9 +46,9 @@ the backend's hourly price x ``gpus`` / ``max_concurrency``).
 
 from __future__ import annotations
 
-import copy
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Awaitable, Callable
 
 import attrs
 import trio
@@ -44,9 +56,9 @@ import trio
 from ..clock import ModelClock
 from ..config import Config, ForwardConfig
 from ..ledger import Ledger
-from ..models import Capacity, Completion, Dispatch, InferenceRequest, Refusal
+from ..models import LENGTH_ALIASES, Capacity, Completion, Dispatch, InferenceRequest, Refusal
 from ..streams import TokenChunk
-from .backends import Backend, BackendClient, BackendError, BackendStatistics
+from .backends import Backend, BackendAnswer, BackendClient, BackendError, BackendStatistics
 from .base import UNBOUNDED, Demand, EngineStatistics, completion
 
 __all__ = ["ForwardEngine"]
@@ -67,9 +79,16 @@ class ForwardEngine:
     #: Puts a request that failed before its first token back in the queue (the scheduler's).
     requeue: Callable[[InferenceRequest, str], None]
     kind: str = attrs.field(default="forward", init=False)
-    _running: dict[InferenceRequest, trio.CancelScope] = attrs.field(factory=dict, init=False)
+    #: Each running request's cancel scope and backend.
+    _running: dict[InferenceRequest, tuple[trio.CancelScope, Backend]] = attrs.field(factory=dict, init=False)
+    #: Requests cancelled because their backend went down before their first token: back to the queue.
+    _moved: set[InferenceRequest] = attrs.field(factory=set, init=False)
     #: The backends a requeued request already failed on.
     _tried: dict[InferenceRequest, set[str]] = attrs.field(factory=dict, init=False)
+    #: Models no healthy backend serves now, and since when (model time); "" stands for "any model".
+    _unserved_since: dict[str, float] = attrs.field(factory=dict, init=False)
+    #: Set when a model loses its last healthy backend (the watchdog then has a deadline to keep).
+    _unserved_changed: trio.Event = attrs.field(factory=trio.Event, init=False)
     _nursery: trio.Nursery | None = attrs.field(default=None, init=False)
     _demands: trio.MemorySendChannel[Demand] | None = attrs.field(default=None, init=False)
     _asked: bool = attrs.field(default=False, init=False)
@@ -84,7 +103,17 @@ class ForwardEngine:
 
     # -- the seam --------------------------------------------------------------------------------
     def refuse(self, request: InferenceRequest) -> Refusal | None:
-        return None  # (a backend says what it cannot take; a 4xx is relayed)
+        """503 ``no_backend`` at once when no healthy backend serves the request's model (what a
+        backend cannot take, it says itself: its 4xx is relayed)."""
+        if self._serves(request.model):
+            return None
+        what = f"the model {request.model!r}" if request.model is not None else "any model"
+        return Refusal(503, "no_backend", f"no backend serving {what} is up; retry later",
+                       headers={"Retry-After": str(max(1, math.ceil(self.settings.health_interval_s)))})
+
+    def _serves(self, model: str | None) -> bool:
+        """Whether a healthy backend serves ``model`` (None: any model) now."""
+        return any(b.healthy and b.models and (model is None or model in b.models) for b in self.backends)
 
     def models(self) -> list[str]:
         names: dict[str, None] = {}
@@ -105,10 +134,10 @@ class ForwardEngine:
         return Capacity(sequences=total, kv_tokens=UNBOUNDED, reserve_output=False, slots_per_model=slots)
 
     def cancel(self, request: InferenceRequest) -> bool:
-        scope = self._running.get(request)
-        if scope is None:
+        running = self._running.get(request)
+        if running is None:
             return False
-        scope.cancel()
+        running[0].cancel()
         return True
 
     def reconfigure(self, config: Config) -> list[str]:
@@ -139,6 +168,7 @@ class ForwardEngine:
                 self._nursery, self._demands = nursery, demands
                 for backend in self.backends:
                     nursery.start_soon(self._watch, backend)
+                nursery.start_soon(self._serve_unserved)
                 try:
                     await self._run(answers)
                 except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError):
@@ -184,7 +214,7 @@ class ForwardEngine:
                 continue
             backend.in_flight += 1
             scope = trio.CancelScope()
-            self._running[request] = scope
+            self._running[request] = (scope, backend)
             sent = trio.Event()
             self._nursery.start_soon(self._forward, request, backend, scope, previous, sent)
             previous = sent
@@ -201,14 +231,25 @@ class ForwardEngine:
 
     # -- one request -------------------------------------------------------------------------------
     def _body(self, request: InferenceRequest, backend: Backend) -> tuple[str, dict, bool]:
-        """The API, the body to send, and whether the client asked for usage in its stream."""
+        """The API, the body to send, and whether the client asked for usage in its stream.
+
+        The client's body is copied one level deep (only top-level keys change; nothing of the
+        client's is walked or copied further). Its output limit is apsd's reservation, under every
+        name a backend reads it by (:data:`apsd.http.openai.LENGTH_FIELDS`); a request that set
+        none (``open_ended``) is sent without one: the backend generates until it stops, and the
+        tenant is charged what it did.
+        """
         if request.payload is not None and request.api is not None:
-            api, body = request.api, copy.deepcopy(request.payload)
+            api, body = request.api, dict(request.payload)
         else:  # POST /infer: a plain completion of its prompt
             api, body = "completions", {"prompt": request.prompt}
         body["model"] = request.model or backend.models[0]
-        if "max_tokens" not in body and "max_completion_tokens" not in body:
-            body["max_tokens"] = request.tokens_requested
+        if not request.open_ended:
+            if "max_completion_tokens" not in body:
+                body["max_tokens"] = request.tokens_requested
+            for name in LENGTH_ALIASES:
+                if name in body:
+                    body[name] = request.tokens_requested
         wants_usage = False
         if request.stream is not None:
             options = body.get("stream_options")
@@ -220,21 +261,18 @@ class ForwardEngine:
             body.pop("stream_options", None)
         return api, body, wants_usage
 
-    async def _forward(self, request: InferenceRequest, backend: Backend, scope: trio.CancelScope,
-                       after: trio.Event | None, sent: trio.Event) -> None:
-        """Send ``request`` (once the one dispatched before it was sent: a backend's own queue then
-        receives a dispatch in apsd's order) and see it to its end."""
-        start = self.clock.now()
-        backend.requests += 1
-        api, body, wants_usage = self._body(request, backend)
+    def _relay(self, request: InferenceRequest, wants_usage: bool) -> Callable[[dict], Awaitable[None]]:
+        """What to do with each chunk of ``request``'s stream from the backend: count its tokens and
+        hand it to the client's stream without waiting for the client (a slow reader delays only
+        itself: the backend's slot is freed at the backend's pace, and the request is charged what
+        the backend generated; the server's send timeout bounds how long a stalled reader is kept)."""
         stream = request.stream
-
         held: list[dict] = []
 
         async def on_chunk(chunk: dict) -> None:
             tokens = chunk.pop("apsd_tokens", None)   # (the simulated client says how many it sent)
             text = _chunk_text(chunk)
-            if tokens is None:
+            if not isinstance(tokens, int):
                 tokens = 1 if text else 0
             now = self.clock.now()
             if tokens and request.started_at is None:
@@ -249,34 +287,71 @@ class ForwardEngine:
                     held.append(chunk)  # (a role chunk: held until a token comes, so a retry elsewhere
                     return              # cannot send the client a second one)
                 for early in held:
-                    await stream.push(TokenChunk(tokens=0, at=now, data=early))
+                    stream.push_nowait(TokenChunk(tokens=0, at=now, data=early))
                 held.clear()
-                await stream.push(TokenChunk(tokens=tokens, text=text, at=now, data=chunk))
+                stream.push_nowait(TokenChunk(tokens=tokens, text=text, at=now, data=chunk))
+            await trio.lowlevel.checkpoint()
 
+        return on_chunk
+
+    async def _forward(self, request: InferenceRequest, backend: Backend, scope: trio.CancelScope,
+                       after: trio.Event | None, sent: trio.Event) -> None:
+        """Send ``request`` (once the one dispatched before it was sent: a backend's own queue then
+        receives a dispatch in apsd's order) and see it to its end.
+
+        Whatever happens, the request ends answered or back in the queue, and nothing escapes to
+        the engine's nursery: an unexpected error fails this request only (logged with its id)."""
+        start = self.clock.now()
+        backend.requests += 1
         outcome: Completion | Refusal | None = None
         requeue: str | None = None
         try:
+            api, body, wants_usage = self._body(request, backend)
             with scope:
                 try:
                     if after is not None:
                         await after.wait()
                     sent.set()
-                    answer = await self.client.complete(backend, api, body, on_chunk)
+                    answer = await self.client.complete(backend, api, body, self._relay(request, wants_usage),
+                                                        request.request_id)
+                    outcome = self._completed(request, backend, answer, start)
                 except BackendError as error:
                     outcome, requeue = self._failed(request, backend, error)
-                except Exception as exc:  # a bug or a surprise: the request must still be answered
-                    log.exception("forwarding request %s to backend %s failed", request.request_id, backend.name)
-                    outcome = Refusal(502, "backend_failed", f"forwarding to backend {backend.name} failed: "
-                                      f"{type(exc).__name__}", kind="failed")
-                else:
-                    outcome = self._completed(request, backend, answer, start)
-            if scope.cancelled_caught:   # its client left: billed for what arrived
-                outcome = Refusal(499, "client_disconnected", "the client disconnected while the request was running",
-                                  kind="cancelled")
+            if scope.cancelled_caught:
+                if request in self._moved:   # its backend went down before its first token
+                    outcome, requeue = None, f"backend {backend.name} went down before the first token"
+                    request.retries -= 1     # (not the request's failure: no retry spent)
+                else:                        # its client left: billed for what arrived
+                    outcome = Refusal(499, "client_disconnected",
+                                      "the client disconnected while the request was running", kind="cancelled")
+            if isinstance(outcome, Refusal) and request.started_at is not None:
+                await self._count_prompt(request, backend, api, body)
+        except Exception:  # a bug or a surprise: this request fails, the daemon goes on
+            log.exception("request %s on backend %s failed unexpectedly", request.request_id, backend.name)
+            outcome, requeue = Refusal(502, "backend_failed", f"forwarding to backend {backend.name} failed "
+                                       f"unexpectedly (request {request.request_id}; see the log)",
+                                       kind="failed"), None
         finally:
             sent.set()
-            backend.in_flight -= 1
-            del self._running[request]
+            self._end(request, backend, start, outcome, requeue)
+
+    async def _count_prompt(self, request: InferenceRequest, backend: Backend, api: str, body: dict) -> None:
+        """A request that ended after its first token without the backend's usage (its client left,
+        the stream broke or timed out) is charged the backend's own count of its prompt, asked of
+        the backend (bounded by ``health_timeout_s``, shielded: the request's scope may be
+        cancelled); apsd's estimate stays when the backend cannot say."""
+        with trio.CancelScope(shield=True):
+            count = await self.client.count_prompt_tokens(backend, api, body)
+        if count is not None:
+            request.prompt_tokens = count
+
+    def _end(self, request: InferenceRequest, backend: Backend, start: float, outcome: Completion | Refusal | None,
+             requeue: str | None) -> None:
+        """Book a forwarded request's end: the backend's counts, then its answer or its requeue."""
+        backend.in_flight -= 1
+        self._running.pop(request, None)
+        self._moved.discard(request)
+        try:
             self._account(request, backend, start)
             if requeue is not None and not request.answered:
                 self._tried.setdefault(request, set()).add(backend.name)
@@ -285,14 +360,22 @@ class ForwardEngine:
                 self._tried.pop(request, None)
                 if outcome is not None:
                     self.ledger.finish(request, outcome)
-            self._changed_now()
+        except Exception:
+            log.exception("ending request %s on backend %s failed", request.request_id, backend.name)
+            if not request.answered:
+                self.ledger.finish(request, Refusal(500, "internal_error", f"apsd failed ending request "
+                                                    f"{request.request_id}; see the log", kind="failed"))
+        self._changed_now()
 
-    def _completed(self, request: InferenceRequest, backend: Backend, answer, start: float) -> Completion:
+    def _completed(self, request: InferenceRequest, backend: Backend, answer: BackendAnswer,
+                   start: float) -> Completion:
+        """A completed request's figures become the backend's usage (checked by the client:
+        :class:`~apsd.engines.backends.UsageBounds`)."""
         now = self.clock.now()
         if answer.prompt_tokens is not None:
-            request.prompt_tokens = int(answer.prompt_tokens)
+            request.prompt_tokens = answer.prompt_tokens
         if answer.completion_tokens is not None:
-            request.tokens_generated = int(answer.completion_tokens)
+            request.tokens_generated = answer.completion_tokens
         if request.started_at is None:  # not streamed: its first token is seen with its last
             self.ledger.started(request, now)
         request.cost_usd = self._cost(request, backend, now - start)
@@ -304,9 +387,7 @@ class ForwardEngine:
         left) the reason to put it back in the queue."""
         backend.failures += 1
         if error.unhealthy and backend.healthy:
-            backend.healthy = False
-            log.warning("backend %s marked down: %s", backend.name, error.message)
-            self._changed_now()
+            self._mark_down(backend, error.message)
         started = request.started_at is not None
         if error.retryable and not started and request.retries < self.settings.max_retries:
             backend.retries += 1
@@ -358,10 +439,67 @@ class ForwardEngine:
             except BackendError as error:
                 log.warning("backend %s: cannot list its models: %s", backend.name, error.message)
                 healthy = False
-        if healthy != backend.healthy:
-            backend.healthy = healthy
-            log.warning("backend %s is %s", backend.name, "up" if healthy else "down")
+        if healthy and not backend.healthy:
+            backend.healthy = True
+            log.info("backend %s is up", backend.name)
+            self._note_served()
             self._changed_now()
+        elif not healthy and backend.healthy:
+            self._mark_down(backend, "its health check failed")
+
+    def _mark_down(self, backend: Backend, why: str) -> None:
+        """Take ``backend`` out of service until its health check passes: the requests it holds
+        that have no token yet go back to the queue (to another backend, or to wait for one)."""
+        backend.healthy = False
+        moved = [request for request, (_, on) in self._running.items() if on is backend
+                 and request.started_at is None]
+        log.warning("backend %s is down (%s)%s", backend.name, why,
+                    f"; {len(moved)} requests without a token yet go back to the queue" if moved else "")
+        for request in moved:
+            self._moved.add(request)
+            self._running[request][0].cancel()
+        self._note_served()
+        self._changed_now()
+
+    # -- models no backend serves ------------------------------------------------------------------
+    def _note_served(self) -> None:
+        """Track which models have lost every healthy backend (and since when)."""
+        now = self.clock.now()
+        for model in ["", *self.models()]:
+            if self._serves(model or None):
+                self._unserved_since.pop(model, None)
+            elif model not in self._unserved_since:
+                self._unserved_since[model] = now
+                self._unserved_changed.set()
+
+    async def _serve_unserved(self) -> None:
+        """Answer 503 ``no_backend`` to the requests queued for a model that has had no healthy
+        backend for ``[forward] no_backend_wait_s`` (new ones are refused at once: :meth:`refuse`).
+        Runs until cancelled."""
+        wait = self.settings.no_backend_wait_s
+        while True:
+            now = self.clock.now()
+            for model, since in list(self._unserved_since.items()):
+                if now >= since + wait:
+                    self._answer_unserved(model or None, now - since)
+            self._unserved_changed = trio.Event()
+            due = [since + wait for since in self._unserved_since.values() if since + wait > now]
+            with trio.move_on_at(self.clock.deadline(min(due)) if due else math.inf):
+                await self._unserved_changed.wait()
+
+    def _answer_unserved(self, model: str | None, for_s: float) -> None:
+        what = f"the model {model!r}" if model is not None else "any model"
+        queued = [r for r in self.ledger.outstanding if r.dispatched_at is None and not r.answered
+                  and (model is None or r.model == model)]
+        if not queued:
+            return
+        log.warning("%d queued requests for %s answered 503 no_backend: no backend up for %.0f s",
+                    len(queued), what, for_s)
+        for request in queued:
+            self.ledger.finish(request, Refusal(
+                503, "no_backend", f"no backend serving {what} has been up for {for_s:.0f} s "
+                "([forward] no_backend_wait_s); retry later",
+                headers={"Retry-After": str(max(1, math.ceil(self.settings.health_interval_s)))}, kind="failed"))
 
     async def _read_metrics(self, backend: Backend) -> None:
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -31,7 +32,7 @@ from ..models import Refusal
 from ..pipeline import Pipeline
 from ..prometheus import PrometheusExporter
 
-__all__ = ["BodyError", "HttpState", "MAX_TENANT_ID_CHARS", "MAX_TOKENS_REQUESTED", "ShieldResponseEnd",
+__all__ = ["BodyError", "HttpState", "REQUEST_ID_HEADER", "client_request_id", "MAX_TENANT_ID_CHARS", "MAX_TOKENS_REQUESTED", "ShieldResponseEnd",
            "authenticated", "check_prompt_length", "error_response", "http_state", "json_response",
            "parse_json_object", "read_unread_body", "rounded", "shown"]
 
@@ -123,6 +124,9 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 
     A key repeated in any object of the document is refused (``duplicate_key``, naming it):
     parsers disagree on which value wins, so a proxy and apsd could read different requests.
+    Nesting deeper than :data:`apsd.strictjson.MAX_DEPTH` is refused (``too_deep``), and so are
+    ``NaN``/``Infinity`` and lone surrogates (``invalid_json``): a backend would choke on them
+    and the request would come back as a 5xx blamed on it.
     """
     try:
         data = strictjson.loads(raw)
@@ -130,11 +134,33 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         key = exc.key if len(exc.key) <= 64 else exc.key[:64] + "..."
         raise BodyError(400, "duplicate_key", f"the request body repeats the key {key!r}; "
                         "each key may appear once per object", field=exc.key[:256]) from None
-    except (ValueError, RecursionError):
+    except strictjson.TooDeepError as exc:
+        raise BodyError(400, "too_deep", f"the request body's {exc}; the limit is {strictjson.MAX_DEPTH}") from None
+    except strictjson.NonStandardJSONError as exc:
+        raise BodyError(400, "invalid_json", f"the request body is not standard JSON: {exc}") from None
+    except ValueError:
         raise BodyError(400, "invalid_json", "the request body is not valid JSON") from None
     if not isinstance(data, dict):
         raise BodyError(400, "invalid_json", "the request body must be a JSON object")
     return data
+
+
+#: A client's ``X-Request-Id`` that apsd adopts: short, and safe in a log line and a header.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+def client_request_id() -> str | None:
+    """The client's ``X-Request-Id`` (one header, 1-128 of letters, digits and ``-_.:``), or None
+    when it sent none; BodyError 400 ``invalid_header`` for anything else. apsd names the request
+    by it in its log and answers, and sends it to the backend."""
+    values = request.headers.getlist(REQUEST_ID_HEADER)
+    if not values:
+        return None
+    if len(values) > 1 or not _REQUEST_ID.fullmatch(values[0]):
+        raise BodyError(400, "invalid_header", f"{REQUEST_ID_HEADER} must be one id of 1-128 letters, digits "
+                        "and -_.: characters", field=REQUEST_ID_HEADER)
+    return values[0]
 
 
 def shown(number: int) -> str:

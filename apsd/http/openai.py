@@ -8,8 +8,12 @@ section states the rules for clients; the contract with engines is:
   ``payload``: the client's body as sent, minus ``priority`` (apsd's to interpret: a backend
   such as vLLM refuses it unless it schedules by priority itself). Every other parameter,
   interpreted by apsd or not (``temperature``, ``tools``, ...), is in the payload untouched.
-  ``tokens_requested`` is the client's ``max_completion_tokens``/``max_tokens``, or
-  ``[gateway] default_max_tokens`` when it sent neither (the payload then has neither either).
+  ``tokens_requested`` is the client's output limit (``max_completion_tokens``, ``max_tokens``,
+  or a backend's own name for it: :func:`_max_tokens` states the rule), or, when it set none,
+  ``[gateway] default_max_tokens`` as an estimate (``open_ended``: no limit is sent upstream,
+  and the tenant pays for what the backend generated).
+* ``X-Request-Id``: a client's own id (1-128 characters of letters, digits and ``-_.:``) names
+  the request in apsd's log and answers and is sent upstream; without one apsd numbers it.
 * Not streaming: a :class:`~apsd.models.Completion` with a ``response`` (a forwarding engine's
   backend answer) is relayed as it is; without one (the simulated engines) the answer is built
   here, with placeholder text of ``tokens_generated`` tokens (:func:`placeholder_text`).
@@ -41,13 +45,14 @@ import attrs
 import trio
 from quart import Blueprint, Response, request
 
+from ..admission import estimate_tokens
 from ..auth import Caller
-from ..config import Config, TenantConfig
-from ..models import Completion, InferenceRequest, Refusal
+from ..config import AdmissionConfig, Config, TenantConfig
+from ..models import LENGTH_ALIASES, Completion, InferenceRequest, Refusal
 from ..pipeline import Pipeline
 from ..streams import TokenChunk, TokenStream
 from .common import (MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated, check_prompt_length,
-                     http_state, parse_json_object, shown)
+                     client_request_id, http_state, parse_json_object, shown)
 
 __all__ = ["CHAT", "COMPLETIONS", "MESSAGE_OVERHEAD_TOKENS", "OpenAIBody", "PRIORITY_HEADER", "TENANT_HEADER",
            "blueprint", "error_body", "error_response", "error_type", "parse_openai_body", "placeholder_text",
@@ -65,6 +70,13 @@ PRIORITY_HEADER = "X-Apsd-Priority"
 #: Tokens added per chat message to the estimate of its text (role and delimiters, as chat
 #: templates add; OpenAI's own count is 3-4 per message).
 MESSAGE_OVERHEAD_TOKENS = 4
+#: Content parts other than text that a chat message may carry (images, audio, files): passed
+#: through to the backend as they are; each is estimated at MEDIA_PART_TOKENS prompt tokens until
+#: the backend's usage says what it cost.
+MEDIA_PARTS = ("image_url", "input_audio", "file")
+MEDIA_PART_TOKENS = 1_024
+#: What a media part contributes to a prompt's text (the log's view of it; its estimate is above).
+MEDIA_PLACEHOLDER = "[media]"
 #: The words a simulated engine's placeholder answer cycles through, one per token.
 _WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do",
           "eiusmod", "tempor", "incididunt", "ut", "labore", "et", "dolore", "magna", "aliqua")
@@ -116,6 +128,8 @@ class OpenAIBody:
     prompt: str
     prompt_tokens: int
     max_tokens: int
+    #: The client set no output limit: ``max_tokens`` is ``[gateway] default_max_tokens``, an estimate.
+    open_ended: bool
     stream: bool
     include_usage: bool
     #: vLLM's ``priority`` (lower is served sooner; None: not given).
@@ -140,29 +154,38 @@ def _message_text(message: Any, i: int) -> str:
     if not isinstance(role, str) or not role.strip():
         raise (_invalid(f"{where}.role", "is required", error="missing_field") if role is None
                else _invalid(f"{where}.role", "must be a non-empty string"))
-    parts = [message["name"]] if isinstance(message.get("name"), str) else []
+    name = message.get("name")
+    if name is not None and not isinstance(name, str):
+        raise _invalid(f"{where}.name", "must be a string")
+    parts = [name] if name else []
     content = message.get("content")
     if isinstance(content, str):
         parts.append(content)
     elif isinstance(content, list):
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _invalid(f"{where}.content[{j}]", 'must be a text part: {"type": "text", "text": "..."} '
-                               "(apsd estimates prompts from text; other parts are not supported)")
-            parts.append(part["text"])
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif kind in MEDIA_PARTS and isinstance(part.get(kind), (dict, str)):
+                parts.append(MEDIA_PLACEHOLDER)
+            else:
+                raise _invalid(f"{where}.content[{j}]", 'must be a content part: {"type": "text", "text": "..."}, or '
+                               f"one of type {', '.join(MEDIA_PARTS)} carrying an object of that name")
     elif content is None and role == "assistant" and ("tool_calls" in message or "function_call" in message):
         pass  # an assistant turn that only called tools
     elif content is None:
         raise _invalid(f"{where}.content", "is required", error="missing_field")
     else:
         raise _invalid(f"{where}.content", "must be a string or a list of text parts")
+    if "tool_calls" in message and not isinstance(message["tool_calls"], list):
+        raise _invalid(f"{where}.tool_calls", "must be a list of tool calls")
     for key in ("tool_calls", "function_call"):
         if key in message:
             parts.append(json.dumps(message[key]))
     return "\n".join(parts)
 
 
-def _prompt(data: dict[str, Any], api: str, chars_per_token: float) -> tuple[str, int]:
+def _prompt(data: dict[str, Any], api: str, settings: AdmissionConfig) -> tuple[str, int]:
     """The prompt's text and its estimated tokens."""
     if api == CHAT:
         messages = data.get("messages")
@@ -171,8 +194,10 @@ def _prompt(data: dict[str, Any], api: str, chars_per_token: float) -> tuple[str
         if not isinstance(messages, list) or not messages:
             raise _invalid("messages", "must be a non-empty list of messages")
         texts = [_message_text(message, i) for i, message in enumerate(messages)]
-        characters = sum(len(text) for text in texts)
-        return "\n".join(texts), math.ceil(characters / chars_per_token) + MESSAGE_OVERHEAD_TOKENS * len(messages)
+        text = "\n".join(texts)
+        media = text.count(MEDIA_PLACEHOLDER)
+        words = estimate_tokens(text.replace(MEDIA_PLACEHOLDER, "") if media else text, settings)
+        return text, words + MESSAGE_OVERHEAD_TOKENS * len(messages) + MEDIA_PART_TOKENS * media
     prompt = data.get("prompt")
     if prompt is None:
         raise _invalid("prompt", "is required", error="missing_field")
@@ -184,12 +209,17 @@ def _prompt(data: dict[str, Any], api: str, chars_per_token: float) -> tuple[str
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise _invalid("prompt", "must be a string (token arrays are not supported)")
-    return prompt, math.ceil(len(prompt) / chars_per_token)
+    return prompt, estimate_tokens(prompt, settings)
 
 
-def _max_tokens(data: dict[str, Any], default: int) -> int:
+def _max_tokens(data: dict[str, Any], default: int) -> tuple[int, bool]:
+    """The output limit the client set (under any name a backend reads it by), and whether it set
+    one; ``default`` (an estimate to reserve) when it did not. The rule, so that no parameter lets
+    a backend generate past what admission reserved: every name given must carry the same whole
+    number, 1 or more (llama.cpp's ``n_predict: -1``, "until the context is full", cannot be
+    reserved), and ``min_tokens`` may not exceed it."""
     given = {}
-    for name in ("max_completion_tokens", "max_tokens"):
+    for name in ("max_completion_tokens", "max_tokens", *LENGTH_ALIASES):
         value = data.get(name)
         if value is None:
             continue
@@ -198,8 +228,46 @@ def _max_tokens(data: dict[str, Any], default: int) -> int:
             raise _invalid(name, f"must be an integer 1-{MAX_TOKENS_REQUESTED}, got {got}")
         given[name] = value
     if len(set(given.values())) > 1:
-        raise _invalid("max_tokens", "and max_completion_tokens differ; send one of them")
-    return next(iter(given.values()), default)
+        raise _invalid("max_tokens", f"and {' and '.join(n for n in given if n != 'max_tokens')} differ; send one "
+                       "output limit")
+    limit = next(iter(given.values()), None)
+    floor = data.get("min_tokens")
+    if floor is not None and (not _is_int(floor) or not 0 <= floor <= (limit or default)):
+        raise _invalid("min_tokens", f"must be an integer from 0 to the output limit ({limit or default})")
+    return (default, False) if limit is None else (limit, True)
+
+
+#: Parameters apsd checks the type of although it does not interpret them: a backend refuses a
+#: wrong type with a 4xx at best, and at worst with a 5xx that would be retried and blamed on it.
+_NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+_INTEGERS = ("seed", "top_k", "top_logprobs")
+_BOOLEANS = ("logprobs", "ignore_eos", "echo", "parallel_tool_calls")
+
+
+def _check_types(data: dict[str, Any]) -> None:
+    for name in _NUMBERS:
+        value = data.get(name)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise _invalid(name, "must be a number")
+    for name in _INTEGERS:
+        value = data.get(name)
+        if value is not None and not _is_int(value):
+            raise _invalid(name, "must be an integer")
+    for name in _BOOLEANS:
+        value = data.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise _invalid(name, "must be true or false")
+    stop = data.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(item, str) for item in stop)):
+        raise _invalid("stop", "must be a string or a list of strings")
+    user = data.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _invalid("user", "must be a string")
+    for name in ("tools", "functions"):
+        value = data.get(name)
+        if value is not None and not isinstance(value, list):
+            raise _invalid(name, "must be a list")
 
 
 def parse_openai_body(raw: bytes, api: str, config: Config) -> OpenAIBody:
@@ -216,8 +284,9 @@ def parse_openai_body(raw: bytes, api: str, config: Config) -> OpenAIBody:
         raise _invalid("model", "is required", error="missing_field")
     if not isinstance(model, str) or not model.strip():
         raise _invalid("model", "must be a non-empty string")
-    prompt, prompt_tokens = _prompt(data, api, config.admission.chars_per_token)
-    max_tokens = _max_tokens(data, config.gateway.default_max_tokens)
+    prompt, prompt_tokens = _prompt(data, api, config.admission)
+    max_tokens, limited = _max_tokens(data, config.gateway.default_max_tokens)
+    _check_types(data)
     stream = data.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise _invalid("stream", "must be true or false")
@@ -229,7 +298,7 @@ def parse_openai_body(raw: bytes, api: str, config: Config) -> OpenAIBody:
             raise _invalid("stream_options", "is only allowed with stream: true")
         if "include_usage" in options and not isinstance(options["include_usage"], bool):
             raise _invalid("stream_options.include_usage", "must be true or false")
-    for name in ("n", "best_of"):
+    for name in ("n", "best_of", "n_cmpl"):
         value = data.get(name)
         if value is not None and (not _is_int(value) or value != 1):
             raise _invalid(name, "must be 1: apsd schedules, reserves and bills one sequence per request "
@@ -239,7 +308,7 @@ def parse_openai_body(raw: bytes, api: str, config: Config) -> OpenAIBody:
         raise _invalid("priority", "must be an integer (lower is served sooner, as in vLLM; default 0)")
     payload = {key: value for key, value in data.items() if key != "priority"}
     return OpenAIBody(api=api, model=model, prompt=prompt, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                      stream=bool(stream), include_usage=bool(options and options.get("include_usage")),
+                      open_ended=not limited, stream=bool(stream), include_usage=bool(options and options.get("include_usage")),
                       priority=priority, payload=payload)
 
 
@@ -465,6 +534,7 @@ async def _complete(api: str, caller: Caller) -> Response:
     try:
         tenant_id = _tenant(caller)
         header_bid = _priority_header()
+        request_id = client_request_id()
         body = parse_openai_body(await request.get_data(cache=False), api, pipeline.config)
         models = pipeline.models()
         if body.model not in models:
@@ -478,7 +548,8 @@ async def _complete(api: str, caller: Caller) -> Response:
     bid = priority_bid(pipeline.config.tenants.get(tenant_id), priority=body.priority, header=header_bid)
     inference = pipeline.new_request(tenant_id=tenant_id, prompt=body.prompt, tokens_requested=body.max_tokens,
                                      priority_bid=bid, prompt_tokens=body.prompt_tokens, model=body.model,
-                                     api=api, payload=body.payload)
+                                     api=api, payload=body.payload, open_ended=body.open_ended,
+                                     request_id=request_id)
     if body.stream:
         inference.stream = TokenStream()
     refusal = pipeline.submit_nowait(inference)

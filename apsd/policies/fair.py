@@ -50,7 +50,7 @@ import attrs
 
 from ..config import Config, between, parse_section
 from ..hookspecs import hookimpl
-from ..models import InferenceRequest, Outcome, Refusal
+from ..models import InferenceRequest, Outcome
 
 __all__ = ["ChargeWeights", "FairParams", "FairQueue", "FairShareQueue", "tenant_weights"]
 
@@ -143,8 +143,6 @@ class FairShareQueue:
         return c.input_weight * request.prompt_tokens + c.output_weight * output_tokens
 
     def _served(self, request: InferenceRequest, outcome: Outcome) -> float:
-        if isinstance(outcome, Refusal) and outcome.kind == "failed":
-            return 0.0
         if request.started_at is None:
             return self.charges.output_weight * request.tokens_generated
         return self.charge(request, request.tokens_generated)
