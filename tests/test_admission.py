@@ -98,8 +98,8 @@ async def test_refusal_order(autojump_clock):
 
 
 async def test_a_request_that_ends_gives_back_what_it_did_not_use(autojump_clock):
-    """Settlement on request_finished: nothing charged for a request that never started or failed;
-    prompt + generated tokens for one that ran, whatever its outcome."""
+    """Settlement on request_finished: nothing charged for a request that never started; prompt +
+    generated tokens for one that ran, whatever its outcome (failed included)."""
     from apsd.models import Dispatch, Refusal
 
     admission = make_admission(ModelClock())
@@ -128,8 +128,13 @@ async def test_a_request_that_ends_gives_back_what_it_did_not_use(autojump_clock
     assert bucket.level(0.0) == 1000 - 250               # its prompt and 150 output tokens ran: charged
     failed = running(admitted(100, 100), generated=50)
     ledger.finish(failed, Refusal(502, "executor_failed", "boom", kind="failed"))
-    assert bucket.level(0.0) == 750                      # failed: nothing charged
-    assert ledger.tenants["t"].generated_tokens == 150 and ledger.tenants["t"].prompt_tokens == 100
+    assert bucket.level(0.0) == 750 - 150                # failed after its first token: what ran is charged
+    assert ledger.tenants["t"].generated_tokens == 200 and ledger.tenants["t"].prompt_tokens == 200
+    early = admitted(100, 100)                           # failed before its first token: nothing charged
+    early.dispatched_at = 0.0
+    ledger.dispatched(Dispatch(2, (early,), formed_at=0.0, window_s=0.0, engine_id=0))
+    ledger.finish(early, Refusal(502, "executor_failed", "boom", kind="failed"))
+    assert bucket.level(0.0) == 600
 
 
 async def test_one_tenant_cannot_fill_the_shared_queue(autojump_clock):

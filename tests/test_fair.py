@@ -55,9 +55,8 @@ class Reference:
         return r
 
     def finish(self, r: InferenceRequest, failed: bool) -> None:
-        if failed:
-            served = 0.0
-        elif r.started_at is None:
+        # (whatever the outcome, what ran is service: a failed request that streamed tokens used them)
+        if r.started_at is None:
             served = self.charges.output_weight * r.tokens_generated
         else:
             served = self.charge(r, r.tokens_generated)

@@ -122,11 +122,20 @@ async def test_the_readme_example_error_is_what_the_daemon_says(live):
     assert huge.status_code == 422 and "more than 18 digits" in huge.json()["message"]
 
 
-@pytest.mark.parametrize("raw", [b"{", b"", b"[1, 2]", b"null", b"\xff\xfe", b"[" * 50_000])
+@pytest.mark.parametrize("raw", [b"{", b"", b"[1, 2]", b"null", b"\xff\xfe", b"[" * 50_000,
+                                 b'{"tenant_id": "\\ud800", "prompt": "", "tokens_requested": 1, "priority_bid": 5}'])
 async def test_malformed_body_is_400(live, raw):
     response = await live.client.post("/infer", content=raw, headers={"content-type": "application/json"})
     assert response.status_code == 400
-    assert response.json()["error"] == "invalid_json"
+    assert response.json()["error"] == ("too_deep" if raw.startswith(b"[[[") else "invalid_json")
+
+
+async def test_a_body_nested_past_the_limit_is_400_too_deep(live):
+    deep = b'{"tenant_id": "tenant_a", "prompt": "", "tokens_requested": 1, "priority_bid": 5, "x": ' \
+        + b"[" * 101 + b"]" * 101 + b"}"
+    response = await live.client.post("/infer", content=deep, headers={"content-type": "application/json"})
+    assert (response.status_code, response.json()["error"]) == (400, "too_deep")
+    assert "100" in response.json()["message"]
 
 
 async def test_a_prompt_over_the_limit_is_413(live):

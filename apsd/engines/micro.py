@@ -18,7 +18,7 @@ engines share one :class:`FaultInjector`, which decides as each batch starts whe
 fail. A failing batch takes its full busy time and is booked like any other (busy time, cost,
 ``batch_finished``: the operator's cost, in no tenant's), but produces no token: each of its
 requests goes back to the queue if it has retries left (``[engine] max_retries``), else it is
-answered 502 ``executor_failed`` (``kind="failed"``, nothing charged).
+answered 502 ``executor_failed`` (``kind="failed"``; charged what it used: nothing when it had no token yet).
 """
 
 from __future__ import annotations
