@@ -434,3 +434,4 @@ async def test_idle_and_slow_connections_are_closed_and_the_backlog_is_configura
     assert listening.stdout.split()[2] == b"777"  # Send-Q of a listening socket: its backlog
     await running.client.aclose()
     running.daemon.request_shutdown()
+

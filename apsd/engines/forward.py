@@ -15,8 +15,8 @@ without a model, from ``POST /infer``, to any), in a task of its own:
   the backend for usage (``stream_options.include_usage``); the usage chunk is relayed only if
   the client asked for it.
 * Tokens reach the client's stream as they arrive, never waiting for the client: the backend's
-  slot is freed at the backend's pace, a slow reader only delays itself (the HTTP server's send
-  timeout drops one that stops reading), and the request is charged what the backend generated.
+  slot is freed at the backend's pace, a slow reader only delays itself, and the request is
+  charged what the backend generated (what waits for a slow reader is bounded by its output limit).
 * The end settles against the backend's usage: ``prompt_tokens`` and ``tokens_generated`` become
   the backend's figures, and admission gives back or takes the difference with what it reserved.
   Usage is untrusted: a figure that is not a believable count fails the request and the backend
@@ -265,7 +265,7 @@ class ForwardEngine:
         """What to do with each chunk of ``request``'s stream from the backend: count its tokens and
         hand it to the client's stream without waiting for the client (a slow reader delays only
         itself: the backend's slot is freed at the backend's pace, and the request is charged what
-        the backend generated; the server's send timeout bounds how long a stalled reader is kept)."""
+        the backend generated; what waits for the reader is bounded by the request's output)."""
         stream = request.stream
         held: list[dict] = []
 

@@ -237,10 +237,6 @@ def error_response(refusal: Refusal) -> Response:
                     content_type="application/json")
 
 
-class ClientTooSlow(Exception):
-    """A client left a piece of its answer unread for ``[server] send_timeout_s``."""
-
-
 class ShieldResponseEnd:
     """ASGI middleware: the last message of a response is sent shielded from cancellation.
 
@@ -251,16 +247,10 @@ class ShieldResponseEnd:
     timer restart is cut off at its first checkpoint, and the connection stays open, idle and
     untimed, until the client leaves (a slow-body client got its 408 and kept its socket).
     Shielding that one ``send`` lets hypercorn finish its bookkeeping.
-
-    Every other piece of a body is sent within ``send_timeout_s`` (``[server] send_timeout_s``):
-    a client that stops reading its stream would otherwise hold its connection and the chunks
-    buffered for it for ever. Past it the send raises :class:`ClientTooSlow`, which ends the
-    response (hypercorn then closes the connection).
     """
 
-    def __init__(self, app: Any, send_timeout_s: float = 60.0) -> None:
+    def __init__(self, app: Any) -> None:
         self.app = app
-        self.send_timeout_s = send_timeout_s
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -268,13 +258,9 @@ class ShieldResponseEnd:
 
         async def send_last_shielded(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                with trio.CancelScope(shield=True), trio.move_on_after(self.send_timeout_s):
+                with trio.CancelScope(shield=True):
                     await send(message)
             else:
-                with trio.move_on_after(self.send_timeout_s) as waited:
-                    await send(message)
-                if waited.cancelled_caught:
-                    raise ClientTooSlow(f"the client read nothing for {self.send_timeout_s:g} s "
-                                        "([server] send_timeout_s)")
+                await send(message)
 
         await self.app(scope, receive, send_last_shielded)
