@@ -98,7 +98,9 @@ class ServerConfig:
     #: Largest accepted request body; larger bodies get 413.
     max_body_bytes: int = attrs.field(default=1_048_576, validator=between(1, 1 << 30))
     #: Wall seconds a connection may sit idle (before its first request, or between two) before
-    #: apsd closes it: idle clients must not hold file descriptors others need.
+    #: apsd closes it: idle clients must not hold file descriptors others need. A request whose
+    #: first bytes arrived by then is answered; it gets this long again for its head
+    #: (:mod:`apsd.serving`).
     keep_alive_timeout_s: float = attrs.field(default=5.0, validator=between(0.01, 3600))
     #: Wall seconds a request body has to arrive in full once its headers have; a slower one is
     #: answered 408 ``request_timeout`` and its connection closed.

@@ -3,7 +3,8 @@
 Ownership: :meth:`Daemon.run` runs the pipeline with :func:`~apsd.pipeline.open_pipeline`
 (whose nursery holds the stages: admission, the scheduler's loops, the engines, in a
 nested nursery of their own so they can be stopped first) and, inside it, opens the
-daemon's nursery: the signal watcher and ``hypercorn.trio.serve`` (started with
+daemon's nursery: the signal watcher and the HTTP server (:func:`apsd.serving.serve_http`:
+hypercorn's trio worker with its keep-alive race fixed; started with
 ``nursery.start`` so the bound address is known before anyone is told the daemon is
 ready). A crash in any of them cancels the rest and propagates: the daemon stops loudly.
 
@@ -32,7 +33,6 @@ from typing import Any
 
 import attrs
 import hypercorn.config
-import hypercorn.trio
 import pluggy
 import trio
 
@@ -46,6 +46,7 @@ from .engines.profiles import ProfileRegistry
 from .pipeline import Pipeline, open_pipeline
 from .plugins import PluginError, load_policy_registry, load_profile_registry, make_plugin_manager
 from .policy import PolicyRegistry, PolicySet
+from .serving import serve_http
 
 __all__ = ["Daemon"]
 
@@ -327,7 +328,7 @@ class Daemon:
         gc.collect()
         gc.freeze()
         try:
-            await hypercorn.trio.serve(app, config, shutdown_trigger=stop.wait, task_status=task_status)
+            await serve_http(app, config, shutdown_trigger=stop.wait, task_status=task_status)
         finally:
             done.set()
 
