@@ -105,9 +105,6 @@ class ServerConfig:
     #: Wall seconds a request body has to arrive in full once its headers have; a slower one is
     #: answered 408 ``request_timeout`` and its connection closed.
     body_timeout_s: float = attrs.field(default=10.0, validator=between(0.01, 3600))
-    #: Wall seconds a client may leave a piece of its answer unread (a stalled stream reader)
-    #: before apsd drops its connection. Its request was already charged what the backend did.
-    send_timeout_s: float = attrs.field(default=60.0, validator=between(0.01, 86_400))
     #: Connections the kernel queues for apsd to accept (the listen backlog; the kernel caps it
     #: at ``net.core.somaxconn``).
     backlog: int = attrs.field(default=2048, validator=between(1, 65535))
