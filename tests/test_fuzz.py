@@ -357,7 +357,10 @@ def post_infer(apsd: Apsd, raw: bytes, extra_headers: dict[str, str] | None = No
         assert set(data) == COMPLETION_KEYS, data
         assert data["tenant_id"] == sent["tenant_id"]
         assert data["tokens_generated"] == sent["tokens_requested"]
-        assert data["prompt_tokens"] == math.ceil(len(sent["prompt"]) / 4)
+        # the estimate: ASCII characters at 4 per token, the UTF-8 bytes of the rest at 1 per token
+        ascii_chars = sum(1 for c in sent["prompt"] if ord(c) < 128)
+        other_bytes = len(sent["prompt"].encode("utf-8", "surrogatepass")) - ascii_chars
+        assert data["prompt_tokens"] == math.ceil(ascii_chars / 4 + other_bytes)
         assert "RateLimit" in response.headers and "RateLimit-Policy" in response.headers
         return
     assert faults is not None
