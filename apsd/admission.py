@@ -45,7 +45,7 @@ import attrs
 import trio
 
 from .clock import ModelClock
-from .config import QueueConfig, TenantConfig
+from .config import AdmissionConfig, QueueConfig, TenantConfig
 from .ledger import billed_tokens
 from .models import InferenceRequest, Outcome, Refusal
 
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from .policy import BatchingPolicy
     from .store import Bucket, Store
 
-__all__ = ["Admission", "TokenBucket"]
+__all__ = ["Admission", "TokenBucket", "estimate_tokens"]
 
 log = logging.getLogger("apsd.admission")
 
@@ -93,6 +93,20 @@ class TokenBucket:
     def seconds_until(self, amount: float, now: float) -> float:
         """How long until ``amount`` tokens are available (0 if they are now)."""
         return max(0.0, (amount - self.level(now)) / self.rate)
+
+
+def estimate_tokens(text: str, settings: AdmissionConfig) -> int:
+    """A prompt's tokens before any tokenizer has seen it: its ASCII characters at
+    ``chars_per_token``, and the UTF-8 bytes of the rest at ``non_ascii_bytes_per_token``.
+
+    Characters alone (the old rule) undercounted CJK text 4-16 times (a byte-level tokenizer
+    spends up to a token per byte), letting concurrent requests overshoot a tenant's contract
+    before their settlement caught up."""
+    if text.isascii():
+        return math.ceil(len(text) / settings.chars_per_token)
+    ascii_chars = len(text.encode("ascii", "ignore"))
+    other_bytes = len(text.encode("utf-8", "surrogatepass")) - ascii_chars
+    return math.ceil(ascii_chars / settings.chars_per_token + other_bytes / settings.non_ascii_bytes_per_token)
 
 
 _MAX_HEADER_SECONDS = 2**31 - 1  # what HTTP delta-seconds parsers are required to handle

@@ -33,7 +33,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from .admission import Admission
+from .admission import Admission, estimate_tokens
 from .clock import ModelClock
 from .config import Config
 from .engines import Demand, Engine, EngineStatistics, ForwardEngine, build_engines
@@ -182,20 +182,24 @@ class Pipeline:
 
     # -- the way in ------------------------------------------------------------------------
     def estimate_prompt_tokens(self, prompt: str) -> int:
-        """Prompt tokens, estimated as ``ceil(characters / admission.chars_per_token)``."""
-        return math.ceil(len(prompt) / self.config.admission.chars_per_token)
+        """Prompt tokens, estimated (:func:`apsd.admission.estimate_tokens`)."""
+        return estimate_tokens(prompt, self.config.admission)
 
     def new_request(self, *, tenant_id: str, prompt: str, tokens_requested: int, priority_bid: int,
                     prompt_tokens: int | None = None, timeout_s: float | None = None, model: str | None = None,
-                    api: str | None = None, payload: dict | None = None) -> InferenceRequest:
+                    api: str | None = None, payload: dict | None = None, open_ended: bool = False,
+                    request_id: str | None = None) -> InferenceRequest:
         """A request ready to submit; ``timeout_s`` (model seconds, > 0) may shorten ``[queue] timeout_s``
-        for it (a longer one is clamped to the config's when it is queued). ``model``, ``api`` and
-        ``payload`` describe an OpenAI-style request (see :class:`~apsd.models.InferenceRequest`)."""
+        for it (a longer one is clamped to the config's when it is queued). ``model``, ``api``,
+        ``payload`` and ``open_ended`` describe an OpenAI-style request (see
+        :class:`~apsd.models.InferenceRequest`). ``request_id``: the client's own (``X-Request-Id``,
+        already checked by the HTTP layer); None: apsd numbers it."""
         if timeout_s is not None and not 0 < timeout_s < math.inf:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self._next_request += 1
         return InferenceRequest(
-            request_id=f"{self.request_id_prefix}-{self._next_request}",
+            request_id=request_id or f"{self.request_id_prefix}-{self._next_request}",
+            open_ended=open_ended,
             tenant_id=tenant_id,
             prompt_tokens=self.estimate_prompt_tokens(prompt) if prompt_tokens is None else prompt_tokens,
             tokens_requested=tokens_requested,
