@@ -194,10 +194,10 @@ def _prompt(data: dict[str, Any], api: str, settings: AdmissionConfig) -> tuple[
         if not isinstance(messages, list) or not messages:
             raise _invalid("messages", "must be a non-empty list of messages")
         texts = [_message_text(message, i) for i, message in enumerate(messages)]
-        text = "\n".join(texts)
-        media = text.count(MEDIA_PLACEHOLDER)
-        words = estimate_tokens(text.replace(MEDIA_PLACEHOLDER, "") if media else text, settings)
-        return text, words + MESSAGE_OVERHEAD_TOKENS * len(messages) + MEDIA_PART_TOKENS * media
+        joined = "".join(texts)   # (the estimate counts the texts, not the lines between them)
+        media = joined.count(MEDIA_PLACEHOLDER)
+        words = estimate_tokens(joined.replace(MEDIA_PLACEHOLDER, "") if media else joined, settings)
+        return "\n".join(texts), words + MESSAGE_OVERHEAD_TOKENS * len(messages) + MEDIA_PART_TOKENS * media
     prompt = data.get("prompt")
     if prompt is None:
         raise _invalid("prompt", "is required", error="missing_field")
