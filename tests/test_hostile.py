@@ -272,6 +272,13 @@ BAD_USAGES = {
 USAGE_HOLE = '"__usage__"'
 
 
+def usage_error(name: str) -> str:
+    """The code apsd answers for a bad usage: 1e400 is no finite number, so the whole answer is not
+    the JSON apsd accepts from a backend (``backend_failed``, malformed); the rest parse, and are
+    impossible counts."""
+    return "backend_failed" if "1e400" in name else "backend_invalid_usage"
+
+
 def with_usage(data: dict, usage: str) -> bytes:
     """``data`` (holding ``usage: "__usage__"``) as JSON text, with the raw ``usage`` text in its place."""
     return json.dumps(data).replace(USAGE_HOLE, usage).encode()
@@ -300,14 +307,15 @@ async def ask_normally_after_recovery(gateway: Gateway) -> None:
     assert (await gateway.running.client.get("/health")).status_code == 200
 
 
-@pytest.mark.parametrize("usage", BAD_USAGES.values(), ids=BAD_USAGES.keys())
-async def test_an_impossible_usage_fails_the_request_and_charges_nothing_it_did_not_reserve(nursery, usage):
+@pytest.mark.parametrize("name", BAD_USAGES)
+async def test_an_impossible_usage_fails_the_request_and_charges_nothing_it_did_not_reserve(nursery, name):
+    usage = BAD_USAGES[name]
     gateway = await start_gateway(nursery, answer_with_usage(usage))
     client = gateway.running.client
     before = gateway.level()
     response = await client.post("/v1/chat/completions", json=chat(max_tokens=MAX_TOKENS), headers=TENANT)
     assert response.status_code == 502, response.text
-    assert error_of(response)["code"] == "backend_invalid_usage"
+    assert error_of(response)["code"] == usage_error(name)
     assert gateway.backend.completions == 1          # (not retried: it is no fault of a backend being down)
     status = gateway.pipeline.tenant_status("t")
     assert status.failed == 1 and status.prompt_tokens == 0 and status.generated_tokens == 0
@@ -319,8 +327,9 @@ async def test_an_impossible_usage_fails_the_request_and_charges_nothing_it_did_
     gateway.running.daemon.request_shutdown()
 
 
-@pytest.mark.parametrize("usage", BAD_USAGES.values(), ids=BAD_USAGES.keys())
-async def test_an_impossible_usage_in_a_streams_last_chunk_ends_it_with_an_error(nursery, usage):
+@pytest.mark.parametrize("name", BAD_USAGES)
+async def test_an_impossible_usage_in_a_streams_last_chunk_ends_it_with_an_error(nursery, name):
+    usage = BAD_USAGES[name]
     gateway = await start_gateway(nursery, answer_with_usage(usage, streamed_tokens=2))
     client = gateway.running.client
     response = await client.post("/v1/chat/completions", json=chat(max_tokens=MAX_TOKENS, stream=True),
@@ -330,7 +339,7 @@ async def test_an_impossible_usage_in_a_streams_last_chunk_ends_it_with_an_error
     assert response.status_code == 200, response.text
     events = events_of(response.text)
     assert "[DONE]" not in events
-    assert events[-1]["error"]["code"] == "backend_invalid_usage", events[-1]
+    assert events[-1]["error"]["code"] == usage_error(name), events[-1]
     assert events[-1]["error"]["type"] == "server_error"
     text = "".join(c["delta"].get("content") or "" for e in events[:-1] for c in e.get("choices", []))
     assert text == " t0 t1"
@@ -344,7 +353,7 @@ async def test_an_impossible_usage_in_a_streams_last_chunk_ends_it_with_an_error
 
 
 async def test_an_impossible_usage_in_a_stream_without_tokens_is_a_502(nursery):
-    gateway = await start_gateway(nursery, answer_with_usage(BAD_USAGES["prompt_tokens is 1e400"],
+    gateway = await start_gateway(nursery, answer_with_usage(BAD_USAGES["prompt_tokens is a string"],
                                                              streamed_tokens=0))
     response = await gateway.running.client.post("/v1/chat/completions",
                                                  json=chat(max_tokens=MAX_TOKENS, stream=True), headers=TENANT)

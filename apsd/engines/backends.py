@@ -343,6 +343,8 @@ class HttpBackendClient:
                         if event.data.strip() == "[DONE]":
                             break
                         chunk = _json_object(event.data)
+                        if not isinstance(chunk.get("choices") or [], list):
+                            raise MalformedAnswer("a stream chunk's choices are not a list")
                         if "error" in chunk:
                             raise BackendError(502, "backend_failed", f"backend {backend.name}: "
                                                f"{_error_message(chunk)}", retryable=not started)
@@ -363,20 +365,32 @@ class HttpBackendClient:
         except httpx.HTTPError as exc:
             raise BackendError(502, "backend_failed", f"backend {backend.name}: {_describe(exc)}",
                                retryable=not started, unhealthy=not started) from None
-        except MalformedAnswer as exc:
+        except MalformedAnswer as exc:   # (not retried: the backend did the work and answered it wrong)
             raise BackendError(502, "backend_failed", f"backend {backend.name} answered malformed JSON: {exc}",
-                               retryable=not started, unhealthy=True) from None
+                               retryable=False, unhealthy=True) from None
 
 
 class MalformedAnswer(ValueError):
     """A backend's answer is not the JSON object it should be."""
 
 
+def _not_finite(text: str) -> float:
+    raise MalformedAnswer(f"{text} is not JSON (numbers must be finite)")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):   # (1e400: a literal too large for a float)
+        raise MalformedAnswer(f"{text[:40]} is too large for a number")
+    return value
+
+
 def _json_object(text: str | bytes) -> dict:
     """A backend's JSON answer or stream chunk, which must be one object (MalformedAnswer otherwise:
-    not JSON, nested past what Python parses, or not an object)."""
+    not JSON, ``NaN``/``Infinity`` or a number too large to be finite, which apsd would otherwise
+    relay to clients that cannot read them, nested past what Python parses, or not an object)."""
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_not_finite, parse_float=_finite)
     except (ValueError, RecursionError) as exc:
         raise MalformedAnswer(str(exc)[:200] or type(exc).__name__) from None
     if not isinstance(data, dict):
@@ -469,7 +483,7 @@ def _raise_for_status(backend: Backend, status: int, text: str) -> None:
         return
     try:
         message = _error_message(json.loads(text))
-    except ValueError:
+    except (ValueError, RecursionError):
         message = text[:300]
     if status >= 500 or status == 429:
         raise BackendError(502, "backend_failed", f"backend {backend.name} answered {status}: {message}",

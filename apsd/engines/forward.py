@@ -261,11 +261,14 @@ class ForwardEngine:
             body.pop("stream_options", None)
         return api, body, wants_usage
 
-    def _relay(self, request: InferenceRequest, wants_usage: bool) -> Callable[[dict], Awaitable[None]]:
+    def _relay(self, request: InferenceRequest, backend: Backend,
+               wants_usage: bool) -> Callable[[dict], Awaitable[None]]:
         """What to do with each chunk of ``request``'s stream from the backend: count its tokens and
         hand it to the client's stream without waiting for the client (a slow reader delays only
         itself: the backend's slot is freed at the backend's pace, and the request is charged what
-        the backend generated; what waits for the reader is bounded by the request's output)."""
+        the backend generated; what waits for the reader is bounded by the request's output). A
+        backend that streams more tokens than the limit it was sent fails the request and is
+        suspected: the tenant is never charged past its reservation."""
         stream = request.stream
         held: list[dict] = []
 
@@ -277,6 +280,10 @@ class ForwardEngine:
             now = self.clock.now()
             if tokens and request.started_at is None:
                 self.ledger.started(request, now)
+            if not request.open_ended and request.tokens_generated + tokens > request.tokens_requested:
+                raise BackendError(502, "backend_failed", f"backend {backend.name} sent more tokens than the "
+                                   f"{request.tokens_requested} it was allowed (max_tokens)", retryable=False,
+                                   unhealthy=True)
             request.tokens_generated += tokens
             if stream is not None:
                 if chunk.get("usage") is not None and not wants_usage:
@@ -312,7 +319,7 @@ class ForwardEngine:
                     if after is not None:
                         await after.wait()
                     sent.set()
-                    answer = await self.client.complete(backend, api, body, self._relay(request, wants_usage),
+                    answer = await self.client.complete(backend, api, body, self._relay(request, backend, wants_usage),
                                                         request.request_id)
                     outcome = self._completed(request, backend, answer, start)
                 except BackendError as error:
@@ -520,7 +527,8 @@ class ForwardEngine:
 def _chunk_text(chunk: dict) -> str:
     """The text a stream chunk adds (chat ``delta.content`` or completion ``text``)."""
     text = []
-    for choice in chunk.get("choices") or ():
+    choices = chunk.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
         if not isinstance(choice, dict):
             continue
         delta = choice.get("delta")
