@@ -26,7 +26,9 @@ Buckets fill in model time (so ``gpu.time_scale`` speeds tenants up with the
 GPU); the seconds in headers are wall seconds, what a real client must wait.
 The buckets come from the store (:mod:`apsd.store`): this process's own by default, or slices
 leased from buckets shared by every replica (Redis). A request a shared bucket cannot cover
-while the store is unreachable may be answered 503 ``store_unavailable`` instead of 429.
+while the store is unreachable may be answered 503 ``store_unavailable`` instead of 429. With a
+shared bucket, a 429's ``Retry-After`` comes from the shared bucket's last known level, not from
+this replica's slice alone (:mod:`apsd.store.leasing`, "Refusals tell the shared truth").
 
 Settlement: admission takes a request's whole ``cost_tokens`` (prompt + requested)
 from its bucket. When the request ends, admission (subscribed to
@@ -216,11 +218,14 @@ class Admission:
             unavailable = self.store.refusal() if self.store is not None else None
             if unavailable is not None:
                 return unavailable
-            wait = self.clock.wall_seconds(bucket.seconds_until(cost, now))  # what the client waits
+            # what the client waits (a shared bucket: from its last known level, see apsd.store.leasing)
+            wait = self.clock.wall_seconds(bucket.seconds_until(cost, now))
             headers = {"Retry-After": _retry_after(wait), **self.rate_limit_headers(request.tenant_id)}
-            return Refusal(429, "rate_limited",
-                           f"tenant {request.tenant_id!r} has {int(bucket.level(now))} of the {cost} tokens this "
-                           f"request costs; enough accrue in {wait:.2f} s",
+            has = f"has {int(bucket.level(now))} of the {cost} tokens this request costs"
+            view = self.store.bucket_view(bucket, now) if self.store is not None else None
+            if view is not None and view.shared_tokens is not None:
+                has += f" on this replica ({int(view.tokens)} in its shared bucket, as last known)"
+            return Refusal(429, "rate_limited", f"tenant {request.tenant_id!r} {has}; enough accrue in {wait:.2f} s",
                            headers=headers)
         request.arrival = now
         request.reserved_tokens = cost

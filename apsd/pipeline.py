@@ -94,7 +94,14 @@ class TenantStatus:
     tenant_id: str
     rate: float
     burst: int
+    #: The tenant's bucket now, as far as this replica knows (with a shared store: see
+    #: :class:`apsd.store.BucketView`); ``replica_tokens``: what this replica may admit without
+    #: waiting for the store; ``shared_tokens``: what the shared bucket held at this replica's last read
+    #: of it, ``shared_age_s`` seconds ago (both None with the memory store).
     tokens_available: float
+    replica_tokens: float
+    shared_tokens: float | None
+    shared_age_s: float | None
     queued: int
     running: int
     in_flight: int
@@ -418,9 +425,11 @@ class Pipeline:
         if tenant is None:
             return None
         stats = self.ledger.tenants[tenant_id]
+        bucket = self.store.bucket_view(self.admission.buckets[tenant_id], self.clock.now())
         return TenantStatus(
-            tenant_id=tenant_id, rate=tenant.rate, burst=tenant.burst,
-            tokens_available=self.admission.buckets[tenant_id].level(self.clock.now()),
+            tenant_id=tenant_id, rate=tenant.rate, burst=tenant.burst, tokens_available=bucket.tokens,
+            replica_tokens=bucket.replica_tokens, shared_tokens=bucket.shared_tokens,
+            shared_age_s=None if bucket.shared_age_s is None else round(bucket.shared_age_s, 3),
             queued=stats.queued, running=stats.running, in_flight=stats.in_flight, admitted=stats.admitted,
             completed=stats.completed, rejected=stats.rejected, rejected_by_error=dict(stats.rejected_by_error),
             failed=stats.failed, cancelled=stats.cancelled, prompt_tokens=stats.prompt_tokens,

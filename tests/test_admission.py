@@ -1,5 +1,9 @@
 """Token buckets and admission decisions, in virtual time."""
 
+import contextlib
+import math
+
+import pytest
 import trio
 
 from apsd.admission import Admission, TokenBucket
@@ -205,3 +209,117 @@ async def test_the_ledger_keeps_totals_and_logs_who_changed(autojump_clock):
     books = ledger.statistics(1.0, 1, {"a": 1e6, "b": 1e6}).requests
     assert (books.admitted, books.rejected, books.failed, books.cancelled, books.in_flight) == (3, 2, 1, 2, 0)
     assert books.rejected_by_error == {"unknown_tenant": 1, "invalid_json": 1} and books.conservation_ok
+
+
+# -- a shared bucket (replicas leasing from one simulated shared state, in virtual time) -----------
+
+class FlakyState:
+    """The simulator's shared state, which can be made unreachable (``down``) or slow (``slow_s``)."""
+
+    def __init__(self) -> None:
+        from apsd.store.simulated import SimulatedSharedState
+
+        self.state = SimulatedSharedState(delay_s=0.001)
+        self.name = self.state.name
+        self.down = False
+        self.slow_s = 0.0
+
+    @contextlib.asynccontextmanager
+    async def session(self):
+        if self.down:
+            raise OSError("connection refused")
+        yield self
+
+    async def lease(self, asks):
+        await trio.sleep(self.slow_s)
+        if self.down:
+            raise OSError("connection lost")
+        return await self.state.lease(asks)
+
+    async def service(self, replica, given):
+        return await self.state.service(replica, given)
+
+
+@contextlib.asynccontextmanager
+async def shared_admissions(count, tenant, state=None):
+    """``count`` admissions over leasing stores sharing ``state`` (a :class:`FlakyState` by default),
+    every store's exchange task running; (state, stores, admissions)."""
+    from apsd.config import StoreConfig
+    from apsd.store.leasing import LeasingStore
+
+    state = state or FlakyState()
+    stores = [LeasingStore(StoreConfig(sync_interval_s=0.05), state, kind="simulated", replica_id=f"r{i}")
+              for i in range(count)]
+    async with trio.open_nursery() as nursery:
+        for store in stores:
+            await nursery.start(store.run)
+        yield state, stores, [
+            Admission(tenants={"t": tenant}, batching=MicroBatching(MicroParams()), ledger=Ledger(tenant_names=["t"]),
+                      clock=ModelClock(), engine_refuse=no_engine_limit, max_queued=100, max_queued_per_tenant=100,
+                      store=store) for store in stores]
+        nursery.cancel_scope.cancel()
+
+
+def waited(refusal):
+    """The seconds a 429's message says enough tokens accrue in."""
+    return float(refusal.message.rsplit("enough accrue in ", 1)[1].removesuffix(" s"))
+
+
+async def test_a_request_beyond_the_lease_is_told_one_exchange_when_the_shared_bucket_has_enough(autojump_clock):
+    """Issue 19: a replica's slice (its lease, and its optimistic half of the bucket) cannot cover 600
+    tokens, but the shared bucket holds 1000. It was told to wait 3.4 s (4 s in the header) for what one
+    exchange brings: now one sync interval (1 s in the header), and the retry is admitted."""
+    async with shared_admissions(2, TenantConfig(rate=30.0, burst=1000)) as (_, stores, (a, _b)):
+        await trio.sleep(0.2)  # both replicas seen: each may admit half the bucket beyond its lease
+        assert [s.replicas for s in stores] == [2, 2]
+        refusal = a.decide(request(prompt=0, tokens=600))
+        assert (refusal.status, refusal.headers["Retry-After"]) == (429, "1"), refusal
+        assert waited(refusal) == 0.05
+        assert "on this replica (1000 in its shared bucket, as last known)" in refusal.message
+        await trio.sleep(0.1)  # the next exchange leased for it
+        assert a.decide(request(prompt=0, tokens=600)) is None
+
+
+async def test_a_refusal_the_shared_bucket_cannot_cover_tells_the_refill_and_keeps_room_for_the_retry(autojump_clock):
+    """The shared bucket is short: the wait is one exchange plus the shortfall at the tenant's rate, from
+    its last known level; a retry after exactly that wait is admitted (the lease kept room for it past
+    HOLD_S, rather than returning it and refusing the retry once more)."""
+    from apsd.store.leasing import HOLD_S
+
+    async with shared_admissions(2, TenantConfig(rate=30.0, burst=1000)) as (state, _, (a, b)):
+        await trio.sleep(0.2)
+        assert b.decide(request(prompt=0, tokens=900)) is not None
+        await trio.sleep(0.1)
+        assert b.decide(request(prompt=0, tokens=900)) is None      # b leased the bucket
+        await trio.sleep(3.0)                                       # b idle: it returned the rest
+        refusal = a.decide(request(prompt=0, tokens=600))
+        shared = state.state.buckets["t"][0]
+        assert 100 < shared < 400, shared
+        expected = 0.05 + (600 - (shared + 30 * (trio.current_time() - state.state.buckets["t"][1]))) / 30
+        assert waited(refusal) == pytest.approx(expected, abs=0.1)
+        assert waited(refusal) > HOLD_S + 1 and refusal.headers["Retry-After"] == str(math.ceil(waited(refusal)))
+        await trio.sleep(waited(refusal))
+        assert a.decide(request(prompt=0, tokens=600)) is None
+
+
+async def test_a_replica_admits_on_its_fallback_while_the_exchange_that_recovers_is_in_flight(autojump_clock):
+    """Redis back but slow to answer the first exchange: the replica keeps admitting at its share of
+    the rate until that exchange succeeds (it refused everything beyond its lease, with a 429 that said
+    it had the tokens), and what it admitted meanwhile is charged to the shared bucket once."""
+    async with shared_admissions(1, TenantConfig(rate=1e-3, burst=1000)) as (state, (store,), (a,)):
+        await trio.sleep(0.2)
+        assert a.decide(request(prompt=0, tokens=100)) is None
+        state.down = True
+        with trio.fail_after(5):
+            while store.available:
+                await trio.sleep(0.01)
+        state.down, state.slow_s = False, 0.5
+        await trio.sleep(0.2)                                     # the recovering exchange is in flight
+        assert not store.available
+        assert a.decide(request(prompt=0, tokens=200)) is None
+        with trio.fail_after(5):
+            while not store.available:
+                await trio.sleep(0.01)
+        state.slow_s = 0.0
+        await trio.sleep(3.0)                                     # idle: the lease went back
+        assert state.state.buckets["t"][0] + a.buckets["t"].tokens == pytest.approx(1000 - 300, abs=0.1)

@@ -11,21 +11,21 @@ that is local to this process; a store decides what that local state is and how 
   a request's path. The simulator runs the same store over an in-memory shared state with a
   delay (:mod:`apsd.store.simulated`).
 
-The interfaces (:class:`Store`, :class:`Bucket`, :class:`SharedService`) are public for plugins
-and embedders: ``docs/architecture.md`` ("Many replicas") tells the story.
+The interfaces (:class:`Store`, :class:`Bucket`, :class:`BucketView`, :class:`SharedService`) are
+public for plugins and embedders: ``docs/architecture.md`` ("Many replicas") tells the story.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import Bucket, SharedService, Store, StoreStatistics
+from .base import Bucket, BucketView, SharedService, Store, StoreStatistics
 from .memory import MemoryStore
 
 if TYPE_CHECKING:
     from ..config import Config
 
-__all__ = ["Bucket", "MemoryStore", "SharedService", "Store", "StoreStatistics", "build_store"]
+__all__ = ["Bucket", "BucketView", "MemoryStore", "SharedService", "Store", "StoreStatistics", "build_store"]
 
 
 def build_store(config: Config) -> Store:

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from ..config import TenantConfig
     from ..models import Refusal
 
-__all__ = ["Bucket", "SharedService", "Store", "StoreStatistics"]
+__all__ = ["Bucket", "BucketView", "SharedService", "Store", "StoreStatistics"]
 
 
 @runtime_checkable
@@ -50,6 +50,23 @@ class SharedService(Protocol):
 
 
 @attrs.frozen
+class BucketView:
+    """A tenant's bucket as this process knows it (``GET /tenants/<id>/status``)."""
+
+    #: The tenant's tokens now, as far as this process knows. This process's own bucket: its level.
+    #: Shared: the shared bucket's level at the last read (``shared_tokens``), refilled since at the
+    #: rate, plus what this replica holds, capped at ``burst``; the other replicas' unused leases (a
+    #: couple of sync intervals of their demand each, returned within seconds of idling) are not in it.
+    tokens: float
+    #: What this process may admit now without waiting for the store (its lease and optimistic share).
+    replica_tokens: float
+    #: What the shared bucket held at this replica's last read of it, and how many seconds ago that was
+    #: (None: not shared, or not read yet).
+    shared_tokens: float | None = None
+    shared_age_s: float | None = None
+
+
+@attrs.frozen
 class StoreStatistics:
     kind: str
     #: Whether the shared state can be reached now (always True in memory).
@@ -71,7 +88,8 @@ class Store(Protocol):
     Ownership: the daemon builds one store and runs :meth:`run` in its root nursery; admission asks
     it for buckets (:meth:`bucket`) and, before taking tokens, whether it refuses everything now
     (:meth:`refusal`); the pipeline hands it the scheduler's aging policy (:meth:`share`) whenever
-    that changes.
+    that changes, and asks what it knows of a tenant's bucket for the tenant's status and for a
+    refusal's message (:meth:`bucket_view`).
     """
 
     kind: str
@@ -82,6 +100,9 @@ class Store(Protocol):
 
     def refusal(self) -> Refusal | None:
         """The answer to every request while the store cannot decide (None: admit as usual)."""
+
+    def bucket_view(self, bucket: Bucket, now: float) -> BucketView:
+        """What this process knows of the tenant whose bucket (from :meth:`bucket`) is ``bucket``."""
 
     def share(self, policy: object) -> None:
         """Share the service counters of ``policy`` if it is a :class:`SharedService` (else nothing)."""

@@ -22,17 +22,37 @@ replicas last read it (the shares of N replicas add up to one bucket), which is 
 demand exceeds the rate (the bucket stays empty), and at most ``burst`` in one interval after a
 pause. It loses what idle replicas hold: a lease is twice the last interval's demand (at least
 ``2 * rate * sync_interval_s`` while busy) and, for ``HOLD_S`` after a pause, the largest recent
-interval's demand, so N replicas park at most N such slices. A request larger than ``1/N`` of what
-the bucket holds waits for one exchange (its client is told ``Retry-After``). Measured: three
-replicas, one tenant at twice its rate for 30 s, 6,360 tokens admitted against a bound of 6,400
-(``tests/test_store.py``); ``apsd simulate --replicas`` compares sync intervals.
+interval's demand, so N replicas park at most N such slices (and a refused request's size, below).
+Measured: three replicas, one tenant at twice its rate for 30 s, 6,360 tokens admitted against a
+bound of 6,400 (``tests/test_store.py``); ``apsd simulate --replicas`` compares sync intervals.
 
-Unavailable shared state (a failed or slow exchange): the store logs the switch, counts it
-(``apsd_store_available``, ``apsd_store_outages_total``) and retries every interval. With
-``on_unavailable = "local"`` each bucket keeps admitting at its share of the tenant's rate
-(``rate / N`` for the N replicas last seen, starting from its share of what the bucket held), and
-what it admits beyond its lease is charged to the shared bucket when the state is back, so every
-token is counted once (unless the state lost the bucket meanwhile: a lost bucket starts full).
+Refusals tell the shared truth. A request its lease and optimistic share cannot cover is refused
+at once (nothing waits for the shared state), and the replica asks at its next exchange for a lease
+sized for it (the lease's target is at least the request). Its ``Retry-After`` is computed from the
+shared bucket's last known level: what the bucket held at the last exchange, refilled since at the
+tenant's rate (capped at ``burst``), less what this replica admitted beyond its lease, plus what it
+holds. If that covers the request, the wait is one sync interval (the next exchange brings the
+lease; 1 s in the header); else one interval plus the shortfall at the tenant's rate. The estimate
+does not know what the other replicas took since this replica's last read (they take from their
+leases, two intervals of their demand); a retry that finds the tokens gone is told again from a
+fresher level. So that the retry finds its tokens, the lease keeps room for the refused request
+until its wait has passed plus ``HOLD_S`` (or until it is admitted): for that long it parks at most
+that request's tokens, which the retry is to spend. None of this admits a token more than before:
+the bound above holds as it was.
+
+What a replica knows of the shared bucket (:meth:`LeasedBucket.view`, ``GET /tenants/<id>/status``)
+is read at every exchange that leases for the tenant; an idle tenant's level is read at least every
+:data:`READ_S` (at most :data:`READS_PER_EXCHANGE` tenants an exchange, by an ask for nothing, which
+writes nothing to a bucket that exists), so a replica that serves a tenant no traffic still sees
+what the others took, and its optimistic share is taken from a recent level.
+
+Unavailable shared state (a failed or slow exchange): the store logs the switch and the recovery
+(WARNING, once each), counts it (``apsd_store_available``, ``apsd_store_outages_total``) and
+retries every interval. With ``on_unavailable = "local"`` each bucket keeps admitting at its share
+of the tenant's rate (``rate / N`` for the N replicas last seen, starting from its share of what the
+bucket held) until an exchange succeeds again (the one in flight included), and what it admits
+beyond its lease is charged to the shared bucket at the next exchange, so every token is counted
+once (unless the state lost the bucket meanwhile: a lost bucket starts full).
 With ``"refuse"``, a request its lease cannot cover is answered 503 ``store_unavailable``.
 
 Restarts: the buckets are in the shared state, so a replica that restarts finds them where they
@@ -54,7 +74,7 @@ import trio
 from ..admission import TokenBucket
 from ..config import StoreConfig, TenantConfig
 from ..models import Refusal
-from .base import SharedService, StoreStatistics
+from .base import Bucket, BucketView, SharedService, StoreStatistics
 
 __all__ = ["LeaseAsk", "LeasedBucket", "LeasingStore", "SharedSession", "SharedState"]
 
@@ -62,8 +82,13 @@ log = logging.getLogger("apsd.store")
 
 #: An exchange that takes longer than this (wall seconds) counts as failed.
 EXCHANGE_TIMEOUT_S = 1.0
-#: Seconds a lease keeps room for the largest demand it saw in one interval, after a pause.
+#: Seconds a lease keeps room for the largest demand it saw in one interval, after a pause (and for a
+#: refused request, after its ``Retry-After``).
 HOLD_S = 2.0
+#: An idle tenant's shared level is read at least this often (seconds), by at most
+#: ``READS_PER_EXCHANGE`` reads an exchange.
+READ_S = 1.0
+READS_PER_EXCHANGE = 100
 
 
 @attrs.frozen
@@ -100,15 +125,21 @@ class SharedState(Protocol):
 
 class LeasedBucket:
     """A tenant's bucket as one replica sees it: tokens leased from the shared state (``tokens``), plus an
-    optimistic share of what the shared bucket held at the last exchange (see the module docstring)."""
+    optimistic share of what the shared bucket held at the last exchange (see the module docstring).
+
+    Times: ``now`` (admission's model seconds) times only the outage fallback; what concerns the shared
+    bucket (its refill since the last read, holds) is timed by ``trio.current_time()``, the clock the
+    exchanges run on (a shared store runs at ``gpu.time_scale = 1``: the two advance alike)."""
 
     def __init__(self, tenant: TenantConfig, store: LeasingStore) -> None:
         self.rate, self.burst = tenant.rate, float(tenant.burst)
         self._store = store
         #: Tokens this replica holds (leased, plus refunds; negative: a debt to settle).
         self.tokens = 0.0
-        #: What the shared bucket held after the last exchange, and what was taken from it since.
+        #: What the shared bucket held after the last exchange that read it, and when (trio seconds;
+        #: None: never read, and assumed full); what this replica took from it optimistically since.
         self.shared_seen = self.burst
+        self.shared_at: float | None = None
         self.optimistic = 0.0
         #: Demand since the last exchange: tokens taken, and the largest request refused.
         self.taken = 0.0
@@ -116,6 +147,10 @@ class LeasedBucket:
         #: The largest interval's demand lately, and when (the lease keeps that much for HOLD_S).
         self.largest = 0.0
         self.largest_at = 0.0
+        #: The largest refused request still waiting for its lease, and until when the lease keeps room
+        #: for it (trio seconds: its Retry-After, plus HOLD_S).
+        self.waiting = 0.0
+        self.waiting_until = 0.0
         #: While Redis is unreachable ("local"): admit from a bucket refilling at this replica's share of
         #: the rate, made at the first request after the switch; what it admitted is charged later.
         self.falling_back = False
@@ -133,6 +168,18 @@ class LeasedBucket:
             self.fallback = TokenBucket(rate=self.rate * share, burst=self.burst * share,
                                         tokens=self._optimistic_room(), updated=now)
         return self.fallback
+
+    def _shared_now(self) -> float:
+        """The shared bucket now, as last known: its level at the last read, refilled since at the rate."""
+        if self.shared_at is None:
+            return self.shared_seen
+        return min(self.burst, self.shared_seen + (trio.current_time() - self.shared_at) * self.rate)
+
+    def reachable(self) -> float:
+        """What this replica could hold after its next exchange, as far as it knows: what it holds, less
+        what it admitted beyond its lease, plus the shared bucket now (the other replicas' takes since
+        their last exchange unknown)."""
+        return self.tokens - self.optimistic - self.outage_spent + self._shared_now()
 
     def level(self, now: float) -> float:
         if self.falling_back:
@@ -157,26 +204,55 @@ class LeasedBucket:
             self.tokens -= amount - beyond
             self.optimistic += beyond
         else:
+            # the next exchange asks for a lease that covers it; keep room for it until its client is back
             self.refused = max(self.refused, amount)
+            clock = trio.current_time()
+            if clock >= self.waiting_until or amount >= self.waiting:
+                self.waiting = amount
+                self.waiting_until = max(self.waiting_until, clock + self._shared_wait(amount) + HOLD_S)
             return False
+        if amount >= self.waiting:
+            self.waiting = 0.0
         self.taken += amount
         return True
 
     def give_back(self, amount: float, now: float) -> None:
         self.tokens += amount
 
+    def _shared_wait(self, amount: float) -> float:
+        """Seconds until ``amount`` can be leased: the next exchange, and the refill it lacks."""
+        return self._store.sync_interval_s + max(0.0, amount - self.reachable()) / self.rate
+
     def seconds_until(self, amount: float, now: float) -> float:
-        return max(self._store.sync_interval_s, (amount - self.level(now)) / self.rate)
+        """How long until this replica can admit ``amount``: 0 if it can now; else from the shared
+        bucket's last known level (one exchange if it has enough, see the module docstring), or, while
+        the shared state is unreachable ("local"), at this replica's share of the rate."""
+        if self.fallback is not None or self.falling_back:
+            fallback = self._fallback(now)
+            return max(0.0, amount - max(self.tokens, 0.0) - fallback.level(now)) / fallback.rate
+        if self._store.available and self.tokens + self._optimistic_room() >= amount:
+            return 0.0
+        return self._shared_wait(amount)
+
+    def view(self, now: float) -> BucketView:
+        """What this replica knows of the tenant's bucket (``GET /tenants/<id>/status``)."""
+        age = None if self.shared_at is None else max(0.0, trio.current_time() - self.shared_at)
+        return BucketView(tokens=min(self.burst, self.reachable()), replica_tokens=self.level(now),
+                          shared_tokens=self.shared_seen, shared_age_s=age)
 
     # -- what the exchange does ------------------------------------------------------------------
     def request(self, interval: float, now: float) -> tuple[float, float]:
         """(want, returned) for the next exchange at ``now``; clears the demand counters. It keeps
         twice the last interval's demand, and for :data:`HOLD_S` the largest request it saw, so a
-        tenant's next request after a pause need not wait for an exchange."""
+        tenant's next request after a pause need not wait for an exchange; and room for a refused
+        request until its client is back."""
         demand = max(self.taken, self.refused)
         if demand >= self.largest or now - self.largest_at > HOLD_S:
             self.largest, self.largest_at = demand if demand else 0.0, now
-        target = min(self.burst, max(2.0 * demand, 2.0 * self.rate * interval if self.taken else 0.0, self.largest))
+        if now >= self.waiting_until:
+            self.waiting = 0.0
+        target = min(self.burst, max(2.0 * demand, 2.0 * self.rate * interval if self.taken else 0.0, self.largest,
+                                     self.waiting))
         returned = -self.optimistic
         self.optimistic = 0.0
         held = self.tokens
@@ -191,14 +267,24 @@ class LeasedBucket:
         self.taken = self.refused = 0.0
         return want, returned
 
+    def stale(self, now: float) -> bool:
+        """Whether the shared level is due a read (:data:`READ_S`)."""
+        return self.shared_at is None or now - self.shared_at >= READ_S
+
     def settle(self, granted: float, left: float) -> None:
         self.tokens += granted
-        self.shared_seen = left
+        self.shared_seen, self.shared_at = left, trio.current_time()
 
-    def recover(self) -> float:
-        """The shared state is back: what was admitted beyond the lease meanwhile, to charge to it."""
-        spent, self.outage_spent, self.fallback, self.falling_back = self.outage_spent, 0.0, None, False
+    def outage_debt(self) -> float:
+        """What was admitted beyond the lease while the shared state was unreachable, to charge to it
+        at this exchange (and forget: a failed exchange keeps it as a debt, :meth:`unrequest`)."""
+        spent, self.outage_spent = self.outage_spent, 0.0
         return spent
+
+    def recover(self) -> None:
+        """The shared state is back (an exchange succeeded): admit from the lease and share again. Until
+        then, the fallback admits, even while the exchange that recovers is in flight."""
+        self.fallback, self.falling_back = None, False
 
     def unrequest(self, returned: float) -> None:
         """The exchange failed: keep what was to be returned or settled (a debt stays a debt)."""
@@ -227,8 +313,13 @@ class LeasingStore:
     def bucket(self, tenant_id: str, tenant: TenantConfig, now: float) -> LeasedBucket:
         bucket = LeasedBucket(tenant, self)
         old = self._buckets.get(tenant_id)
-        if old is not None:  # a reload re-rated it: keep what this replica holds
-            bucket.tokens, bucket.optimistic, bucket.shared_seen = old.tokens, old.optimistic, old.shared_seen
+        if old is not None:  # a reload re-rated it: keep what this replica holds and knows
+            bucket.tokens, bucket.optimistic, bucket.shared_seen, bucket.shared_at = (
+                old.tokens, old.optimistic, old.shared_seen, old.shared_at)
+            bucket.waiting, bucket.waiting_until = old.waiting, old.waiting_until
+            bucket.falling_back, bucket.outage_spent = old.falling_back, old.outage_spent
+        elif not self.available and self._failures and self.config.on_unavailable == "local":
+            bucket.falling_back = True  # (a tenant added during an outage)
         self._buckets[tenant_id] = bucket
         return bucket
 
@@ -238,6 +329,12 @@ class LeasingStore:
         return Refusal(503, "store_unavailable", f"the shared quota store ({self.kind}) cannot be reached and this "
                        "replica's leases cannot cover the request ([store] on_unavailable = \"refuse\")",
                        headers={"Retry-After": "1"})
+
+    def bucket_view(self, bucket: Bucket, now: float) -> BucketView:
+        if isinstance(bucket, LeasedBucket):
+            return bucket.view(now)
+        level = bucket.level(now)
+        return BucketView(tokens=level, replica_tokens=level)
 
     def share(self, policy: object) -> None:
         if isinstance(policy, SharedService):
@@ -278,12 +375,17 @@ class LeasingStore:
     async def _exchange(self, session: SharedSession) -> None:
         recovering = not self.available
         asks: list[LeaseAsk] = []
+        now = trio.current_time()
+        reads = READS_PER_EXCHANGE  # idle tenants whose shared level is due a read (it writes nothing)
         for name, bucket in self._buckets.items():
-            debt = bucket.recover() if recovering else 0.0
-            want, returned = bucket.request(self.sync_interval_s, trio.current_time())
+            debt = bucket.outage_debt()
+            want, returned = bucket.request(self.sync_interval_s, now)
             returned -= debt
             if want or returned or recovering:
                 asks.append(LeaseAsk(name, bucket.rate, bucket.burst, want, returned))
+            elif reads and bucket.stale(now):
+                reads -= 1
+                asks.append(LeaseAsk(name, bucket.rate, bucket.burst, 0.0, 0.0))
         try:
             if asks:
                 for ask, (granted, left) in zip(asks, await session.lease(asks)):
@@ -296,6 +398,8 @@ class LeasingStore:
             raise
         self._syncs += 1
         if recovering:
+            for bucket in self._buckets.values():
+                bucket.recover()
             if self._outages:
                 log.warning("shared store %s reachable again: buckets and fair share are shared (%d replicas)",
                             self.state.name, self.replicas)
@@ -331,8 +435,8 @@ class LeasingStore:
         """Give back what this replica holds (a clean stop); best effort, within a second."""
         if not self.available:
             return
-        asks = [LeaseAsk(name, b.rate, b.burst, 0.0, b.tokens - b.optimistic) for name, b in self._buckets.items()
-                if b.tokens - b.optimistic]
+        asks = [LeaseAsk(name, b.rate, b.burst, 0.0, b.tokens - b.optimistic - b.outage_spent)
+                for name, b in self._buckets.items() if b.tokens - b.optimistic - b.outage_spent]
         if not asks:
             return
         with trio.move_on_after(1.0):

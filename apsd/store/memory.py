@@ -7,7 +7,7 @@ import trio
 from ..admission import TokenBucket
 from ..config import TenantConfig
 from ..models import Refusal
-from .base import StoreStatistics
+from .base import Bucket, BucketView, StoreStatistics
 
 __all__ = ["MemoryStore"]
 
@@ -22,6 +22,10 @@ class MemoryStore:
 
     def refusal(self) -> Refusal | None:
         return None
+
+    def bucket_view(self, bucket: Bucket, now: float) -> BucketView:
+        level = bucket.level(now)
+        return BucketView(tokens=level, replica_tokens=level)
 
     def share(self, policy: object) -> None:
         pass

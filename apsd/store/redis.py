@@ -3,7 +3,15 @@
 :class:`RedisState` is the :class:`~apsd.store.leasing.SharedState` of
 :class:`~apsd.store.leasing.LeasingStore` (whose docstring says what is exchanged, how accurate it
 is, and what happens when Redis cannot be reached): two Lua scripts, each atomic on the Redis side,
-over one coredis connection (coredis runs under trio through anyio).
+over one coredis connection (coredis runs under trio through anyio). The scripts run by their SHA1
+(``EVALSHA``); a Redis that does not have them (restarted, or ``SCRIPT FLUSH``) is sent them again
+(``SCRIPT LOAD``), logged at DEBUG.
+
+Logs: the store reports an outage and a recovery at WARNING, once each (:mod:`apsd.store.leasing`).
+coredis's own lines about the same events ("Connection closed unexpectedly!", retries) are
+demoted to DEBUG (:class:`QuietCoredis`); coredis logs some of them with ``exc_info=True``
+outside any ``except`` block, which printed a bare ``NoneType: None`` under them, and that is
+dropped.
 
 Keys, under ``[store] key_prefix``: ``<prefix>:bucket:<tenant>`` (a hash: ``tokens`` and
 ``updated``, Redis's ``TIME``; it expires a day after its last exchange, and a tenant idle for
@@ -13,6 +21,8 @@ replica), ``<prefix>:replicas`` (a sorted set: replica -> last seen).
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,10 +30,15 @@ from typing import Any
 from ..config import StoreConfig
 from .leasing import LeaseAsk, LeasingStore
 
-__all__ = ["LEASE_SCRIPT", "RedisState", "SERVICE_SCRIPT", "redis_store"]
+__all__ = ["LEASE_SCRIPT", "QuietCoredis", "RedisState", "SERVICE_SCRIPT", "redis_store"]
+
+log = logging.getLogger("apsd.store")
 
 #: KEYS: one bucket per tenant. ARGV: ttl_s, then per tenant rate, burst, want, returned.
 #: Returns per tenant: granted, tokens left in the bucket (as strings: Lua numbers are doubles).
+#: An ask with nothing wanted or returned only reads: it writes nothing to a bucket that exists (the
+#: stored tokens and their time stay valid); one that does not is created full, so that a replica's
+#: later charge to it is not taken for a debt to a lost bucket.
 LEASE_SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -33,6 +48,7 @@ for i, key in ipairs(KEYS) do
   local rate, burst = tonumber(ARGV[4 * i - 2]), tonumber(ARGV[4 * i - 1])
   local want, returned = tonumber(ARGV[4 * i]), tonumber(ARGV[4 * i + 1])
   local state = redis.call('HMGET', key, 'tokens', 'updated')
+  local writes = want ~= 0 or returned ~= 0 or not state[1]
   local tokens = tonumber(state[1]) or burst
   local updated = tonumber(state[2]) or now
   if not state[1] and returned < 0 then returned = 0 end  -- a bucket Redis lost starts full: no old debts
@@ -44,8 +60,10 @@ for i, key in ipairs(KEYS) do
   local grant = 0
   if want > 0 and tokens > 0 then grant = math.min(want, tokens) end
   tokens = tokens - grant
-  redis.call('HSET', key, 'tokens', tostring(tokens), 'updated', tostring(updated))
-  redis.call('EXPIRE', key, ttl)
+  if writes then
+    redis.call('HSET', key, 'tokens', tostring(tokens), 'updated', tostring(updated))
+    redis.call('EXPIRE', key, ttl)
+  end
   out[2 * i - 1] = tostring(grant)
   out[2 * i] = tostring(tokens)
 end
@@ -72,12 +90,30 @@ return out
 BUCKET_TTL_S = 86_400
 
 
+class QuietCoredis(logging.Filter):
+    """On the ``coredis`` logger: every record at DEBUG (kept only when ``apsd.store`` logs DEBUG),
+    without the empty traceback of an ``exc_info=True`` logged outside an ``except`` block. The store
+    says what matters: an outage and a recovery, at WARNING, once each."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is None:
+            record.exc_info, record.exc_text = None, None
+        if record.levelno > logging.DEBUG:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return log.isEnabledFor(logging.DEBUG)
+
+
+_quiet_coredis = QuietCoredis()
+
+
 class RedisState:
-    """Redis at ``url``, keys under ``prefix``."""
+    """Redis at ``url``, keys under ``prefix``. Making one quiets the ``coredis`` logger
+    (:class:`QuietCoredis`)."""
 
     def __init__(self, url: str, prefix: str) -> None:
         self.name = url
         self.prefix = prefix
+        logging.getLogger("coredis").addFilter(_quiet_coredis)  # (once: a filter is added only once)
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[_RedisSession]:
@@ -85,12 +121,29 @@ class RedisState:
 
         client = coredis.Redis.from_url(self.name, decode_responses=True, retry_policy=coredis.retry.NoRetryPolicy())
         async with client:
-            yield _RedisSession(self.prefix, client.register_script(LEASE_SCRIPT),
-                                client.register_script(SERVICE_SCRIPT))
+            yield _RedisSession(self.prefix, _Script(client, LEASE_SCRIPT), _Script(client, SERVICE_SCRIPT))
+
+
+class _Script:
+    """A Lua script run by its SHA1, and sent again to a Redis that lacks it (restarted, flushed)."""
+
+    def __init__(self, client: Any, source: str) -> None:
+        self._client, self._source = client, source
+        self._sha = hashlib.sha1(source.encode()).hexdigest()
+
+    async def __call__(self, *, keys: Sequence[str], args: Sequence[str]) -> Any:
+        from coredis.exceptions import NoScriptError
+
+        try:
+            return await self._client.evalsha(self._sha, keys=keys, args=args)
+        except NoScriptError:
+            log.debug("Redis does not have script %s (restarted or flushed): loading it", self._sha[:12])
+        await self._client.script_load(self._source)
+        return await self._client.evalsha(self._sha, keys=keys, args=args)
 
 
 class _RedisSession:
-    def __init__(self, prefix: str, lease: Any, service: Any) -> None:
+    def __init__(self, prefix: str, lease: _Script, service: _Script) -> None:
         self._prefix, self._lease, self._service = prefix, lease, service
 
     async def lease(self, asks: Sequence[LeaseAsk]) -> list[tuple[float, float]]:

@@ -47,7 +47,8 @@ class SimulatedSharedState:
                 tokens, updated = min(ask.burst, tokens + (now - updated) * ask.rate), now
             tokens = min(ask.burst, tokens + returned)
             grant = min(ask.want, tokens) if ask.want > 0 and tokens > 0 else 0.0
-            self.buckets[ask.tenant] = [tokens - grant, updated]
+            if ask.want or ask.returned or state is None:  # (an ask for nothing only reads, as in Lua)
+                self.buckets[ask.tenant] = [tokens - grant, updated]
             out.append((grant, tokens - grant))
         return out
 
