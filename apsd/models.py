@@ -118,6 +118,12 @@ class ReplySlot:
 #: reserves the limit and sends it under every name the client used.
 LENGTH_ALIASES = ("n_predict", "max_new_tokens")
 
+#: The OpenAI APIs (``request.api``) that generate text: every engine runs them.
+GENERATION_APIS = ("chat.completions", "completions")
+#: Every OpenAI API apsd schedules; engines that relay to real servers run them all (embeddings
+#: generate nothing and are charged on their input; responses are charged on their usage).
+ALL_APIS = (*GENERATION_APIS, "embeddings", "responses")
+
 
 @attrs.define(eq=False)
 class InferenceRequest:

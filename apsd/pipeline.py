@@ -226,6 +226,14 @@ class Pipeline:
                 names.setdefault(name, None)
         return list(names)
 
+    def apis(self) -> list[str]:
+        """The OpenAI APIs requests may use: what the engines run (``request.api``)."""
+        names: dict[str, None] = {}
+        for engine in self.engines:
+            for name in engine.apis:
+                names.setdefault(name, None)
+        return list(names)
+
     @property
     def accepting(self) -> bool:
         return self.admission.accepting

@@ -315,7 +315,7 @@ async def test_a_prompt_over_the_limit_is_413_and_body_errors_are_counted(apsd):
 
 
 async def test_unknown_v1_paths_and_methods_answer_in_openai_shape(apsd):
-    openai_error(await apsd.client.post("/v1/embeddings", json={}), 404, "not_found")
+    openai_error(await apsd.client.post("/v1/images/generations", json={}), 404, "not_found")
     response = await apsd.client.get("/v1/chat/completions")
     openai_error(response, 405, "method_not_allowed")
     assert "POST" in response.headers["Allow"]

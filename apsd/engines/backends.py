@@ -220,7 +220,13 @@ class BackendClient(Protocol):
 
 # -- real servers over HTTP ---------------------------------------------------------------------------
 
-_PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions"}
+_PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions",
+          "embeddings": "/v1/embeddings", "responses": "/v1/responses"}
+#: The names of an API's usage figures: (prompt, output).
+_USAGE_KEYS = {"responses": ("input_tokens", "output_tokens")}
+_COMPLETION_USAGE = ("prompt_tokens", "completion_tokens")
+#: The Responses API's last stream events, which carry the response and its usage.
+_RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed")
 
 
 class HttpBackendClient:
@@ -320,7 +326,7 @@ class HttpBackendClient:
         headers = {"Content-Type": "application/json", **self._headers(backend)}
         if request_id:
             headers["X-Request-Id"] = request_id
-        bounds = UsageBounds.of(body, content)
+        bounds = UsageBounds.of(api, body, content)
         started = False
         try:
             if not body.get("stream"):
@@ -350,6 +356,8 @@ class HttpBackendClient:
                                                f"{_error_message(chunk)}", retryable=not started)
                         if chunk.get("usage") is not None:
                             usage = chunk["usage"]
+                        elif chunk.get("type") in _RESPONSE_ENDS and isinstance(chunk.get("response"), dict):
+                            usage = chunk["response"].get("usage")
                         started = True
                         await on_chunk(chunk)
                         silence.deadline = trio.current_time() + settings.read_timeout_s
@@ -422,24 +430,29 @@ class UsageBounds:
 
     prompt: int
     completion: int
+    #: The names of the two figures in this API's usage.
+    keys: tuple[str, str] = _COMPLETION_USAGE
 
     @classmethod
-    def of(cls, body: dict, content: bytes) -> UsageBounds:
-        limit = body.get("max_tokens")
+    def of(cls, api: str, body: dict, content: bytes) -> UsageBounds:
+        limit = body.get("max_output_tokens" if api == "responses" else "max_tokens")
         completion = limit if isinstance(limit, int) and not isinstance(limit, bool) else MAX_REPORTED_TOKENS
+        if api == "embeddings":
+            completion = 0
         media = len(_MEDIA_PARTS.findall(content)) if b'"type"' in content else 0
         prompt = min(MAX_REPORTED_TOKENS, len(content) + _TEMPLATE_TOKENS + media * _MEDIA_PART_TOKENS)
-        return cls(prompt=prompt, completion=min(completion, MAX_REPORTED_TOKENS))
+        return cls(prompt=prompt, completion=min(completion, MAX_REPORTED_TOKENS),
+                   keys=_USAGE_KEYS.get(api, _COMPLETION_USAGE))
 
     def check(self, backend: Backend, usage: Any) -> tuple[int | None, int | None]:
-        """``(prompt_tokens, completion_tokens)`` of a backend's ``usage`` (None where absent);
+        """``(prompt tokens, output tokens)`` of a backend's ``usage`` (None where absent);
         BackendError when a figure is not a believable count."""
         if usage is None:
             return None, None
         if not isinstance(usage, dict):
             raise _invalid_usage(backend, f"usage is {_shown(usage)}, not an object")
-        return (_count(backend, usage, "prompt_tokens", self.prompt),
-                _count(backend, usage, "completion_tokens", self.completion))
+        return (_count(backend, usage, self.keys[0], self.prompt),
+                _count(backend, usage, self.keys[1], self.completion))
 
 
 def _count(backend: Backend, usage: dict, key: str, bound: int) -> int | None:

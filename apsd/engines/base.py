@@ -77,6 +77,8 @@ class Engine(Protocol):
     engine_id: int
     #: ``micro``, ``continuous``, ...: the ``[engine] kind`` that built it.
     kind: str
+    #: The OpenAI APIs it runs (``request.api``): :data:`~apsd.models.GENERATION_APIS` at least.
+    apis: tuple[str, ...]
 
     def refuse(self, request: InferenceRequest) -> Refusal | None:
         """The 413 answer for a request that could never run on this engine, else None."""

@@ -53,7 +53,7 @@ import trio
 from ..clock import ModelClock
 from ..config import Config
 from ..ledger import Ledger
-from ..models import Capacity, Dispatch, InferenceRequest, Refusal
+from ..models import GENERATION_APIS, Capacity, Dispatch, InferenceRequest, Refusal
 from ..streams import TokenChunk
 from .base import Demand, EngineStatistics, completion
 from .roofline import Deployment
@@ -102,6 +102,7 @@ class ContinuousEngine:
     reserved_sequences: int = 0
     price_per_hour_usd: float = 0.0
     kind: str = attrs.field(default="continuous", init=False)
+    apis: tuple[str, ...] = attrs.field(default=GENERATION_APIS, init=False)
     # -- state ---------------------------------------------------------------------------------
     #: Model time of the current step boundary (the engine's own schedule).
     t: float = attrs.field(default=0.0, init=False)

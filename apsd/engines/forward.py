@@ -56,7 +56,7 @@ import trio
 from ..clock import ModelClock
 from ..config import Config, ForwardConfig
 from ..ledger import Ledger
-from ..models import LENGTH_ALIASES, Capacity, Completion, Dispatch, InferenceRequest, Refusal
+from ..models import ALL_APIS, LENGTH_ALIASES, Capacity, Completion, Dispatch, InferenceRequest, Refusal
 from ..streams import TokenChunk
 from .backends import Backend, BackendAnswer, BackendClient, BackendError, BackendStatistics
 from .base import UNBOUNDED, Demand, EngineStatistics, completion
@@ -79,6 +79,7 @@ class ForwardEngine:
     #: Puts a request that failed before its first token back in the queue (the scheduler's).
     requeue: Callable[[InferenceRequest, str], None]
     kind: str = attrs.field(default="forward", init=False)
+    apis: tuple[str, ...] = attrs.field(default=ALL_APIS, init=False)
     #: Each running request's cancel scope and backend.
     _running: dict[InferenceRequest, tuple[trio.CancelScope, Backend]] = attrs.field(factory=dict, init=False)
     #: Requests cancelled because their backend went down before their first token: back to the queue.
@@ -244,6 +245,13 @@ class ForwardEngine:
         else:  # POST /infer: a plain completion of its prompt
             api, body = "completions", {"prompt": request.prompt}
         body["model"] = request.model or backend.models[0]
+        if api == "embeddings":   # (nothing to generate, nothing to stream)
+            return api, body, False
+        if api == "responses":
+            if not request.open_ended:
+                body["max_output_tokens"] = request.tokens_requested
+            body["stream"] = request.stream is not None   # (its stream ends with its usage)
+            return api, body, False
         if not request.open_ended:
             if "max_completion_tokens" not in body:
                 body["max_tokens"] = request.tokens_requested
@@ -525,7 +533,11 @@ class ForwardEngine:
 
 
 def _chunk_text(chunk: dict) -> str:
-    """The text a stream chunk adds (chat ``delta.content`` or completion ``text``)."""
+    """The text a stream chunk adds (chat ``delta.content``, completion ``text``, or a Responses
+    ``response.output_text.delta`` event's ``delta``)."""
+    if chunk.get("type") == "response.output_text.delta":
+        delta = chunk.get("delta")
+        return delta if isinstance(delta, str) else ""
     text = []
     choices = chunk.get("choices")
     for choice in choices if isinstance(choices, list) else ():

@@ -34,7 +34,7 @@ import trio
 from ..clock import ModelClock
 from ..config import Config, GpuConfig
 from ..ledger import Ledger
-from ..models import Capacity, Dispatch, InferenceRequest, Refusal
+from ..models import GENERATION_APIS, Capacity, Dispatch, InferenceRequest, Refusal
 from ..streams import TokenChunk
 from .base import UNBOUNDED, Demand, EngineStatistics, completion
 
@@ -117,6 +117,7 @@ class MicroEngine:
     #: Called with a request whose batch failed and that has retries left, and why: back to the queue.
     requeue: Callable[[InferenceRequest, str], None] | None = None
     kind: str = attrs.field(default="micro", init=False)
+    apis: tuple[str, ...] = attrs.field(default=GENERATION_APIS, init=False)
     _running: Dispatch | None = attrs.field(default=None, init=False)
     _dispatches: int = attrs.field(default=0, init=False)
     _busy_s: float = attrs.field(default=0.0, init=False)

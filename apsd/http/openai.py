@@ -54,7 +54,7 @@ from ..streams import TokenChunk, TokenStream
 from .common import (MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated, check_prompt_length,
                      client_request_id, http_state, parse_json_object, shown)
 
-__all__ = ["CHAT", "COMPLETIONS", "MESSAGE_OVERHEAD_TOKENS", "OpenAIBody", "PRIORITY_HEADER", "TENANT_HEADER",
+__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "MESSAGE_OVERHEAD_TOKENS", "RESPONSES", "OpenAIBody", "PRIORITY_HEADER", "TENANT_HEADER",
            "blueprint", "error_body", "error_response", "error_type", "parse_openai_body", "placeholder_text",
            "priority_bid", "unix_time"]
 
@@ -62,6 +62,8 @@ blueprint = Blueprint("openai", __name__, url_prefix="/v1")
 
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
+EMBEDDINGS = "embeddings"
+RESPONSES = "responses"
 #: Without API keys (loopback only) this header names the tenant a request runs as.
 TENANT_HEADER = "X-Apsd-Tenant"
 #: apsd's own bid, 1-10, higher served sooner (clamped to the tenant's ``max_bid``); it takes
@@ -270,8 +272,86 @@ def _check_types(data: dict[str, Any]) -> None:
             raise _invalid(name, "must be a list")
 
 
+def _embedding_input(data: dict[str, Any], settings: AdmissionConfig) -> tuple[str, int]:
+    """An embeddings request's ``input`` (a string, strings, a token array or token arrays): its
+    text and estimated tokens (a token array counts its length)."""
+    value = data.get("input")
+    if value is None:
+        raise _invalid("input", "is required", error="missing_field")
+    if isinstance(value, str):
+        value = [value]
+    rule = "must be a string, a non-empty list of strings, or token arrays (lists of integers)"
+    if not isinstance(value, list) or not value:
+        raise _invalid("input", rule)
+    if all(isinstance(item, str) for item in value):
+        return "\n".join(value), sum(estimate_tokens(item, settings) for item in value)
+    if all(_is_int(item) for item in value):
+        return "", len(value)
+    if all(isinstance(item, list) and item and all(_is_int(t) for t in item) for item in value):
+        return "", sum(len(item) for item in value)
+    raise _invalid("input", rule)
+
+
+_RESPONSE_TEXT_PARTS = ("input_text", "output_text", "text")
+_RESPONSE_MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+
+
+def _response_input(data: dict[str, Any], settings: AdmissionConfig) -> tuple[str, int]:
+    """A responses request's ``instructions`` and ``input`` (a string, or a list of items): its text
+    and estimated tokens. Message items' text parts are counted, media parts at MEDIA_PART_TOKENS,
+    any other item (a function call, its output) by its JSON."""
+    instructions = data.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise _invalid("instructions", "must be a string")
+    value = data.get("input")
+    if value is None:
+        raise _invalid("input", "is required", error="missing_field")
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise _invalid("input", "must be a string or a non-empty list of input items")
+    texts = [instructions] if instructions else []
+    media = 0
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise _invalid(f"input[{i}]", "must be an object (an input item)")
+        content = item.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in _RESPONSE_TEXT_PARTS and isinstance(part.get("text"), str):
+                    texts.append(part["text"])
+                elif kind in _RESPONSE_MEDIA_PARTS:
+                    media += 1
+                else:
+                    raise _invalid(f"input[{i}].content[{j}]", "must be a content part: input_text with its text, "
+                                   f"or one of {', '.join(_RESPONSE_MEDIA_PARTS)}")
+        elif content is None:
+            texts.append(json.dumps(item))   # a function call, a function call's output, ...
+        else:
+            raise _invalid(f"input[{i}].content", "must be a string or a list of content parts")
+    tokens = estimate_tokens("".join(texts), settings) + MESSAGE_OVERHEAD_TOKENS * len(value) \
+        + MEDIA_PART_TOKENS * media
+    return "\n".join(texts), tokens
+
+
+def _max_output_tokens(data: dict[str, Any], default: int) -> tuple[int, bool]:
+    """A responses request's ``max_output_tokens``, and whether it set one (``default``, an
+    estimate to reserve, when it did not)."""
+    value = data.get("max_output_tokens")
+    if value is None:
+        return default, False
+    if not _is_int(value) or not 1 <= value <= MAX_TOKENS_REQUESTED:
+        got = shown(value) if _is_int(value) else json.dumps(value)[:40]
+        raise _invalid("max_output_tokens", f"must be an integer 1-{MAX_TOKENS_REQUESTED}, got {got}")
+    return value, True
+
+
 def parse_openai_body(raw: bytes, api: str, config: Config) -> OpenAIBody:
-    """Validate the body of an OpenAI request to ``api`` (:data:`CHAT` or :data:`COMPLETIONS`).
+    """Validate the body of an OpenAI request to ``api`` (:data:`CHAT`, :data:`COMPLETIONS`,
+    :data:`EMBEDDINGS` or :data:`RESPONSES`).
 
     BodyError names the field (OpenAI's ``param``) and the rule: 400 for JSON that is not one
     object or repeats a key, 422 for a field missing, of the wrong type or out of range. Does
@@ -284,13 +364,27 @@ def parse_openai_body(raw: bytes, api: str, config: Config) -> OpenAIBody:
         raise _invalid("model", "is required", error="missing_field")
     if not isinstance(model, str) or not model.strip():
         raise _invalid("model", "must be a non-empty string")
-    prompt, prompt_tokens = _prompt(data, api, config.admission)
-    max_tokens, limited = _max_tokens(data, config.gateway.default_max_tokens)
+    if api == EMBEDDINGS:   # nothing to generate: charged on its input
+        prompt, prompt_tokens = _embedding_input(data, config.admission)
+        if data.get("stream") is not None:
+            raise _invalid("stream", "is not a parameter of embeddings")
+        payload = {key: value for key, value in data.items() if key != "priority"}
+        return OpenAIBody(api=api, model=model, prompt=prompt, prompt_tokens=prompt_tokens, max_tokens=0,
+                          open_ended=False, stream=False, include_usage=False,
+                          priority=_priority(data), payload=payload)
+    if api == RESPONSES:
+        prompt, prompt_tokens = _response_input(data, config.admission)
+        max_tokens, limited = _max_output_tokens(data, config.gateway.default_max_tokens)
+    else:
+        prompt, prompt_tokens = _prompt(data, api, config.admission)
+        max_tokens, limited = _max_tokens(data, config.gateway.default_max_tokens)
     _check_types(data)
     stream = data.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise _invalid("stream", "must be true or false")
     options = data.get("stream_options")
+    if options is not None and api == RESPONSES:
+        raise _invalid("stream_options", "is not a parameter of responses (their stream ends with their usage)")
     if options is not None:
         if not isinstance(options, dict):
             raise _invalid("stream_options", "must be an object")
@@ -303,13 +397,18 @@ def parse_openai_body(raw: bytes, api: str, config: Config) -> OpenAIBody:
         if value is not None and (not _is_int(value) or value != 1):
             raise _invalid(name, "must be 1: apsd schedules, reserves and bills one sequence per request "
                            "(send several requests for several choices)")
+    payload = {key: value for key, value in data.items() if key != "priority"}
+    return OpenAIBody(api=api, model=model, prompt=prompt, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                      open_ended=not limited, stream=bool(stream),
+                      include_usage=bool(options and options.get("include_usage")), priority=_priority(data),
+                      payload=payload)
+
+
+def _priority(data: dict[str, Any]) -> int | None:
     priority = data.get("priority")
     if priority is not None and not _is_int(priority):
         raise _invalid("priority", "must be an integer (lower is served sooner, as in vLLM; default 0)")
-    payload = {key: value for key, value in data.items() if key != "priority"}
-    return OpenAIBody(api=api, model=model, prompt=prompt, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                      open_ended=not limited, stream=bool(stream), include_usage=bool(options and options.get("include_usage")),
-                      priority=priority, payload=payload)
+    return priority
 
 
 def priority_bid(tenant: TenantConfig | None, *, priority: int | None = None, header: int | None = None) -> int:
@@ -452,9 +551,12 @@ class _ChunkMaker:
         return self.chunk(None, _usage(prompt_tokens, completion_tokens))
 
 
-def sse(data: dict[str, Any]) -> bytes:
-    """One Server-Sent Event carrying ``data`` as JSON."""
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+def sse(data: dict[str, Any], named: bool = False) -> bytes:
+    """One Server-Sent Event carrying ``data`` as JSON; ``named``: with its ``type`` as the event's
+    name (the Responses API's events)."""
+    event = b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+    kind = data.get("type") if named else None
+    return b"event: " + kind.encode() + b"\n" + event if isinstance(kind, str) and kind.isascii() else event
 
 
 DONE = b"data: [DONE]\n\n"
@@ -476,6 +578,7 @@ async def _events(pipeline: Pipeline, inference: InferenceRequest, body: OpenAIB
     stream = inference.stream
     assert stream is not None
     maker = _ChunkMaker(body, inference.request_id, unix_time())
+    named = body.api == RESPONSES   # (its events carry their type as the SSE event name, and no [DONE])
     relayed = False  # (a forwarding engine's chunks carry the backend's own JSON: relayed, never built)
     try:
         chunk = first
@@ -487,7 +590,7 @@ async def _events(pipeline: Pipeline, inference: InferenceRequest, body: OpenAIB
             for each in (chunk, *stream.receive_ready()):   # what is already there goes in one write
                 if each.data is not None:
                     relayed = True
-                    events.append(sse(each.data))
+                    events.append(sse(each.data, named))
                 elif each.tokens or each.text:
                     events.append(maker.tokens(each))
             if events:
@@ -503,7 +606,8 @@ async def _events(pipeline: Pipeline, inference: InferenceRequest, body: OpenAIB
             yield maker.finish(_finish_reason(outcome.tokens_generated, inference.tokens_requested))
             if body.include_usage:
                 yield maker.usage(outcome.prompt_tokens, outcome.tokens_generated)
-        yield DONE
+        if not named:
+            yield DONE
     finally:
         if not inference.answered:
             pipeline.cancel(inference)
@@ -535,13 +639,16 @@ async def _complete(api: str, caller: Caller) -> Response:
         tenant_id = _tenant(caller)
         header_bid = _priority_header()
         request_id = client_request_id()
+        if api not in pipeline.apis():
+            raise BodyError(404, "unsupported_api", f"/v1/{api} needs an engine that relays to inference servers "
+                            f"([[backends]]); this daemon's engines run {' and '.join(pipeline.apis())}")
         body = parse_openai_body(await request.get_data(cache=False), api, pipeline.config)
         models = pipeline.models()
         if body.model not in models:
             raise BodyError(404, "model_not_found", f"the model {body.model[:256]!r} is not served here "
                             f"(GET /v1/models lists them: {', '.join(models)})", field="model")
         check_prompt_length(body.prompt_tokens, len(body.prompt), pipeline,
-                            field="messages" if api == CHAT else "prompt")
+                            field={CHAT: "messages", COMPLETIONS: "prompt"}.get(api, "input"))
     except BodyError as exc:
         pipeline.ledger.count_refusal(None, exc.refusal.error)
         return error_response(exc.refusal)
@@ -578,6 +685,18 @@ async def chat_completions(caller: Caller) -> Response:
 @authenticated(submits=True, answer=error_response)
 async def completions(caller: Caller) -> Response:
     return await _complete(COMPLETIONS, caller)
+
+
+@blueprint.post("/embeddings")
+@authenticated(submits=True, answer=error_response)
+async def embeddings(caller: Caller) -> Response:
+    return await _complete(EMBEDDINGS, caller)
+
+
+@blueprint.post("/responses")
+@authenticated(submits=True, answer=error_response)
+async def responses(caller: Caller) -> Response:
+    return await _complete(RESPONSES, caller)
 
 
 @blueprint.get("/models")
