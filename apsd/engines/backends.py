@@ -137,6 +137,8 @@ class Backend:
     models: tuple[str, ...] = ()
     #: Down until its first health check passes.
     healthy: bool = False
+    #: It went down after being up (its recovery is logged as loudly as its outage was).
+    was_down: bool = False
     load: BackendLoad | None = None
     #: Model time of the last metrics reading, and whether it exports metrics at all (None: not known yet).
     load_at: float | None = None

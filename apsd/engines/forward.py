@@ -456,7 +456,11 @@ class ForwardEngine:
                 healthy = False
         if healthy and not backend.healthy:
             backend.healthy = True
-            log.info("backend %s is up", backend.name)
+            if backend.was_down:   # (a recovery the log reported the outage of: as loud as the outage)
+                log.warning("backend %s is up again", backend.name)
+            else:
+                log.info("backend %s is up", backend.name)
+            backend.was_down = False
             self._note_served()
             self._changed_now()
         elif not healthy and backend.healthy:
@@ -466,6 +470,7 @@ class ForwardEngine:
         """Take ``backend`` out of service until its health check passes: the requests it holds
         that have no token yet go back to the queue (to another backend, or to wait for one)."""
         backend.healthy = False
+        backend.was_down = True
         moved = [request for request, (_, on) in self._running.items() if on is backend
                  and request.started_at is None]
         log.warning("backend %s is down (%s)%s", backend.name, why,
