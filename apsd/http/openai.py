@@ -38,7 +38,7 @@ import json
 import math
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import attrs
@@ -48,7 +48,7 @@ from quart import Blueprint, Response, request
 from ..admission import estimate_tokens
 from ..auth import Caller
 from ..config import AdmissionConfig, Config, TenantConfig
-from ..models import LENGTH_ALIASES, Completion, InferenceRequest, Refusal
+from ..models import ALL_APIS, LENGTH_ALIASES, Completion, InferenceRequest, Refusal
 from ..pipeline import Pipeline
 from ..streams import TokenChunk, TokenStream
 from .common import (MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated, check_prompt_length,
@@ -675,28 +675,17 @@ async def _complete(api: str, caller: Caller) -> Response:
     return _answer(outcome.response if outcome.response is not None else _built_answer(body, outcome), headers)
 
 
-@blueprint.post("/chat/completions")
-@authenticated(submits=True, answer=error_response)
-async def chat_completions(caller: Caller) -> Response:
-    return await _complete(CHAT, caller)
+def _endpoint(api: str) -> Callable[..., Awaitable[Response]]:
+    """The handler of ``POST /v1/<api>`` (one for every API: they differ only in their body)."""
+    @authenticated(submits=True, answer=error_response)
+    async def handle(caller: Caller) -> Response:
+        return await _complete(api, caller)
+    return handle
 
 
-@blueprint.post("/completions")
-@authenticated(submits=True, answer=error_response)
-async def completions(caller: Caller) -> Response:
-    return await _complete(COMPLETIONS, caller)
-
-
-@blueprint.post("/embeddings")
-@authenticated(submits=True, answer=error_response)
-async def embeddings(caller: Caller) -> Response:
-    return await _complete(EMBEDDINGS, caller)
-
-
-@blueprint.post("/responses")
-@authenticated(submits=True, answer=error_response)
-async def responses(caller: Caller) -> Response:
-    return await _complete(RESPONSES, caller)
+for _api in ALL_APIS:   # /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses
+    blueprint.add_url_rule("/" + _api.replace(".", "/"), endpoint=_api.replace(".", "_"), methods=["POST"],
+                           view_func=_endpoint(_api))
 
 
 @blueprint.get("/models")
