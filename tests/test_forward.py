@@ -370,3 +370,26 @@ async def test_a_client_that_stops_reading_does_not_hold_the_backend(autojump_cl
         assert pipeline.statistics().backends[0].failures == 0
         level = pipeline.admission.buckets["t"].level(pipeline.clock.now())
         assert level == pytest.approx(10**9 - r.prompt_tokens - 500)
+
+
+async def test_with_the_shipped_defaults_a_stalled_backends_client_is_answered_within_two_minutes(autojump_clock):
+    defaults = ForwardConfig()
+    servers = {"a": SimulatedServer(ttft_s=30.0, stall_s=defaults.health_timeout_s)}
+    settings = {name: getattr(defaults, name) for name in
+                ("health_interval_s", "metrics_interval_s", "health_timeout_s", "no_backend_wait_s", "max_retries")}
+    async with forwarding(servers, max_concurrency=1, **settings) as pipeline:
+        held = [request(pipeline, stream=True) for _ in range(2)]   # one sent to it, one queued behind
+        for r in held:
+            assert pipeline.admit_now(r)
+        await pipeline.clock.sleep(0.02)
+        servers["a"].stalled = True
+        start = pipeline.clock.now()
+        for r in held:
+            outcome = await r.reply.wait()
+            assert (outcome.status, outcome.error) == (503, "no_backend")
+        answered_in = pipeline.clock.now() - start
+        assert answered_in <= defaults.health_interval_s + defaults.health_timeout_s + defaults.no_backend_wait_s + 0.1
+        assert answered_in < 120
+        late = request(pipeline)
+        assert not pipeline.admit_now(late)              # and a new one is refused at once
+        assert (await late.reply.wait()).error == "no_backend" and pipeline.clock.now() - start == answered_in
