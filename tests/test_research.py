@@ -24,6 +24,10 @@ from apsd.sim.research import (ALONE, CONTINUOUS_ENGINE, ISOLATION_SCALED, ISOLA
 from apsd.sim.runner import parse_policy_choice, run_policy
 from apsd.sim.workloads import build_workload
 
+#: These tests run whole research reports: seconds of CPU each alone, minutes beside a CPU hog on two
+#: cores. The limit guards against a hang, not against a slow machine.
+pytestmark = pytest.mark.timeout(900)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
