@@ -685,6 +685,8 @@ def read_jsonl(path: Path, text: str) -> Iterator[TraceRow]:
             raise WorkloadError(f"{path}:{line}: the field {exc.key!r} appears twice") from None
         except json.JSONDecodeError as exc:
             raise WorkloadError(f"{path}:{line}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+        except ValueError as exc:   # (nested too deep, NaN or Infinity, a lone surrogate)
+            raise WorkloadError(f"{path}:{line}: invalid JSON: {exc}") from None
         if not isinstance(values, dict):
             raise WorkloadError(f"{path}:{line}: must be a JSON object, got {type(values).__name__}")
         unknown = unknown_fields(list(values))
