@@ -105,6 +105,11 @@ class ServerConfig:
     #: Wall seconds a request body has to arrive in full once its headers have; a slower one is
     #: answered 408 ``request_timeout`` and its connection closed.
     body_timeout_s: float = attrs.field(default=10.0, validator=between(0.01, 3600))
+    #: Wall seconds a client may take nothing of its answer while apsd has more to write (a stream
+    #: reader that stopped reading) before apsd drops its connection, with a reset; its request is
+    #: cancelled, charged what its engine did. One that keeps reading, however slowly, is not
+    #: dropped (:mod:`apsd.serving`).
+    send_timeout_s: float = attrs.field(default=60.0, validator=between(0.01, 3600))
     #: Connections the kernel queues for apsd to accept (the listen backlog; the kernel caps it
     #: at ``net.core.somaxconn``).
     backlog: int = attrs.field(default=2048, validator=between(1, 65535))

@@ -61,7 +61,8 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
     app.config["BODY_TIMEOUT"] = pipeline.config.server.body_timeout_s  # then 408 request_timeout
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.url_map.merge_slashes = False  # an empty path segment ("a//b") is a 404, not an HTML 308 redirect
-    app.asgi_app = ShieldResponseEnd(app.asgi_app)  # type: ignore[method-assign]
+    app.asgi_app = ShieldResponseEnd(app.asgi_app,  # type: ignore[method-assign]
+                                     send_timeout_s=pipeline.config.server.send_timeout_s)
     # the exporter is made before serving: its histograms see every dispatch
     app.extensions["apsd"] = HttpState(pipeline=pipeline, exporter=exporter_for(pipeline), created=openai.unix_time())
     for blueprint in (infer.blueprint, openai.blueprint, ops.blueprint):

@@ -247,12 +247,21 @@ class ShieldResponseEnd:
     timer restart is cut off at its first checkpoint, and the connection stays open, idle and
     untimed, until the client leaves (a slow-body client got its 408 and kept its socket).
     Shielding that one ``send`` lets hypercorn finish its bookkeeping.
+
+    It also gives apsd's server (:mod:`apsd.serving`) the send timeout, ``[server] send_timeout_s``,
+    in the ASGI lifespan state: a ``send`` cannot time out here, since hypercorn shields the socket
+    write inside it, so the server bounds the write itself and drops a client that takes nothing of
+    its answer for that long (the request then sees ``http.disconnect`` and is cancelled).
     """
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, send_timeout_s: float | None = None) -> None:
         self.app = app
+        self.send_timeout_s = send_timeout_s
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan" and self.send_timeout_s is not None and isinstance(scope.get("state"), dict):
+            from ..serving import SEND_TIMEOUT_STATE  # (here: only the lifespan needs it)
+            scope["state"][SEND_TIMEOUT_STATE] = self.send_timeout_s
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
 
