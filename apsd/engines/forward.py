@@ -16,7 +16,8 @@ without a model, from ``POST /infer``, to any), in a task of its own:
   the client asked for it.
 * Tokens reach the client's stream as they arrive, never waiting for the client: the backend's
   slot is freed at the backend's pace, a slow reader only delays itself, and the request is
-  charged what the backend generated (what waits for a slow reader is bounded by its output limit).
+  charged what the backend generated (what waits for a slow reader is bounded by its output limit,
+  and a reader that takes nothing for ``[server] send_timeout_s`` is dropped).
 * The end settles against the backend's usage: ``prompt_tokens`` and ``tokens_generated`` become
   the backend's figures, and admission gives back or takes the difference with what it reserved.
   Usage is untrusted: a figure that is not a believable count fails the request and the backend
