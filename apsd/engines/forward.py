@@ -511,7 +511,7 @@ class ForwardEngine:
     def _answer_unserved(self, model: str | None, for_s: float) -> None:
         what = f"the model {model!r}" if model is not None else "any model"
         queued = [r for r in self.ledger.outstanding if r.dispatched_at is None and not r.answered
-                  and (model is None or r.model == model)]
+                  and r.model == model]   # (None: the requests for any model, POST /infer's)
         if not queued:
             return
         log.warning("%d queued requests for %s answered 503 no_backend: no backend up for %.0f s",
