@@ -96,6 +96,8 @@ class ForwardEngine:
     _asked: bool = attrs.field(default=False, init=False)
     #: The last answer was empty: no asking until capacity changes.
     _blocked: bool = attrs.field(default=False, init=False)
+    #: Capacity changed while an ask was out: its empty answer may be stale, so it must not block.
+    _changed_while_asking: bool = attrs.field(default=False, init=False)
     #: The scope of the engine's wait for an answer: cancelled when it should look at its room again.
     _wait_scope: trio.CancelScope | None = attrs.field(default=None, init=False)
     _dispatches: int = attrs.field(default=0, init=False)
@@ -158,6 +160,7 @@ class ForwardEngine:
     def _changed_now(self) -> None:
         """Capacity may have grown (a request ended, a backend came back): the engine may ask again."""
         self._blocked = False
+        self._changed_while_asking = self._asked   # (an empty answer to that ask is stale then)
         if self._wait_scope is not None and not self._asked:
             self._wait_scope.cancel()
 
@@ -201,7 +204,8 @@ class ForwardEngine:
         if not dispatch.requests:
             # the next request in queue order fits none of the free slots (its model's backends are
             # full): ask again only once something changed, or this would spin
-            self._blocked = True
+            self._blocked = not self._changed_while_asking
+            self._changed_while_asking = False
             return
         self._dispatches += 1
         assert self._nursery is not None
@@ -438,11 +442,11 @@ class ForwardEngine:
         next_health = next_metrics = self.clock.now()
         while True:
             now = self.clock.now()
-            if now >= next_health:
+            if self.clock.reached(next_health):   # (not now >= ...: a rounding error would spin)
                 next_health = now + settings.health_interval_s
                 await self._check_health(backend)
             reads_metrics = backend.healthy and backend.has_metrics is not False
-            if reads_metrics and self.clock.now() >= next_metrics:
+            if reads_metrics and self.clock.reached(next_metrics):
                 next_metrics = self.clock.now() + settings.metrics_interval_s
                 await self._read_metrics(backend)
             await self.clock.sleep_until(min(next_health, next_metrics) if reads_metrics else next_health)
