@@ -2,7 +2,7 @@
 
 * ``apsd [--policy P] [--host H] [--port N] [CONFIG]`` runs the daemon.
 * ``apsd plugins [--json]`` lists every registered plugin and what it provides.
-* ``apsd hash-key [--new]`` makes an API key's hash for the config (:mod:`apsd.auth`).
+* ``apsd hash-key [--new]`` makes an API key's hash for the config (:mod:`apsd.serve.auth`).
 * ``apsd simulate --workload W [--policy P ...]`` compares policies on one workload in
   virtual time and writes a report (:mod:`apsd.sim.runner`, :mod:`apsd.sim.report`).
 * ``apsd research`` runs the research suite and writes ``docs/research.md`` (:mod:`apsd.sim.research`).
@@ -29,11 +29,11 @@ from typing import Any
 import attrs
 import trio
 
-from . import __version__
-from .config import Config, ConfigError, load_config
-from .daemon import Daemon
-from .logs import configure_logging
-from .plugins import PluginError, describe_plugins, load_policy_registry, load_profile_registry, make_plugin_manager
+from apsd.core.version import VERSION as __version__
+from apsd.core.config import Config, ConfigError, load_config
+from apsd.serve.daemon import Daemon
+from apsd.serve.logs import configure_logging
+from apsd.plugins import PluginError, describe_plugins, load_policy_registry, load_profile_registry, make_plugin_manager
 
 __all__ = ["main"]
 
@@ -96,7 +96,7 @@ def plugins_main(argv: Sequence[str]) -> int:
 
 
 def hash_key_main(argv: Sequence[str]) -> int:
-    from .auth import MIN_KEY_CHARS, hash_key, is_usable_key, new_key
+    from apsd.serve.auth import MIN_KEY_CHARS, hash_key, is_usable_key, new_key
 
     parser = argparse.ArgumentParser(
         prog="apsd hash-key",
@@ -161,8 +161,8 @@ def simulate_parser() -> argparse.ArgumentParser:
 
 
 def simulate_main(argv: Sequence[str]) -> int:
-    from .sim import workloads
-    from .sim.runner import parse_policy_choice, run_policy, simulation_config
+    from apsd.sim import workloads
+    from apsd.sim.runner import parse_policy_choice, run_policy, simulation_config
 
     parser = simulate_parser()
     args = parser.parse_args(argv)
@@ -202,7 +202,7 @@ def simulate_main(argv: Sequence[str]) -> int:
         parser.exit(2, f"apsd simulate: error: {exc}\n")
     except PluginError as exc:
         parser.exit(1, f"apsd simulate: plugin error: {exc}\n")
-    from .sim.report import format_summary_table, summarize, write_report
+    from apsd.sim.report import format_summary_table, summarize, write_report
 
     out = Path(args.out or Path("apsd-sim") / workload.name)
     written = write_report(runs, out, plots=not args.no_plots)
@@ -220,7 +220,7 @@ def simulate_main(argv: Sequence[str]) -> int:
 
 def _simulate_replicas(args: argparse.Namespace, workload: Any, choices: Sequence[Any], config: Config) -> int:
     """``apsd simulate --replicas``: the sync periods compared, as a table on stdout."""
-    from .sim.replicas import run_replicas
+    from apsd.sim.replicas import run_replicas
 
     if args.replicas < 2:
         raise ConfigError(f"--replicas: must be 2 or more, got {args.replicas}")
@@ -278,9 +278,9 @@ def _positive_int(text: str) -> int:
 
 
 def profile_main(argv: Sequence[str]) -> int:
-    from .engines.profiles import ProfileError
-    from .plugins import load_profile_registry
-    from .sim.profile import profile_deployment
+    from apsd.engines.profiles import ProfileError
+    from apsd.plugins import load_profile_registry
+    from apsd.sim.profile import profile_deployment
 
     parser = argparse.ArgumentParser(
         prog="apsd profile",
@@ -332,7 +332,7 @@ def profile_main(argv: Sequence[str]) -> int:
 
 
 def research_main(argv: Sequence[str]) -> int:
-    from .sim.research import (CONTINUOUS_ENGINE, ISOLATION_SCALED, ISOLATION_WORKLOADS, POLICIES, SCALED, WORKLOADS,
+    from apsd.sim.research import (CONTINUOUS_ENGINE, ISOLATION_SCALED, ISOLATION_WORKLOADS, POLICIES, SCALED, WORKLOADS,
                                write_research)
 
     engine = CONTINUOUS_ENGINE

@@ -33,19 +33,19 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from .admission import Admission, estimate_tokens
-from .clock import ModelClock
-from .config import Config
-from .engines import Demand, Engine, EngineStatistics, ForwardEngine, build_engines
-from .engines.backends import BackendClient, BackendStatistics
-from .engines.micro import FaultInjector
-from .engines.profiles import ProfileRegistry
-from .events import EventBus
-from .ledger import Ledger, LedgerStatistics
-from .models import Dispatch, InferenceRequest, Refusal
-from .policy import PolicySet
-from .scheduler import Scheduler
-from .store import Store, build_store
+from apsd.core.admission import Admission, estimate_tokens
+from apsd.core.clock import ModelClock
+from apsd.core.config import Config
+from apsd.engines import Demand, Engine, EngineStatistics, ForwardEngine, build_engines
+from apsd.engines.backends import BackendClient, BackendStatistics
+from apsd.engines.micro import FaultInjector
+from apsd.engines.profiles import ProfileRegistry
+from apsd.core.events import EventBus
+from apsd.core.ledger import Ledger, LedgerStatistics
+from apsd.core.models import Dispatch, InferenceRequest, Refusal
+from apsd.core.policy import PolicySet
+from apsd.core.scheduler import Scheduler
+from apsd.store import Store, build_store
 
 __all__ = ["GovernorView", "Health", "Pipeline", "PipelineStatistics", "TenantStatus", "open_pipeline"]
 
@@ -189,7 +189,7 @@ class Pipeline:
 
     # -- the way in ------------------------------------------------------------------------
     def estimate_prompt_tokens(self, prompt: str) -> int:
-        """Prompt tokens, estimated (:func:`apsd.admission.estimate_tokens`)."""
+        """Prompt tokens, estimated (:func:`apsd.core.admission.estimate_tokens`)."""
         return estimate_tokens(prompt, self.config.admission)
 
     def new_request(self, *, tenant_id: str, prompt: str, tokens_requested: int, priority_bid: int,
@@ -199,7 +199,7 @@ class Pipeline:
         """A request ready to submit; ``timeout_s`` (model seconds, > 0) may shorten ``[queue] timeout_s``
         for it (a longer one is clamped to the config's when it is queued). ``model``, ``api``,
         ``payload`` and ``open_ended`` describe an OpenAI-style request (see
-        :class:`~apsd.models.InferenceRequest`). ``request_id``: the client's own (``X-Request-Id``,
+        :class:`~apsd.core.models.InferenceRequest`). ``request_id``: the client's own (``X-Request-Id``,
         already checked by the HTTP layer); None: apsd numbers it."""
         if timeout_s is not None and not 0 < timeout_s < math.inf:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")

@@ -21,10 +21,11 @@ from typing import Any
 
 import pluggy
 
-from . import hookspecs
-from .config import Config
-from .engines.profiles import ProfileRegistry
-from .policy import POLICY_KINDS, PluginError, PolicyRegistry, PolicySet
+from apsd.core import hookspecs
+from apsd.core.version import VERSION
+from apsd.core.config import Config
+from apsd.engines.profiles import ProfileRegistry
+from apsd.core.policy import POLICY_KINDS, PluginError, PolicyRegistry, PolicySet
 
 __all__ = [
     "DEFAULT_PLUGINS",
@@ -44,7 +45,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "apsd.policies.governor",
     "apsd.policies.batching",
     "apsd.engines.profiles",
-    "apsd.logs",
+    "apsd.serve.logs",
 )
 
 ENTRY_POINT_GROUP = "apsd"
@@ -126,7 +127,7 @@ def build_policies(config: Config, preset: str | None = None, *,
                    plugin_manager: pluggy.PluginManager | None = None) -> PolicySet:
     """The policies ``config`` (and ``preset``) select, from built-ins and installed plugins.
 
-    Raises :class:`~apsd.config.ConfigError` or :class:`PluginError`.
+    Raises :class:`~apsd.core.config.ConfigError` or :class:`PluginError`.
     """
     pm = plugin_manager or make_plugin_manager()
     return load_policy_registry(pm).build(config, preset)
@@ -136,8 +137,6 @@ def describe_plugins(pm: pluggy.PluginManager, registry: PolicyRegistry,
                      profiles: ProfileRegistry | None = None) -> list[dict[str, Any]]:
     """One dict per registered plugin: name, distribution, version, built-in, what it provides
     (policies, presets and, given ``profiles``, GPU and model profiles)."""
-    from . import __version__
-
     dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
     described = []
     for plugin in pm.get_plugins():
@@ -157,7 +156,7 @@ def describe_plugins(pm: pluggy.PluginManager, registry: PolicyRegistry,
         described.append({
             "name": name,
             "distribution": "apsd" if builtin else (dist.project_name if dist else None),
-            "version": __version__ if builtin else (dist.version if dist else None),
+            "version": VERSION if builtin else (dist.version if dist else None),
             "builtin": builtin,
             "provides": {k: v for k, v in provides.items() if v},
             "hooks": hooks,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from apsd.config import Config, parse_config  # noqa: E402
+from apsd.core.config import Config, parse_config  # noqa: E402
 from apsd.sim.runner import parse_policy_choice, run_policy  # noqa: E402
 from apsd.sim.workloads import build_workload  # noqa: E402
 from tests.test_isolation import (CONTINUOUS_FLOOD, ISOLATING_ENGINE, latency, max_backlogged_service_gap,  # noqa: E402

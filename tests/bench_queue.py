@@ -58,7 +58,7 @@ try:
 except ImportError:  # running from a checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from apsd.models import Completion, InferenceRequest
+from apsd.core.models import Completion, InferenceRequest
 from apsd.policies.aging import ApsQueue, FifoQueue, HeapQueue, StaticQueue
 from apsd.policies.fair import FairQueue, FairShareQueue
 

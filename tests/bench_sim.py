@@ -20,7 +20,7 @@ import sys
 
 import attrs
 
-from apsd.config import Config, EngineConfig
+from apsd.core.config import Config, EngineConfig
 from apsd.plugins import make_plugin_manager
 from apsd.sim.runner import parse_policy_choice, run_policy
 from apsd.sim.workloads import build_workload

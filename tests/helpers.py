@@ -16,12 +16,12 @@ import attrs
 import httpx
 import trio
 
-from apsd.config import Config, GpuConfig, parse_config
-from apsd.daemon import Daemon
-from apsd.models import InferenceRequest
+from apsd.core.config import Config, GpuConfig, parse_config
+from apsd.serve.daemon import Daemon
+from apsd.core.models import InferenceRequest
 from apsd.pipeline import Pipeline
 from apsd.plugins import load_policy_registry, make_plugin_manager
-from apsd.policy import PolicySet
+from apsd.core.policy import PolicySet
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The installed ``apsd`` command of the interpreter running the tests.
@@ -68,7 +68,7 @@ class LiveDaemon:
 async def start_daemon(nursery: trio.Nursery, config: Config, preset: str | None = None,
                        plugins: Sequence[object] = ()) -> LiveDaemon:
     """A daemon in this process on the config's address (port 0: any free one), built-in plugins
-    only, and ``plugins`` (objects with ``@apsd.hookspecs.hookimpl`` methods, e.g. recorders)."""
+    only, and ``plugins`` (objects with ``@apsd.core.hookspecs.hookimpl`` methods, e.g. recorders)."""
     plugin_manager = make_plugin_manager(load_entry_points=False)
     for plugin in plugins:
         plugin_manager.register(plugin)

@@ -6,11 +6,12 @@ import math
 import pytest
 import trio
 
-from apsd.admission import Admission, TokenBucket
-from apsd.clock import ModelClock
-from apsd.config import TenantConfig
-from apsd.ledger import Ledger
-from apsd.models import InferenceRequest
+from apsd.core.admission import Admission
+from apsd.core.bucket import TokenBucket
+from apsd.core.clock import ModelClock
+from apsd.core.config import TenantConfig
+from apsd.core.ledger import Ledger
+from apsd.core.models import InferenceRequest
 from apsd.policies.batching import MicroBatching, MicroParams
 
 
@@ -104,7 +105,7 @@ async def test_refusal_order(autojump_clock):
 async def test_a_request_that_ends_gives_back_what_it_did_not_use(autojump_clock):
     """Settlement on request_finished: nothing charged for a request that never started; prompt +
     generated tokens for one that ran, whatever its outcome (failed included)."""
-    from apsd.models import Dispatch, Refusal
+    from apsd.core.models import Dispatch, Refusal
 
     admission = make_admission(ModelClock())
     ledger = admission.ledger
@@ -159,7 +160,7 @@ async def test_one_tenant_cannot_fill_the_shared_queue(autojump_clock):
 
 async def test_queued_tokens_are_bounded_and_given_back(autojump_clock):
     """[queue] max_tokens: 503 queue_full once admitting would pass it; room returns as requests leave."""
-    from apsd.models import Refusal
+    from apsd.core.models import Refusal
 
     admission = make_admission(ModelClock())
     admission.max_queued_tokens = 250
@@ -183,7 +184,7 @@ async def test_the_ledger_keeps_totals_and_logs_who_changed(autojump_clock):
     """Figures over all tenants are running totals (read without a loop over tenants), equal to the
     sums over the tenants and the unattributed refusals; the change log names each configured
     tenant whose counters moved since a mark, once, and never a name nobody configured."""
-    from apsd.models import Refusal
+    from apsd.core.models import Refusal
 
     admission = Admission(tenants={"a": TenantConfig(rate=1e6, burst=10**6), "b": TenantConfig(rate=1e6, burst=10**6)},
                           batching=MicroBatching(MicroParams()), ledger=Ledger(tenant_names=["a", "b"]),
@@ -244,7 +245,7 @@ class FlakyState:
 async def shared_admissions(count, tenant, state=None):
     """``count`` admissions over leasing stores sharing ``state`` (a :class:`FlakyState` by default),
     every store's exchange task running; (state, stores, admissions)."""
-    from apsd.config import StoreConfig
+    from apsd.core.config import StoreConfig
     from apsd.store.leasing import LeasingStore
 
     state = state or FlakyState()

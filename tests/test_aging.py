@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from apsd.models import InferenceRequest
+from apsd.core.models import InferenceRequest
 from apsd.policies.aging import ApsQueue, FifoQueue, StaticQueue
 
 

@@ -11,10 +11,10 @@ import attrs
 import httpx
 import pytest
 
-from apsd import auth
-from apsd.auth import METRICS_READER, Caller, KeyRing, check_exposure, hash_key, is_loopback, new_key
-from apsd.config import AuthConfig, ConfigError, ServerConfig, TenantConfig, load_config, parse_config
-from apsd.daemon import Daemon
+from apsd.serve import auth
+from apsd.serve.auth import METRICS_READER, Caller, KeyRing, check_exposure, hash_key, is_loopback, new_key
+from apsd.core.config import AuthConfig, ConfigError, ServerConfig, TenantConfig, load_config, parse_config
+from apsd.serve.daemon import Daemon
 from apsd.plugins import make_plugin_manager
 
 from .helpers import FAST_GPU, make_config, start_daemon

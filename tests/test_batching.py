@@ -1,4 +1,4 @@
-from apsd.models import Capacity, InferenceRequest
+from apsd.core.models import Capacity, InferenceRequest
 from apsd.policies.aging import StaticQueue
 from apsd.policies.batching import MicroBatching, MicroParams
 

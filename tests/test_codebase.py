@@ -24,7 +24,7 @@ def test_no_asyncio_anywhere():
 
 
 #: The simulator times its own speed (wall seconds around trio.run, outside the virtual clock).
-#: OpenAI answers carry ``created``, a Unix timestamp (apsd.http.openai.unix_time; it times nothing).
+#: OpenAI answers carry ``created``, a Unix timestamp (apsd.serve.http.openai.unix_time; it times nothing).
 WALL_CLOCK_ALLOWED = {("runner.py", "perf_counter"), ("openai.py", "time")}
 
 

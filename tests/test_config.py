@@ -3,7 +3,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from apsd.config import Config, ConfigError, load_config
+from apsd.core.config import Config, ConfigError, load_config
 
 from .helpers import build_policies, make_config
 

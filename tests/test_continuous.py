@@ -10,12 +10,12 @@ import pytest
 import trio
 import trio.testing
 
-from apsd.config import EngineConfig, TenantConfig
+from apsd.core.config import EngineConfig, TenantConfig
 from apsd.engines import deployment_for
 from apsd.engines.continuous import ContinuousEngine
-from apsd.models import Completion, Refusal
+from apsd.core.models import Completion, Refusal
 from apsd.pipeline import open_pipeline
-from apsd.streams import TokenChunk, TokenStream
+from apsd.core.streams import TokenChunk, TokenStream
 
 from .helpers import build_policies, make_config
 

@@ -23,10 +23,10 @@ import pytest
 import yaml
 
 import apsd
-from apsd.auth import check_exposure
+from apsd.serve.auth import check_exposure
 from apsd.cli import build_parser
-from apsd.config import Config
-from apsd.daemon import HTTP_GRACEFUL_TIMEOUT_S
+from apsd.core.config import Config
+from apsd.serve.daemon import HTTP_GRACEFUL_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
@@ -96,7 +96,7 @@ def configmap_config() -> Config:
         return apsd.parse_config(tomllib.loads(configmap_text()), "<configmap>")
     except apsd.ConfigError as exc:
         if "store" in str(exc):
-            # TODO(issue 15): remove once [store] is in apsd.config.
+            # TODO(issue 15): remove once [store] is in apsd.core.config.
             pytest.xfail("store section not yet built")
         raise
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import apsd
-from apsd.models import InferenceRequest, Refusal
+from apsd.core.models import InferenceRequest, Refusal
 from apsd.policies.fair import ChargeWeights, FairQueue
 from tests.helpers import make_config
 

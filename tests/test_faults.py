@@ -15,10 +15,10 @@ import pytest
 import trio
 import trio.testing
 
-from apsd.http import metrics_document
-from apsd.config import ConfigError, GpuConfig, QueueConfig, TenantConfig
+from apsd.serve.http import metrics_document
+from apsd.core.config import ConfigError, GpuConfig, QueueConfig, TenantConfig
 from apsd.engines.micro import FaultInjector
-from apsd.models import Completion, InferenceRequest, Refusal
+from apsd.core.models import Completion, InferenceRequest, Refusal
 from apsd.pipeline import Pipeline, open_pipeline
 
 from . import helpers

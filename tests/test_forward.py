@@ -10,12 +10,12 @@ import pytest
 import trio
 import trio.testing
 
-from apsd.clock import ModelClock
-from apsd.config import BackendConfig, ForwardConfig, TenantConfig, parse_config
+from apsd.core.clock import ModelClock
+from apsd.core.config import BackendConfig, ForwardConfig, TenantConfig, parse_config
 from apsd.engines.backends import SimulatedBackendClient, SimulatedServer, parse_load
-from apsd.models import Completion
+from apsd.core.models import Completion
 from apsd.pipeline import open_pipeline
-from apsd.streams import TokenStream
+from apsd.core.streams import TokenStream
 
 from .helpers import build_policies
 
@@ -212,7 +212,7 @@ def test_load_is_read_from_vllm_and_llama_cpp_metrics():
 
 
 def test_backends_config_is_checked():
-    from apsd.config import ConfigError
+    from apsd.core.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"backends\[0\].max_concurrency: must be between 1"):
         parse_config({"backends": [{"url": "http://a", "max_concurrency": 0}]}, "x")
@@ -225,7 +225,7 @@ def test_backends_config_is_checked():
 async def test_per_backend_statistics_reach_prometheus(autojump_clock):
     from prometheus_client.parser import text_string_to_metric_families
 
-    from apsd.prometheus import exporter_for
+    from apsd.serve.prometheus import exporter_for
 
     servers = {"a": SimulatedServer(), "b": SimulatedServer(down=True)}
     config = forward_config(servers)

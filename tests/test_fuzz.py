@@ -58,7 +58,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from apsd.models import Completion
+from apsd.core.models import Completion
 
 APSD = str(Path(sys.executable).with_name("apsd"))
 LISTENING = re.compile(r"apsd listening on (http://\S+)")

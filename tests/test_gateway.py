@@ -11,7 +11,7 @@ import httpx
 import pytest
 import trio
 
-from apsd.config import ServerConfig, TenantConfig, parse_config
+from apsd.core.config import ServerConfig, TenantConfig, parse_config
 
 from .helpers import start_apsd, start_daemon, stop_apsd
 from .llama_server import (  # noqa: F401  (fixtures)

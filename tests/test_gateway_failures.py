@@ -14,7 +14,7 @@ import httpx
 import pytest
 import trio
 
-from apsd.config import ServerConfig, TenantConfig, parse_config
+from apsd.core.config import ServerConfig, TenantConfig, parse_config
 
 from .helpers import start_daemon
 from .llama_server import (  # noqa: F401  (fixtures)

@@ -46,9 +46,9 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from apsd.config import ServerConfig, TenantConfig, parse_config
-from apsd.hookspecs import hookimpl
-from apsd.strictjson import MAX_DEPTH
+from apsd.core.config import ServerConfig, TenantConfig, parse_config
+from apsd.core.hookspecs import hookimpl
+from apsd.core.strictjson import MAX_DEPTH
 
 from .helpers import LiveDaemon, start_daemon
 from .standin_backend import (DONE, Exchange, Reply, StandinBackend, chat_answer, open_standin_backend, sse,

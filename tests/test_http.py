@@ -12,8 +12,8 @@ import httpx
 import pytest
 import trio
 
-from apsd.http import metrics_document
-from apsd.config import AdmissionConfig, GpuConfig, ServerConfig, TenantConfig
+from apsd.serve.http import metrics_document
+from apsd.core.config import AdmissionConfig, GpuConfig, ServerConfig, TenantConfig
 
 from .helpers import make_config, start_daemon
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import trio
 
-from apsd.config import Config, parse_config
+from apsd.core.config import Config, parse_config
 from apsd.sim.runner import parse_policy_choice, run_policy
 from apsd.sim.workloads import build_workload
 

@@ -22,7 +22,7 @@ import h11
 import trio
 import trio.testing
 
-from apsd.config import ServerConfig
+from apsd.core.config import ServerConfig
 
 from .helpers import FAST_GPU, ROOT, make_config, start_daemon
 
@@ -175,11 +175,11 @@ async def test_an_idle_connection_is_still_closed_after_the_timeout(nursery):
 
 
 def test_the_hypercorn_that_serving_was_written_for():
-    """apsd.serving overrides private methods of hypercorn's trio TCPServer: the installed hypercorn
+    """apsd.serve.server overrides private methods of hypercorn's trio TCPServer: the installed hypercorn
     must be the release it was written against (pyproject.toml pins it), with those methods."""
     from hypercorn.trio.tcp_server import TCPServer
 
-    from apsd import serving
+    from apsd.serve import server as serving
 
     assert version("hypercorn") == serving.HYPERCORN_VERSION
     for name in ("_read_data", "_idle_timeout", "_initiate_server_close", "protocol_send"):

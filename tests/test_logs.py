@@ -50,9 +50,9 @@ async def test_text_logs_and_prompts_only_when_asked():
 def test_text_fields_are_quoted_so_client_values_cannot_forge_lines():
     import logging
 
-    from apsd.logs import TextFormatter
+    from apsd.serve.logs import TextFormatter
 
-    record = logging.LogRecord("apsd.events", logging.INFO, __file__, 1, "request rejected", None, None)
+    record = logging.LogRecord("apsd.core.events", logging.INFO, __file__, 1, "request rejected", None, None)
     record.event, record.tenant = "reject", "x\n2026-01-01 00:00:00 INFO apsd: forged event=ready"
     line = TextFormatter().format(record)
     assert "\n" not in line and 'tenant="x\\n2026' in line and "event=reject" in line

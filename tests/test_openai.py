@@ -18,11 +18,11 @@ import pytest
 import trio
 from httpx_sse import aconnect_sse
 
-from apsd.auth import hash_key
-from apsd.config import ConfigError, GpuConfig, ServerConfig, TenantConfig, parse_config
-from apsd.hookspecs import hookimpl
-from apsd.http.common import BodyError
-from apsd.http.openai import CHAT, COMPLETIONS, parse_openai_body, placeholder_text, priority_bid
+from apsd.serve.auth import hash_key
+from apsd.core.config import ConfigError, GpuConfig, ServerConfig, TenantConfig, parse_config
+from apsd.core.hookspecs import hookimpl
+from apsd.serve.http.common import BodyError
+from apsd.serve.http.openai import CHAT, COMPLETIONS, parse_openai_body, placeholder_text, priority_bid
 
 from .helpers import FAST_GPU, LiveDaemon, make_config, start_daemon
 

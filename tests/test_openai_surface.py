@@ -9,7 +9,7 @@ import attrs
 import pytest
 import trio
 
-from apsd.config import ServerConfig, TenantConfig, parse_config
+from apsd.core.config import ServerConfig, TenantConfig, parse_config
 
 from .helpers import FAST_GPU, make_config, start_daemon
 from .llama_server import (  # noqa: F401  (fixtures)

@@ -7,9 +7,9 @@ import math
 import pytest
 import trio
 
-from apsd.http import metrics_document
-from apsd.config import EngineConfig, GpuConfig, TenantConfig
-from apsd.models import Completion
+from apsd.serve.http import metrics_document
+from apsd.core.config import EngineConfig, GpuConfig, TenantConfig
+from apsd.core.models import Completion
 from apsd.pipeline import open_pipeline
 
 from .helpers import build_policies, make_config

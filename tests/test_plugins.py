@@ -14,12 +14,12 @@ import httpx
 import pytest
 
 import apsd
-from apsd import hookspecs
-from apsd.http import metrics_document
-from apsd.config import EngineConfig, GpuConfig, ServerConfig, TenantConfig
-from apsd.daemon import Daemon
-from apsd.events import EventBus
-from apsd.models import Completion
+from apsd.core import hookspecs
+from apsd.serve.http import metrics_document
+from apsd.core.config import EngineConfig, GpuConfig, ServerConfig, TenantConfig
+from apsd.serve.daemon import Daemon
+from apsd.core.events import EventBus
+from apsd.core.models import Completion
 from apsd.pipeline import open_pipeline
 from apsd.plugins import PluginError, load_policy_registry, make_plugin_manager
 from apsd.policies.aging import ApsQueue

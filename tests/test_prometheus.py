@@ -11,11 +11,11 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from apsd.http import create_app
-from apsd.config import ServerConfig, TenantConfig
+from apsd.serve.http import create_app
+from apsd.core.config import ServerConfig, TenantConfig
 from apsd.pipeline import open_pipeline
-from apsd.prometheus import exporter_for, negotiate
-from apsd.scheduler import Scheduler
+from apsd.serve.prometheus import exporter_for, negotiate
+from apsd.core.scheduler import Scheduler
 
 from .helpers import build_policies, make_config, start_daemon
 

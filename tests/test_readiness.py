@@ -10,9 +10,9 @@ import attrs
 import pytest
 import trio
 
-from apsd.config import GpuConfig, ServerConfig, TenantConfig, parse_config
+from apsd.core.config import GpuConfig, ServerConfig, TenantConfig, parse_config
 from apsd.engines.backends import BackendStatistics
-from apsd.readiness import decide_readiness
+from apsd.serve.readiness import decide_readiness
 
 from .helpers import FAST_GPU, make_config, start_daemon
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import trio
 
-from apsd.http import metrics_document
-from apsd.config import EngineConfig, GpuConfig, ServerConfig, TenantConfig
-from apsd.models import Completion
+from apsd.serve.http import metrics_document
+from apsd.core.config import EngineConfig, GpuConfig, ServerConfig, TenantConfig
+from apsd.core.models import Completion
 from apsd.pipeline import open_pipeline
 
 from .helpers import build_policies, make_config

@@ -9,7 +9,7 @@ import attrs
 import numpy as np
 import pytest
 
-from apsd.config import Config, EngineConfig, TenantConfig
+from apsd.core.config import Config, EngineConfig, TenantConfig
 from apsd.plugins import make_plugin_manager
 from apsd.sim.records import Arrival, BatchRecord, EngineRecord, GovernorSample, PolicyRun, RequestRecord, Workload
 from apsd.sim.report import (FAIRNESS_DEFINITION, PLOT_FILES, SERVICE_DIFFERENCE_DEFINITION, _busy_cumulative,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from apsd import cli
-from apsd.hookspecs import hookimpl
+from apsd.core.hookspecs import hookimpl
 from apsd.plugins import load_policy_registry, make_plugin_manager
 from apsd.sim import research
 from apsd.sim.report import summarize, write_report

@@ -11,8 +11,8 @@ import pytest
 import trio
 import trio.testing
 
-from apsd.config import Config
-from apsd.models import Completion
+from apsd.core.config import Config
+from apsd.core.models import Completion
 from apsd.pipeline import open_pipeline
 from apsd.plugins import build_policies, make_plugin_manager
 from apsd.sim.records import Arrival, Workload

@@ -22,8 +22,8 @@ import h11
 import pytest
 import trio
 
-from apsd.config import GpuConfig, ServerConfig, TenantConfig
-from apsd.hookspecs import hookimpl
+from apsd.core.config import GpuConfig, ServerConfig, TenantConfig
+from apsd.core.hookspecs import hookimpl
 
 from .helpers import LiveDaemon, make_config, start_daemon
 

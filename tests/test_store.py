@@ -20,7 +20,7 @@ import httpx
 import pytest
 import trio
 
-from apsd.config import ConfigError, parse_config
+from apsd.core.config import ConfigError, parse_config
 
 from .helpers import LiveDaemon, make_config, run_cli, start_apsd, start_daemon, stop_apsd
 from .redis_server import open_redis_server
@@ -107,7 +107,7 @@ async def test_two_replicas_keep_a_4_to_1_share_when_traffic_is_skewed_9_to_1(sh
     what its 22 clients bring (about 70% of its service) and the first gives ``lead`` its 20%, about
     2.9:1. (With 30 light clients a replica, each replica is 4:1 by itself, shared or not: that proves
     nothing about sharing, hence 22.)"""
-    from apsd.models import Completion
+    from apsd.core.models import Completion
     from apsd.store.simulated import SimulatedSharedState, simulated_store
 
     config = make_config({"policy": {"preset": "fair"}, "tenants": WEIGHTED})
@@ -348,7 +348,7 @@ async def test_the_simulated_shared_state_exchanges_as_the_lua_scripts_do():
 
 
 def test_simulated_replicas_stay_within_what_the_buckets_grant():
-    from apsd.config import TenantConfig
+    from apsd.core.config import TenantConfig
     from apsd.sim.replicas import run_replicas
     from apsd.sim.runner import parse_policy_choice
     from apsd.sim.workloads import build_workload

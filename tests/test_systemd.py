@@ -25,12 +25,12 @@ import httpx
 import pytest
 import trio
 
-from apsd.config import GpuConfig, TenantConfig, load_config
-from apsd.daemon import HTTP_GRACEFUL_TIMEOUT_S, Daemon
+from apsd.core.config import GpuConfig, TenantConfig, load_config
+from apsd.serve.daemon import HTTP_GRACEFUL_TIMEOUT_S, Daemon
 from apsd.pipeline import GovernorView, Health
-from apsd.notify import ProgressProbe, SystemdNotifier, serve_status, serve_watchdog, status_line
+from apsd.serve.notify import ProgressProbe, SystemdNotifier, serve_status, serve_watchdog, status_line
 from apsd.pipeline import open_pipeline
-from apsd.scheduler import Scheduler
+from apsd.core.scheduler import Scheduler
 
 from .helpers import build_policies, make_config
 
@@ -187,7 +187,7 @@ async def test_a_bad_notify_socket_is_logged_once_and_apsd_still_serves(value):
         assert (await health(url)).status_code == 200
         assert await apsd.stop() == 0
     assert apsd.log.count("sd_notify") == 1, apsd.log
-    assert "WARNING apsd.notify" in apsd.log
+    assert "WARNING apsd.serve.notify" in apsd.log
 
 
 # -- the notifier and its loops, in process ----------------------------------------------------
@@ -246,7 +246,7 @@ async def test_a_disabled_notifier_does_nothing():
 
 async def test_send_failures_are_logged_once(tmp_path, caplog):
     notifier = SystemdNotifier(str(tmp_path / "nobody"))
-    with caplog.at_level(logging.DEBUG, logger="apsd.notify"):
+    with caplog.at_level(logging.DEBUG, logger="apsd.serve.notify"):
         assert not any([await notifier.watchdog() for _ in range(3)])
     levels = [r.levelno for r in caplog.records]
     assert levels == [logging.WARNING, logging.DEBUG, logging.DEBUG]
@@ -255,7 +255,7 @@ async def test_send_failures_are_logged_once(tmp_path, caplog):
 
 async def test_watchdog_pings_only_while_alive(tmp_path, autojump_clock, caplog):
     alive = True
-    with receiver(tmp_path) as (path, sock), caplog.at_level(logging.WARNING, logger="apsd.notify"):
+    with receiver(tmp_path) as (path, sock), caplog.at_level(logging.WARNING, logger="apsd.serve.notify"):
         notifier = SystemdNotifier(path, watchdog_timeout_s=2.0)
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_watchdog, notifier, lambda: alive)

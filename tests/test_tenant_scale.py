@@ -19,9 +19,9 @@ import pytest
 import trio
 
 import apsd
-import apsd.prometheus
-from apsd.config import QueueConfig, ServerConfig, TenantConfig
-from apsd.ledger import ChangeLog
+import apsd.serve.prometheus
+from apsd.core.config import QueueConfig, ServerConfig, TenantConfig
+from apsd.core.ledger import ChangeLog
 from apsd.pipeline import Pipeline
 
 from .helpers import FAST_GPU, LiveDaemon, make_config, start_daemon
@@ -144,7 +144,7 @@ async def test_a_scrape_being_rendered_does_not_hold_up_requests(monkeypatch):
     rendering = trio.Event()
     release = threading.Event()
     threads: list[threading.Thread] = []
-    render = apsd.prometheus._render
+    render = apsd.serve.prometheus._render
 
     def held_render(*args: Any, **kwargs: Any) -> bytes:
         threads.append(threading.current_thread())
@@ -155,7 +155,7 @@ async def test_a_scrape_being_rendered_does_not_hold_up_requests(monkeypatch):
             assert release.wait(timeout=30), "the test never released the rendering"
         return render(*args, **kwargs)
 
-    monkeypatch.setattr(apsd.prometheus, "_render", held_render)
+    monkeypatch.setattr(apsd.serve.prometheus, "_render", held_render)
     order: list[str] = []
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:

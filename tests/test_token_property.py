@@ -9,7 +9,7 @@ tenant or two (chat or completions bodies with ASCII, CJK and emoji prompts; an 
 any of its names, ``max_tokens``, ``max_completion_tokens``, ``n_predict``, ``max_new_tokens``, or
 none; streamed or not; clients that read or not, and that leave at random moments) and backend
 faults (failures before and after the first token, stalls, recoveries). A request is built as
-``apsd.http.openai._complete`` builds it: its raw JSON body through ``parse_openai_body``, then
+``apsd.serve.http.openai._complete`` builds it: its raw JSON body through ``parse_openai_body``, then
 ``Pipeline.new_request(..., open_ended=..., payload=...)`` and ``submit_nowait``.
 
 **The backend's books.** :class:`CountingClient` wraps the simulated client and counts what the
@@ -79,16 +79,16 @@ import trio.testing
 from hypothesis import HealthCheck, event, example, given, settings, target
 from hypothesis import strategies as st
 
-from apsd.admission import TokenBucket
-from apsd.clock import ModelClock
-from apsd.config import Config, TenantConfig, parse_config
+from apsd.core.bucket import TokenBucket
+from apsd.core.clock import ModelClock
+from apsd.core.config import Config, TenantConfig, parse_config
 from apsd.engines.backends import (Backend, BackendAnswer, OnChunk, SimulatedBackendClient, SimulatedServer,
                                    _simulated_prompt_tokens)
-from apsd.http.openai import CHAT, COMPLETIONS, parse_openai_body, priority_bid
-from apsd.models import LENGTH_ALIASES, Completion, InferenceRequest, Refusal
+from apsd.serve.http.openai import CHAT, COMPLETIONS, parse_openai_body, priority_bid
+from apsd.core.models import LENGTH_ALIASES, Completion, InferenceRequest, Refusal
 from apsd.pipeline import Pipeline, open_pipeline
 from apsd.store.memory import MemoryStore
-from apsd.streams import TokenStream
+from apsd.core.streams import TokenStream
 
 from .helpers import build_policies
 
@@ -515,7 +515,7 @@ async def client(pipeline: Pipeline, request: InferenceRequest, ask: Ask) -> Non
 
 
 def submit(pipeline: Pipeline, books: Books, ask: Ask, number: str) -> InferenceRequest:
-    """Submit ``ask`` as ``apsd.http.openai._complete`` does."""
+    """Submit ``ask`` as ``apsd.serve.http.openai._complete`` does."""
     raw = json.dumps(ask.body, ensure_ascii=ask.ascii).encode()
     body = parse_openai_body(raw, ask.api, pipeline.config)
     request = pipeline.new_request(
@@ -775,5 +775,5 @@ def test_the_backend_watcher_keeps_time_whatever_the_clock_started_at() -> None:
     at trio time 4.1 the check is not due, the sleep returns at once, and the loop spins: in virtual
     time, time stops (an autojump clock never jumps while a task is runnable: :class:`Livelock`
     stops it); in real time it burns a core until the clock passes. (:meth:`ModelClock.reached
-    <apsd.clock.ModelClock.reached>` is the comparison that agrees with the sleep.)"""
+    <apsd.core.clock.ModelClock.reached>` is the comparison that agrees with the sleep.)"""
     run_virtual(watch_for, 10.0)   # 10 health checks and 20 metrics reads

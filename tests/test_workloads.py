@@ -9,7 +9,7 @@ import statistics
 import numpy as np
 import pytest
 
-from apsd.config import Config, TenantConfig
+from apsd.core.config import Config, TenantConfig
 from apsd.engines.micro import GpuModel
 from apsd.policies.governor import shannon_entropy_bits
 from apsd.sim.records import Arrival, Workload

@@ -1,6 +1,6 @@
 """Engines: where admitted requests run.
 
-* :mod:`apsd.engines.base` — the seam: what the scheduler and the pipeline expect of an engine.
+* :mod:`apsd.core.engine` — the seam: what the scheduler and the pipeline expect of an engine.
 * :mod:`apsd.engines.micro` — the seeds' simulated A100, fixed micro-batches (the default).
 * :mod:`apsd.engines.continuous` — iteration-level batching on a roofline model
   (:mod:`apsd.engines.roofline`) of a GPU and a model profile (:mod:`apsd.engines.profiles`).
@@ -16,17 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..clock import ModelClock
-from ..config import Config, ConfigError
-from ..ledger import Ledger
-from ..models import InferenceRequest
-from .base import Demand, Engine, EngineStatistics
-from .continuous import ContinuousEngine
-from .backends import Backend, BackendClient, HttpBackendClient
-from .forward import ForwardEngine
-from .micro import FaultInjector, GpuModel, MicroEngine
-from .profiles import ProfileError, ProfileRegistry, builtin_profiles
-from .roofline import Deployment
+from apsd.core.clock import ModelClock
+from apsd.core.config import Config, ConfigError
+from apsd.core.ledger import Ledger
+from apsd.core.models import InferenceRequest
+from apsd.core.engine import Demand, Engine, EngineStatistics
+from apsd.engines.continuous import ContinuousEngine
+from apsd.engines.backends import Backend, BackendClient, HttpBackendClient
+from apsd.engines.forward import ForwardEngine
+from apsd.engines.micro import FaultInjector, GpuModel, MicroEngine
+from apsd.engines.profiles import ProfileError, ProfileRegistry, builtin_profiles
+from apsd.engines.roofline import Deployment
 
 __all__ = ["Demand", "Engine", "EngineStatistics", "ForwardEngine", "build_engines", "deployment_for"]
 

@@ -32,8 +32,8 @@ import trio
 from httpx_sse import EventSource
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..clock import ModelClock
-from ..config import BackendConfig, ForwardConfig
+from apsd.core.clock import ModelClock
+from apsd.core.config import BackendConfig, ForwardConfig
 
 __all__ = [
     "Backend",

@@ -50,13 +50,13 @@ from collections.abc import Callable
 import attrs
 import trio
 
-from ..clock import ModelClock
-from ..config import Config
-from ..ledger import Ledger
-from ..models import GENERATION_APIS, Capacity, Dispatch, InferenceRequest, Refusal
-from ..streams import TokenChunk
-from .base import Demand, EngineStatistics, completion
-from .roofline import Deployment
+from apsd.core.clock import ModelClock
+from apsd.core.config import Config
+from apsd.core.ledger import Ledger
+from apsd.core.models import GENERATION_APIS, Capacity, Dispatch, InferenceRequest, Refusal
+from apsd.core.streams import TokenChunk
+from apsd.core.engine import Demand, EngineStatistics, completion
+from apsd.engines.roofline import Deployment
 
 __all__ = ["ContinuousEngine"]
 

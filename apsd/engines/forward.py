@@ -54,13 +54,13 @@ from collections.abc import Awaitable, Callable
 import attrs
 import trio
 
-from ..clock import ModelClock
-from ..config import Config, ForwardConfig
-from ..ledger import Ledger
-from ..models import ALL_APIS, LENGTH_ALIASES, Capacity, Completion, Dispatch, InferenceRequest, Refusal
-from ..streams import TokenChunk
-from .backends import Backend, BackendAnswer, BackendClient, BackendError, BackendStatistics
-from .base import UNBOUNDED, Demand, EngineStatistics, completion
+from apsd.core.clock import ModelClock
+from apsd.core.config import Config, ForwardConfig
+from apsd.core.ledger import Ledger
+from apsd.core.models import ALL_APIS, LENGTH_ALIASES, Capacity, Completion, Dispatch, InferenceRequest, Refusal
+from apsd.core.streams import TokenChunk
+from apsd.engines.backends import Backend, BackendAnswer, BackendClient, BackendError, BackendStatistics
+from apsd.core.engine import UNBOUNDED, Demand, EngineStatistics, completion
 
 __all__ = ["ForwardEngine"]
 
@@ -241,7 +241,7 @@ class ForwardEngine:
 
         The client's body is copied one level deep (only top-level keys change; nothing of the
         client's is walked or copied further). Its output limit is apsd's reservation, under every
-        name a backend reads it by (:data:`apsd.http.openai.LENGTH_FIELDS`); a request that set
+        name a backend reads it by (:data:`apsd.serve.http.openai.LENGTH_FIELDS`); a request that set
         none (``open_ended``) is sent without one: the backend generates until it stops, and the
         tenant is charged what it did.
         """

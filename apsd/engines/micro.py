@@ -31,12 +31,12 @@ from collections.abc import Callable
 import attrs
 import trio
 
-from ..clock import ModelClock
-from ..config import Config, GpuConfig
-from ..ledger import Ledger
-from ..models import GENERATION_APIS, Capacity, Dispatch, InferenceRequest, Refusal
-from ..streams import TokenChunk
-from .base import UNBOUNDED, Demand, EngineStatistics, completion
+from apsd.core.clock import ModelClock
+from apsd.core.config import Config, GpuConfig
+from apsd.core.ledger import Ledger
+from apsd.core.models import GENERATION_APIS, Capacity, Dispatch, InferenceRequest, Refusal
+from apsd.core.streams import TokenChunk
+from apsd.core.engine import UNBOUNDED, Demand, EngineStatistics, completion
 
 __all__ = ["FaultInjector", "GpuModel", "MicroEngine"]
 

@@ -18,7 +18,7 @@ from typing import Literal
 
 import attrs
 
-from ..hookspecs import hookimpl
+from apsd.core.hookspecs import hookimpl
 
 __all__ = [
     "BUILTIN_GPUS",
@@ -260,7 +260,7 @@ class ProfileRegistry:
     """Named GPU and model profiles, filled by the built-ins and by plugins.
 
     ``current_plugin`` names whoever is registering (the plugin manager sets it before calling
-    each plugin, as :class:`apsd.policy.PolicyRegistry` does), so a duplicate name's error can
+    each plugin, as :class:`apsd.core.policy.PolicyRegistry` does), so a duplicate name's error can
     say who registered it first. Registering never replaces: two profiles with one name are
     an error, whichever kind.
     """

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from .profiles import GIB, GpuProfile, ModelProfile, ProfileError
+from apsd.engines.profiles import GIB, GpuProfile, ModelProfile, ProfileError
 
 __all__ = [
     "DEFAULT_CHUNK_BUDGET",

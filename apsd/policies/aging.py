@@ -12,57 +12,16 @@ nothing per tick and ``P_eff`` is computed only when reported.
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Iterator
 from typing import Any
 
 import attrs
 
-from ..config import Config, between, parse_section
-from ..hookspecs import hookimpl
-from ..models import InferenceRequest
+from apsd.core.config import Config, between, parse_section
+from apsd.core.hookspecs import hookimpl
+from apsd.core.models import InferenceRequest
+from apsd.core.queue import FifoQueue, HeapQueue
 
 __all__ = ["ApsQueue", "FifoQueue", "HeapQueue", "StaticQueue"]
-
-
-class HeapQueue:
-    """A heap of ``(key, seq, request)``; subclasses define :meth:`key`."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, InferenceRequest]] = []
-
-    def key(self, request: InferenceRequest) -> float:
-        raise NotImplementedError
-
-    def effective_priority(self, request: InferenceRequest, now: float) -> float:
-        return float(request.priority_bid)
-
-    def push(self, request: InferenceRequest, now: float) -> None:
-        heapq.heappush(self._heap, (self.key(request), request.seq, request))
-
-    def peek(self, now: float) -> InferenceRequest:
-        return self._heap[0][2]
-
-    def pop(self, now: float) -> InferenceRequest:
-        return heapq.heappop(self._heap)[2]
-
-    def discard_answered(self) -> None:
-        """Drop requests answered while queued (O(N)); the scheduler calls it when they pile up."""
-        self._heap = [entry for entry in self._heap if not entry[2].answered]
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self) -> Iterator[InferenceRequest]:
-        return (entry[2] for entry in self._heap)
-
-
-class FifoQueue(HeapQueue):
-    """Arrival order; the bid is ignored (and reported as the priority)."""
-
-    def key(self, request: InferenceRequest) -> float:
-        return 0.0
 
 
 class StaticQueue(HeapQueue):

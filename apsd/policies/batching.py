@@ -18,10 +18,10 @@ from typing import Any
 
 import attrs
 
-from ..config import Config, between, parse_section
-from ..hookspecs import hookimpl
-from ..models import Capacity, InferenceRequest
-from ..policy import OrderingPolicy
+from apsd.core.config import Config, between, parse_section
+from apsd.core.hookspecs import hookimpl
+from apsd.core.models import Capacity, InferenceRequest
+from apsd.core.policy import OrderingPolicy
 
 __all__ = ["MicroBatching"]
 

@@ -48,9 +48,9 @@ from typing import Any
 
 import attrs
 
-from ..config import Config, between, parse_section
-from ..hookspecs import hookimpl
-from ..models import InferenceRequest, Outcome
+from apsd.core.config import Config, between, parse_section
+from apsd.core.hookspecs import hookimpl
+from apsd.core.models import InferenceRequest, Outcome
 
 __all__ = ["ChargeWeights", "FairParams", "FairQueue", "FairShareQueue", "tenant_weights"]
 
@@ -92,7 +92,7 @@ TenantEntry = tuple[float, int, int, int, _Tenant]
 
 
 class FairShareQueue:
-    """Weighted fair share between tenants (an :class:`~apsd.policy.OrderingPolicy`); see the
+    """Weighted fair share between tenants (an :class:`~apsd.core.policy.OrderingPolicy`); see the
     module docstring for the rule and its guarantees.
 
     Inside a tenant, requests leave by ``alpha * arrival - bid_weight * priority_bid``, then

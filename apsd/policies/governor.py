@@ -22,9 +22,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ..config import Config, ConfigError, between, parse_section
-from ..hookspecs import hookimpl
-from ..policy import GovernorReading
+from apsd.core.config import Config, ConfigError, between, parse_section
+from apsd.core.hookspecs import hookimpl
+from apsd.core.policy import GovernorReading
 
 __all__ = ["EntropyGovernor", "FixedGovernor", "shannon_entropy_bits"]
 

@@ -22,12 +22,12 @@ import attrs
 import trio
 import trio.testing
 
-from ..config import Config, EngineConfig, TenantConfig, parse_config
-from ..engines import deployment_for
-from ..engines.profiles import ProfileRegistry
-from ..models import Completion
-from ..pipeline import open_pipeline
-from ..plugins import load_policy_registry, load_profile_registry, make_plugin_manager
+from apsd.core.config import Config, EngineConfig, TenantConfig, parse_config
+from apsd.engines import deployment_for
+from apsd.engines.profiles import ProfileRegistry
+from apsd.core.models import Completion
+from apsd.pipeline import open_pipeline
+from apsd.plugins import load_policy_registry, load_profile_registry, make_plugin_manager
 
 __all__ = ["ProfileResult", "profile_deployment"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from ..config import TenantConfig
+from apsd.core.config import TenantConfig
 
 __all__ = ["Arrival", "BatchRecord", "EngineRecord", "GovernorSample", "PolicyRun", "RequestRecord", "Workload"]
 

@@ -23,13 +23,13 @@ import numpy as np
 import trio
 import trio.testing
 
-from ..config import Config
-from ..models import Completion, InferenceRequest
-from ..pipeline import Pipeline, open_pipeline
-from ..plugins import load_policy_registry, make_plugin_manager
-from ..store.simulated import SimulatedSharedState, simulated_store
-from .records import Workload
-from .runner import PolicyChoice, simulation_config
+from apsd.core.config import Config
+from apsd.core.models import Completion, InferenceRequest
+from apsd.pipeline import Pipeline, open_pipeline
+from apsd.plugins import load_policy_registry, make_plugin_manager
+from apsd.store.simulated import SimulatedSharedState, simulated_store
+from apsd.sim.records import Workload
+from apsd.sim.runner import PolicyChoice, simulation_config
 
 __all__ = ["ReplicaRun", "TenantShare", "run_replicas"]
 
@@ -65,7 +65,7 @@ def run_replicas(workload: Workload, choice: PolicyChoice, *, replicas: int, syn
                  tenants: Mapping[str, Any] | None = None,
                  placement: Mapping[str, Sequence[float]] | None = None) -> ReplicaRun:
     """Run ``workload`` through ``replicas`` pipelines sharing one simulated store; ``tenants``
-    (name -> :class:`~apsd.config.TenantConfig`) replaces the workload's unthrottled buckets."""
+    (name -> :class:`~apsd.core.config.TenantConfig`) replaces the workload's unthrottled buckets."""
     config = simulation_config(base_config or Config(), workload, choice)
     if tenants is not None:
         config = attrs.evolve(config, tenants=dict(tenants))

@@ -27,7 +27,7 @@ Agg canvas is used directly (no pyplot, no global backend switch) and the PNGs
 carry no ``Software`` metadata. matplotlib is imported only inside the plotting
 functions, so ``import apsd.sim.report`` stays light.
 
-Fairness is the daemon's own (:mod:`apsd.ledger`): Jain's index over
+Fairness is the daemon's own (:mod:`apsd.core.ledger`): Jain's index over
 ``x_i`` = output tokens served to tenant ``i`` divided by its configured rate,
 over the tenants with at least one admitted request.
 
@@ -64,8 +64,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..ledger import jain_index
-from .records import PolicyRun, RequestRecord
+from apsd.core.ledger import jain_index
+from apsd.sim.records import PolicyRun, RequestRecord
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes

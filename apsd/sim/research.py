@@ -35,19 +35,19 @@ from typing import Any
 
 import attrs
 
-from ..config import Config
-from ..engines import deployment_for
-from ..engines.micro import GpuModel
-from ..engines.roofline import Deployment, DeploymentError, estimate_static_batch
-from ..ledger import jain_index
-from ..plugins import (DEFAULT_PLUGINS, describe_plugins, load_policy_registry, load_profile_registry,
+from apsd.core.config import Config
+from apsd.engines import deployment_for
+from apsd.engines.micro import GpuModel
+from apsd.engines.roofline import Deployment, DeploymentError, estimate_static_batch
+from apsd.core.ledger import jain_index
+from apsd.plugins import (DEFAULT_PLUGINS, describe_plugins, load_policy_registry, load_profile_registry,
                        make_plugin_manager)
-from ..policies.aging import ApsParams
-from ..policy import PolicyRegistry
-from .records import PolicyRun, Workload
-from .report import SERVICE_DIFFERENCE_DEFINITION, describe_engine, format_summary_table, summarize, write_report
-from .runner import PolicyChoice, parse_policy_choice, run_policy
-from .workloads import build_workload
+from apsd.policies.aging import ApsParams
+from apsd.core.policy import PolicyRegistry
+from apsd.sim.records import PolicyRun, Workload
+from apsd.sim.report import SERVICE_DIFFERENCE_DEFINITION, describe_engine, format_summary_table, summarize, write_report
+from apsd.sim.runner import PolicyChoice, parse_policy_choice, run_policy
+from apsd.sim.workloads import build_workload
 
 __all__ = ["ALONE", "CONTINUOUS_ENGINE", "ISOLATION_SCALED", "ISOLATION_WORKLOADS", "NOISY", "POLICIES", "SCALED",
            "WORKLOADS", "ScaledWorkload", "open_report_writer", "plugin_presets", "report_dir", "write_research"]
@@ -184,7 +184,7 @@ def write_research(out_dir: Path, *, seed: int = 1, config: Config | None = None
     ``[engine]`` is replaced by each engine's (:func:`engine_configs`). ``plugin_manager`` defaults
     to the daemon's (installed plugins, ``APSD_PLUGINS`` applies): its plugins' presets run after
     :data:`POLICIES`. Raises :class:`~apsd.plugins.PluginError` for a plugin that fails to load or
-    build, :class:`~apsd.config.ConfigError` for an engine profile the plugins do not provide.
+    build, :class:`~apsd.core.config.ConfigError` for an engine profile the plugins do not provide.
     """
     config = config or Config()
     pm = plugin_manager or make_plugin_manager()

@@ -18,7 +18,7 @@ What differs from the daemon, and why:
   simulator seeds that choice with the workload's seed, so a run is repeatable.
 
 Error handling: configuration and plugin errors are raised before anything runs
-(:class:`~apsd.config.ConfigError`, :class:`~apsd.plugins.PluginError`).
+(:class:`~apsd.core.config.ConfigError`, :class:`~apsd.plugins.PluginError`).
 """
 
 from __future__ import annotations
@@ -35,16 +35,16 @@ import pluggy
 import trio
 import trio.testing
 
-from ..config import Config, ConfigError
-from ..hookspecs import hookimpl
-from ..models import Completion, InferenceRequest, Refusal
-from ..clock import ModelClock
-from ..engines.backends import SimulatedBackendClient, SimulatedServer
-from ..pipeline import open_pipeline
-from ..streams import TokenStream
-from ..plugins import load_policy_registry, load_profile_registry, make_plugin_manager
-from ..policy import POLICY_KINDS
-from .records import BatchRecord, EngineRecord, GovernorSample, PolicyRun, RequestRecord, Workload
+from apsd.core.config import Config, ConfigError
+from apsd.core.hookspecs import hookimpl
+from apsd.core.models import Completion, InferenceRequest, Refusal
+from apsd.core.clock import ModelClock
+from apsd.engines.backends import SimulatedBackendClient, SimulatedServer
+from apsd.pipeline import open_pipeline
+from apsd.core.streams import TokenStream
+from apsd.plugins import load_policy_registry, load_profile_registry, make_plugin_manager
+from apsd.core.policy import POLICY_KINDS
+from apsd.sim.records import BatchRecord, EngineRecord, GovernorSample, PolicyRun, RequestRecord, Workload
 
 __all__ = ["PolicyChoice", "parse_policy_choice", "run_policy", "run_policies"]
 

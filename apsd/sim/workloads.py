@@ -38,9 +38,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from .. import strictjson
-from ..config import SEED_KV_CAP_TOKENS, TenantConfig, read_text, read_toml
-from .records import Arrival, Workload
+from apsd.core import strictjson
+from apsd.core.config import SEED_KV_CAP_TOKENS, TenantConfig, read_text, read_toml
+from apsd.sim.records import Arrival, Workload
 
 __all__ = [
     "KV_CAPACITY_TOKENS",

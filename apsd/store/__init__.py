@@ -4,7 +4,7 @@ Admission and the fair-share queue decide synchronously, on the request's path, 
 that is local to this process; a store decides what that local state is and how it is shared.
 
 * :class:`~apsd.store.memory.MemoryStore` (``[store] kind = "memory"``, the default, the
-  simulator's): buckets are plain :class:`~apsd.admission.TokenBucket` objects; nothing is shared.
+  simulator's): buckets are plain :class:`~apsd.core.admission.TokenBucket` objects; nothing is shared.
 * :class:`~apsd.store.leasing.LeasingStore` over Redis (``kind = "redis"``,
   :mod:`apsd.store.redis`): every replica leases slices of each tenant's bucket and returns what it
   does not use, and pushes and pulls fair-share service, in one background task; Redis is never on
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import Bucket, BucketView, SharedService, Store, StoreStatistics
-from .memory import MemoryStore
+from apsd.core.store import Bucket, BucketView, SharedService, Store, StoreStatistics
+from apsd.store.memory import MemoryStore
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from apsd.core.config import Config
 
 __all__ = ["Bucket", "BucketView", "MemoryStore", "SharedService", "Store", "StoreStatistics", "build_store"]
 
@@ -31,7 +31,7 @@ __all__ = ["Bucket", "BucketView", "MemoryStore", "SharedService", "Store", "Sto
 def build_store(config: Config) -> Store:
     """The store ``[store]`` asks for (not started: run :meth:`Store.run` in a nursery)."""
     if config.store.kind == "redis":
-        from .redis import redis_store
+        from apsd.store.redis import redis_store
 
         return redis_store(config.store)
     return MemoryStore()

@@ -11,7 +11,7 @@ simulator, :mod:`apsd.store.simulated`) every ``[store] sync_interval_s``:
   (everything once idle), and settles its refunds and debts, all in one exchange.
 * **Service.** The fair-share queue's weighted service given here since the last exchange is added
   to the shared totals and the totals come back; what the other replicas gave is handed to the
-  queue (:class:`~apsd.store.base.SharedService`). The same exchange counts the replicas seen in
+  queue (:class:`~apsd.core.store.SharedService`). The same exchange counts the replicas seen in
   the last second.
 
 Accuracy. A replica admits from its lease, and beyond it optimistically up to its share (1/N for N
@@ -71,10 +71,10 @@ from typing import Protocol
 import attrs
 import trio
 
-from ..admission import TokenBucket
-from ..config import StoreConfig, TenantConfig
-from ..models import Refusal
-from .base import Bucket, BucketView, SharedService, StoreStatistics
+from apsd.core.bucket import TokenBucket
+from apsd.core.config import StoreConfig, TenantConfig
+from apsd.core.models import Refusal
+from apsd.core.store import Bucket, BucketView, SharedService, StoreStatistics
 
 __all__ = ["LeaseAsk", "LeasedBucket", "LeasingStore", "SharedSession", "SharedState"]
 

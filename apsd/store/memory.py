@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import trio
 
-from ..admission import TokenBucket
-from ..config import TenantConfig
-from ..models import Refusal
-from .base import Bucket, BucketView, StoreStatistics
+from apsd.core.bucket import TokenBucket
+from apsd.core.config import TenantConfig
+from apsd.core.models import Refusal
+from apsd.core.store import Bucket, BucketView, StoreStatistics
 
 __all__ = ["MemoryStore"]
 

@@ -27,8 +27,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from ..config import StoreConfig
-from .leasing import LeaseAsk, LeasingStore
+from apsd.core.config import StoreConfig
+from apsd.store.leasing import LeaseAsk, LeasingStore
 
 __all__ = ["LEASE_SCRIPT", "QuietCoredis", "RedisState", "SERVICE_SCRIPT", "redis_store"]
 

@@ -14,8 +14,8 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from ..config import StoreConfig
-from .leasing import LeaseAsk, LeasingStore
+from apsd.core.config import StoreConfig
+from apsd.store.leasing import LeaseAsk, LeasingStore
 
 __all__ = ["SimulatedSharedState", "simulated_store"]
 

@@ -31,14 +31,13 @@ engine, whose dispatches run as batches.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 if TYPE_CHECKING:
-    from .engines.profiles import ProfileRegistry
-    from .models import Dispatch, InferenceRequest, Outcome, Refusal
-    from .policy import PolicyRegistry
+    from apsd.core.models import Dispatch, InferenceRequest, Outcome, Refusal
+    from apsd.core.policy import PolicyRegistry
 
 hookspec = pluggy.HookspecMarker("apsd")
 hookimpl = pluggy.HookimplMarker("apsd")
@@ -68,8 +67,9 @@ def register_policies(registry: PolicyRegistry) -> None:
 
 
 @hookspec
-def register_profiles(registry: ProfileRegistry) -> None:
-    """Register GPU and model profiles for the ``continuous`` engine with ``registry``.
+def register_profiles(registry: Any) -> None:
+    """Register GPU and model profiles for the ``continuous`` engine with ``registry`` (an
+    :class:`apsd.ProfileRegistry`).
 
     Called once per plugin manager, at start-up, for every plugin in registration order
     (built-ins first), before the config's ``[engine]`` is checked. Call

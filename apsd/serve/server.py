@@ -48,7 +48,7 @@ cancelled. :class:`KeepAliveTCPServer` bounds the write itself, inside the shiel
   hypercorn's ordinary "client gone" path.
 
 The timeout comes from the app, through the ASGI lifespan state under :data:`SEND_TIMEOUT_STATE`
-(apsd's app puts ``[server] send_timeout_s`` there: :class:`apsd.http.common.ShieldResponseEnd`);
+(apsd's app puts ``[server] send_timeout_s`` there: :class:`apsd.serve.http.common.ShieldResponseEnd`);
 without it writes are unbounded, as in hypercorn. A TLS connection's writes are bounded as a whole
 (a cancelled TLS write cannot be resumed).
 

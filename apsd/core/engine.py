@@ -2,7 +2,7 @@
 
 An engine runs admitted requests. It pulls work sized to its free capacity: it sends a
 :class:`Demand` on the pipeline's demand channel and the scheduler answers that engine, on
-the engine's own answer channel (made by the pipeline, one per engine), with a :class:`~apsd.models.Dispatch` cut from the queue
+the engine's own answer channel (made by the pipeline, one per engine), with a :class:`~apsd.core.models.Dispatch` cut from the queue
 to fit :meth:`Engine.free` as it is when the dispatch is cut. An empty dispatch means the
 next request in queue order does not fit now: the engine asks again once its capacity grew.
 
@@ -10,11 +10,11 @@ Ownership: the pipeline builds the engines (:func:`apsd.engines.build_engines`) 
 each one's :meth:`Engine.serve` in its stages' nursery, with a clone of the demand channel's
 send end and the receive end of that engine's answer channel; ``serve`` closes both when it
 returns. From the moment a request is dispatched to it, the engine owns it until it calls
-:meth:`~apsd.ledger.Ledger.finish` (or :meth:`~apsd.ledger.Ledger.requeued` and hands it back to
-the scheduler): it stamps the first token (:meth:`~apsd.ledger.Ledger.started`), updates
+:meth:`~apsd.core.ledger.Ledger.finish` (or :meth:`~apsd.core.ledger.Ledger.requeued` and hands it back to
+the scheduler): it stamps the first token (:meth:`~apsd.core.ledger.Ledger.started`), updates
 ``tokens_generated`` and ``cost_usd``, and pushes tokens to ``request.stream`` if there is one.
 
-Time: engines schedule in model time (:class:`~apsd.clock.ModelClock`) on absolute deadlines,
+Time: engines schedule in model time (:class:`~apsd.core.clock.ModelClock`) on absolute deadlines,
 and stamp events with the model time the model gives them, so the host's wake-up latency is
 never magnified into model time by ``gpu.time_scale``.
 """
@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import attrs
 import trio
 
-from ..models import Completion
+from apsd.core.models import Completion
 
 if TYPE_CHECKING:
-    from ..config import Config
-    from ..models import Capacity, Dispatch, InferenceRequest, Refusal
+    from apsd.core.config import Config
+    from apsd.core.models import Capacity, Dispatch, InferenceRequest, Refusal
 
 __all__ = ["Demand", "Engine", "EngineStatistics", "UNBOUNDED", "completion"]
 
@@ -77,7 +77,7 @@ class Engine(Protocol):
     engine_id: int
     #: ``micro``, ``continuous``, ...: the ``[engine] kind`` that built it.
     kind: str
-    #: The OpenAI APIs it runs (``request.api``): :data:`~apsd.models.GENERATION_APIS` at least.
+    #: The OpenAI APIs it runs (``request.api``): :data:`~apsd.core.models.GENERATION_APIS` at least.
     apis: tuple[str, ...]
 
     def refuse(self, request: InferenceRequest) -> Refusal | None:
@@ -106,7 +106,7 @@ class Engine(Protocol):
 
 
 def completion(request: InferenceRequest, *, engine_id: int, end: float, response: dict | None = None) -> Completion:
-    """The :class:`~apsd.models.Completion` of a request its engine finished at model time ``end``,
+    """The :class:`~apsd.core.models.Completion` of a request its engine finished at model time ``end``,
     from the times stamped on it (dispatched, first token) and its progress (tokens, cost)."""
     assert request.dispatched_at is not None and request.started_at is not None
     n = request.tokens_generated

@@ -1,9 +1,9 @@
 """API keys: who is calling, decided from ``Authorization: Bearer <key>``.
 
-Ownership: a :class:`KeyRing` is built from a validated :class:`~apsd.config.Config`
+Ownership: a :class:`KeyRing` is built from a validated :class:`~apsd.core.config.Config`
 (tenants' ``api_key_hashes``, ``[auth] admin_key_hashes`` and ``metrics_key_hashes``) and is immutable;
 the HTTP layer keeps the one built from the pipeline's current config (rebuilt when a
-reload replaces the config: :mod:`apsd.http.common`) and asks :meth:`KeyRing.identify`
+reload replaces the config: :mod:`apsd.serve.http.common`) and asks :meth:`KeyRing.identify`
 before it reads a request's body.
 
 The rules (the README's "API keys" section says them for operators):
@@ -35,8 +35,8 @@ import secrets
 
 import attrs
 
-from .config import KEY_HASH_PATTERN, Config, ConfigError
-from .models import Refusal
+from apsd.core.config import KEY_HASH_PATTERN, Config, ConfigError
+from apsd.core.models import Refusal
 
 __all__ = ["Caller", "KeyRing", "METRICS_READER", "OPEN_ACCESS", "check_exposure", "hash_key", "is_loopback",
            "is_usable_key", "new_key", "KEY_HASH_PATTERN", "MIN_KEY_CHARS"]

@@ -33,7 +33,7 @@ this replica's slice alone (:mod:`apsd.store.leasing`, "Refusals tell the shared
 Settlement: admission takes a request's whole ``cost_tokens`` (prompt + requested)
 from its bucket. When the request ends, admission (subscribed to
 ``request_finished``) gives back what it did not use: everything if it failed or
-never started, the unused output otherwise (see :func:`apsd.ledger.billed_tokens`).
+never started, the unused output otherwise (see :func:`apsd.core.ledger.billed_tokens`).
 """
 
 from __future__ import annotations
@@ -46,55 +46,20 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
-from .clock import ModelClock
-from .config import AdmissionConfig, QueueConfig, TenantConfig
-from .ledger import billed_tokens
-from .models import InferenceRequest, Outcome, Refusal
+from apsd.core.clock import ModelClock
+from apsd.core.bucket import TokenBucket
+from apsd.core.config import AdmissionConfig, QueueConfig, TenantConfig
+from apsd.core.ledger import billed_tokens
+from apsd.core.models import InferenceRequest, Outcome, Refusal
 
 if TYPE_CHECKING:
-    from .ledger import Ledger
-    from .policy import BatchingPolicy
-    from .store import Bucket, Store
+    from apsd.core.ledger import Ledger
+    from apsd.core.policy import BatchingPolicy
+    from apsd.core.store import Bucket, Store
 
-__all__ = ["Admission", "TokenBucket", "estimate_tokens"]
+__all__ = ["Admission", "estimate_tokens"]
 
-log = logging.getLogger("apsd.admission")
-
-
-@attrs.define(eq=False)
-class TokenBucket:
-    """Seed 003's bucket: ``min(burst, tokens + elapsed * rate)``, taken whole or not at all."""
-
-    rate: float
-    burst: float
-    tokens: float
-    updated: float
-
-    @classmethod
-    def full(cls, tenant: TenantConfig, now: float) -> TokenBucket:
-        return cls(rate=tenant.rate, burst=float(tenant.burst), tokens=float(tenant.burst), updated=now)
-
-    def level(self, now: float) -> float:
-        """Tokens available at ``now`` (refills lazily; time never runs backwards)."""
-        if now > self.updated:
-            self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
-            self.updated = now
-        return self.tokens
-
-    def try_take(self, amount: float, now: float) -> bool:
-        if self.level(now) >= amount:
-            self.tokens -= amount
-            return True
-        return False
-
-    def give_back(self, amount: float, now: float) -> None:
-        """Refund ``amount`` tokens (capped at ``burst``), or charge ``-amount`` more (the level may
-        then be negative: a debt that refills at ``rate`` like any other shortfall)."""
-        self.tokens = min(self.burst, self.level(max(now, self.updated)) + amount)
-
-    def seconds_until(self, amount: float, now: float) -> float:
-        """How long until ``amount`` tokens are available (0 if they are now)."""
-        return max(0.0, (amount - self.level(now)) / self.rate)
+log = logging.getLogger("apsd.core.admission")
 
 
 def estimate_tokens(text: str, settings: AdmissionConfig) -> int:

@@ -60,7 +60,7 @@ def non_empty(_inst: object, attribute: attrs.Attribute, value: str) -> None:
         raise ValueError("must not be empty")
 
 
-#: What a stored API key hash looks like: ``sha256:`` and 64 lower-case hex digits (see apsd.auth).
+#: What a stored API key hash looks like: ``sha256:`` and 64 lower-case hex digits (see apsd.serve.auth).
 KEY_HASH_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
 
 
@@ -100,7 +100,7 @@ class ServerConfig:
     #: Wall seconds a connection may sit idle (before its first request, or between two) before
     #: apsd closes it: idle clients must not hold file descriptors others need. A request whose
     #: first bytes arrived by then is answered; it gets this long again for its head
-    #: (:mod:`apsd.serving`).
+    #: (:mod:`apsd.serve.server`).
     keep_alive_timeout_s: float = attrs.field(default=5.0, validator=between(0.01, 3600))
     #: Wall seconds a request body has to arrive in full once its headers have; a slower one is
     #: answered 408 ``request_timeout`` and its connection closed.
@@ -108,7 +108,7 @@ class ServerConfig:
     #: Wall seconds a client may take nothing of its answer while apsd has more to write (a stream
     #: reader that stopped reading) before apsd drops its connection, with a reset; its request is
     #: cancelled, charged what its engine did. One that keeps reading, however slowly, is not
-    #: dropped (:mod:`apsd.serving`).
+    #: dropped (:mod:`apsd.serve.server`).
     send_timeout_s: float = attrs.field(default=60.0, validator=between(0.01, 3600))
     #: Connections the kernel queues for apsd to accept (the listen backlog; the kernel caps it
     #: at ``net.core.somaxconn``).

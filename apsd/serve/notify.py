@@ -33,11 +33,11 @@ import attrs
 import trio
 
 if TYPE_CHECKING:
-    from .pipeline import Health
+    from apsd.pipeline import Health
 
 __all__ = ["ProgressProbe", "SystemdNotifier", "serve_status", "serve_watchdog", "status_line"]
 
-log = logging.getLogger("apsd.notify")
+log = logging.getLogger("apsd.serve.notify")
 
 #: A message not taken by the notify socket within this many seconds is dropped.
 SEND_TIMEOUT_S = 1.0

@@ -2,12 +2,12 @@
 
 ``/health`` is liveness (200 while the process serves, draining included); ``/ready`` is
 readiness (200 while a new request would be served; 503 while draining or while the forward
-engine has no usable backend: :mod:`apsd.readiness` decides).
+engine has no usable backend: :mod:`apsd.serve.readiness` decides).
 
 Access: ``/health`` and ``/ready`` are open (probes carry no credentials; they name no tenant);
 ``/metrics`` and ``/metrics.json`` need the admin key or a metrics key (``[auth]
 metrics_key_hashes``: a scraper's, which reads these two and nothing else; :data:`METRICS_ENDPOINTS`
-is what :func:`apsd.http.create_app` keeps it to); a tenant's status needs that tenant's key or
+is what :func:`apsd.serve.http.create_app` keeps it to); a tenant's status needs that tenant's key or
 the admin key. Without keys (loopback only) everything is open.
 """
 
@@ -18,12 +18,12 @@ from typing import Any
 import attrs
 from quart import Blueprint, Response, request
 
-from ..auth import Caller
-from ..models import Refusal
-from ..pipeline import Pipeline
-from ..prometheus import negotiate
-from ..readiness import readiness
-from .common import authenticated, error_response, http_state, json_response
+from apsd.serve.auth import Caller
+from apsd.core.models import Refusal
+from apsd.pipeline import Pipeline
+from apsd.serve.prometheus import negotiate
+from apsd.serve.readiness import readiness
+from apsd.serve.http.common import authenticated, error_response, http_state, json_response
 
 __all__ = ["METRICS_ENDPOINTS", "OPEN_ENDPOINTS", "blueprint", "metrics_document"]
 
@@ -51,7 +51,7 @@ async def health() -> Response:
 @blueprint.get("/ready")
 async def ready() -> Response:
     """200 ``{"status": "ready", ...}``, or 503 with ``status`` ``draining`` or ``no_backend``
-    (see :mod:`apsd.readiness`); ``Cache-Control: no-store``: a probe must see it change."""
+    (see :mod:`apsd.serve.readiness`); ``Cache-Control: no-store``: a probe must see it change."""
     answer = readiness(http_state().pipeline)
     return json_response(attrs.asdict(answer), status=200 if answer.ready else 503,
                          headers={"Cache-Control": "no-store"})
@@ -74,7 +74,7 @@ async def metrics(caller: Caller) -> Any:
     JSON only when the Accept header names ``application/json`` with a higher quality
     than every Prometheus type it names (``text/plain``, ``application/openmetrics-text``);
     Prometheus text in every other case: no Accept header, a scraper's, wildcards only
-    (curl's ``*/*``), a browser's, or a tie. See :func:`apsd.prometheus.negotiate`.
+    (curl's ``*/*``), a browser's, or a tie. See :func:`apsd.serve.prometheus.negotiate`.
     """
     if (refused := _metrics_refusal(caller)) is not None:
         return refused

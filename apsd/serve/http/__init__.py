@@ -2,21 +2,21 @@
 
 One blueprint per protocol:
 
-* :mod:`apsd.http.infer`: apsd's own ``POST /infer``;
-* :mod:`apsd.http.openai`: the OpenAI-compatible ``/v1/chat/completions``, ``/v1/completions``
+* :mod:`apsd.serve.http.infer`: apsd's own ``POST /infer``;
+* :mod:`apsd.serve.http.openai`: the OpenAI-compatible ``/v1/chat/completions``, ``/v1/completions``
   and ``/v1/models``;
-* :mod:`apsd.http.ops`: ``/health``, ``/ready``, ``/metrics``, ``/metrics.json``, ``/tenants/<id>/status``.
+* :mod:`apsd.serve.http.ops`: ``/health``, ``/ready``, ``/metrics``, ``/metrics.json``, ``/tenants/<id>/status``.
 
-What they share (the app's state, the :func:`~apsd.http.common.authenticated` decorator, body
-parsing, answers) is in :mod:`apsd.http.common`.
+What they share (the app's state, the :func:`~apsd.serve.http.common.authenticated` decorator, body
+parsing, answers) is in :mod:`apsd.serve.http.common`.
 
-Ownership: the app owns no tasks and no state of its own beyond :class:`~apsd.http.common.HttpState`;
+Ownership: the app owns no tasks and no state of its own beyond :class:`~apsd.serve.http.common.HttpState`;
 it reads and submits through the :class:`~apsd.pipeline.Pipeline` it is given. Hypercorn, run
 by the daemon's nursery, serves it. Nothing a client sends produces a 500 or a traceback; an
 error is answered in the shape of the protocol its path belongs to (OpenAI's under ``/v1/``,
 apsd's ``{"error", "message"[, "field"]}`` elsewhere).
 
-Access (:mod:`apsd.auth`): with API keys configured, ``POST /infer`` and the ``/v1`` completions
+Access (:mod:`apsd.serve.auth`): with API keys configured, ``POST /infer`` and the ``/v1`` completions
 need a tenant's key and run as that tenant; ``/v1/models`` needs a tenant's key or the admin key;
 ``/tenants/<id>/status`` needs that tenant's key or the admin key; ``/metrics`` and
 ``/metrics.json`` need the admin key or a metrics key; ``/health`` and ``/ready`` are open.
@@ -34,17 +34,17 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from ..models import Refusal
-from ..pipeline import Pipeline
-from ..prometheus import exporter_for
-from . import infer, openai, ops
-from .common import HttpState, ShieldResponseEnd, error_response, read_unread_body
-from .infer import parse_infer_body
-from .ops import metrics_document
+from apsd.core.models import Refusal
+from apsd.pipeline import Pipeline
+from apsd.serve.prometheus import exporter_for
+from apsd.serve.http import infer, openai, ops
+from apsd.serve.http.common import HttpState, ShieldResponseEnd, error_response, read_unread_body
+from apsd.serve.http.infer import parse_infer_body
+from apsd.serve.http.ops import metrics_document
 
 __all__ = ["create_app", "metrics_document", "parse_infer_body"]
 
-log = logging.getLogger("apsd.http")
+log = logging.getLogger("apsd.serve.http")
 
 
 def _answer_for_path(refusal: Refusal) -> Response:

@@ -4,7 +4,7 @@ Ownership: the ledger is the only code that resolves a request's reply slot
 (:meth:`Ledger.finish`, :meth:`Ledger.refuse_unadmitted`), and the only code that
 moves a request between queued and running, so counting and answering cannot drift
 apart. For the same reason it emits every observation event on its
-:class:`~apsd.events.EventBus`: whoever must act on a step (admission settling a
+:class:`~apsd.core.events.EventBus`: whoever must act on a step (admission settling a
 bucket, the scheduler's policies, the Prometheus exporter, plugins) subscribes there.
 It keeps, per tenant and overall::
 
@@ -41,9 +41,9 @@ import attrs
 import numpy as np
 import trio
 
-from .clock import ModelClock
-from .events import EventBus
-from .models import Completion, Dispatch, InferenceRequest, Outcome, Refusal
+from apsd.core.clock import ModelClock
+from apsd.core.events import EventBus
+from apsd.core.models import Completion, Dispatch, InferenceRequest, Outcome, Refusal
 
 __all__ = ["ChangeLog", "Ledger", "LedgerStatistics", "TenantStats", "jain_index"]
 

@@ -12,8 +12,8 @@ read a clock: the scheduler passes ``now`` (model seconds) in.
   it from the queue.
 
 Factories receive the policy's own ``[policy.<name>]`` table (already a dict)
-and the whole :class:`~apsd.config.Config`; they raise
-:class:`~apsd.config.ConfigError` (use :func:`apsd.config.parse_section`) for a
+and the whole :class:`~apsd.core.config.Config`; they raise
+:class:`~apsd.core.config.ConfigError` (use :func:`apsd.core.config.parse_section`) for a
 bad parameter.
 """
 
@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import attrs
 
-from .config import Config, ConfigError
+from apsd.core.config import Config, ConfigError
 
 if TYPE_CHECKING:
-    from .models import Capacity, InferenceRequest
+    from apsd.core.models import Capacity, InferenceRequest
 
 __all__ = [
     "BatchingPolicy",
@@ -97,7 +97,7 @@ class Governor(Protocol):
 class BatchingPolicy(Protocol):
     """Decides when to dispatch and what goes in a dispatch, for the engine that asked.
 
-    ``free`` is that engine's capacity as it is now (:class:`apsd.models.Capacity`): how many
+    ``free`` is that engine's capacity as it is now (:class:`apsd.core.models.Capacity`): how many
     more sequences, how many more KV tokens, and ``free.need(request)``, the KV tokens a
     request needs to join it.
     """

@@ -9,8 +9,8 @@ import attrs
 import trio
 
 if TYPE_CHECKING:
-    from ..config import TenantConfig
-    from ..models import Refusal
+    from apsd.core.config import TenantConfig
+    from apsd.core.models import Refusal
 
 __all__ = ["Bucket", "BucketView", "SharedService", "Store", "StoreStatistics"]
 

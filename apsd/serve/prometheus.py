@@ -14,7 +14,7 @@ Scrapes and the event loop (:meth:`PrometheusExporter.scrape`, what ``GET /metri
 at 10,000 tenants the exposition is about 48 MB (some 80 lines per tenant, most of them
 histogram buckets), and prometheus_client takes seconds to render it. So a scrape copies its
 moment in the trio thread, in time proportional to the tenants whose figures moved since the
-last scrape (the ledger's and the observer's :class:`~apsd.ledger.ChangeLog`; histograms are
+last scrape (the ledger's and the observer's :class:`~apsd.core.ledger.ChangeLog`; histograms are
 handed over copy-on-write), so one scrape still sees one consistent moment; then a worker
 thread renders the lines of those tenants only, reuses every other tenant's from the last
 scrape, and joins them. The event loop goes on serving meanwhile. The output is byte for byte
@@ -120,16 +120,16 @@ from prometheus_client.utils import floatToGoString
 from werkzeug.datastructures import MIMEAccept
 from werkzeug.http import parse_accept_header
 
-from .events import EventBus
-from .ledger import ChangeLog
-from .models import Completion, Dispatch, InferenceRequest, Outcome
+from apsd.core.events import EventBus
+from apsd.core.ledger import ChangeLog
+from apsd.core.models import Completion, Dispatch, InferenceRequest, Outcome
 
 if TYPE_CHECKING:
-    from .engines.backends import BackendStatistics
-    from .engines.base import EngineStatistics
-    from .ledger import Ledger, TenantStats
-    from .pipeline import GovernorView, Pipeline, PipelineStatistics
-    from .store import StoreStatistics
+    from apsd.engines.backends import BackendStatistics
+    from apsd.core.engine import EngineStatistics
+    from apsd.core.ledger import Ledger, TenantStats
+    from apsd.pipeline import GovernorView, Pipeline, PipelineStatistics
+    from apsd.store import StoreStatistics
 
 __all__ = [
     "BATCH_SIZE_BUCKETS",
@@ -189,7 +189,7 @@ class HistogramObserver:
     def __init__(self, tenants: Iterable[str] = ()) -> None:
         self.tenants = {tenant: _TenantHistograms() for tenant in tenants}
         self.batch_size = _Histogram(BATCH_SIZE_BUCKETS)
-        #: The tenants whose histograms had an observation (see :class:`~apsd.ledger.ChangeLog`).
+        #: The tenants whose histograms had an observation (see :class:`~apsd.core.ledger.ChangeLog`).
         self.changes = ChangeLog()
         self._sorted: list[str] = []
 
@@ -786,7 +786,7 @@ def exporter_for(pipeline: Pipeline) -> PrometheusExporter:
     """The pipeline's exporter, made (and its histograms attached) on the first call.
 
     Call it before the pipeline dispatches anything you want in the histograms
-    (:func:`apsd.http.create_app` does, before the daemon serves a request).
+    (:func:`apsd.serve.http.create_app` does, before the daemon serves a request).
     """
     exporter = _exporters.get(pipeline)
     if exporter is None:

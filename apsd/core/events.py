@@ -8,7 +8,7 @@ listener, called in this order:
   admission settles a tenant's bucket when a request finishes, the scheduler tells its
   policies, the Prometheus exporter feeds its histograms. Nothing is injected into the
   ledger and no bus is ever replaced.
-* plugins' hook implementations (:mod:`apsd.hookspecs`), in pluggy's call order.
+* plugins' hook implementations (:mod:`apsd.core.hookspecs`), in pluggy's call order.
 
 Each listener is called on its own, with the arguments it declares (by name). One that
 raises is logged, naming it, and the others still run. An event nobody listens to costs one
@@ -24,7 +24,7 @@ from typing import Any
 
 import pluggy
 
-from .hookspecs import EVENT_HOOKS
+from apsd.core.hookspecs import EVENT_HOOKS
 
 __all__ = ["EventBus"]
 

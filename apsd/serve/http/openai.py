@@ -14,7 +14,7 @@ section states the rules for clients; the contract with engines is:
   and the tenant pays for what the backend generated).
 * ``X-Request-Id``: a client's own id (1-128 characters of letters, digits and ``-_.:``) names
   the request in apsd's log and answers and is sent upstream; without one apsd numbers it.
-* Not streaming: a :class:`~apsd.models.Completion` with a ``response`` (a forwarding engine's
+* Not streaming: a :class:`~apsd.core.models.Completion` with a ``response`` (a forwarding engine's
   backend answer) is relayed as it is; without one (the simulated engines) the answer is built
   here, with placeholder text of ``tokens_generated`` tokens (:func:`placeholder_text`).
 * Streaming: the handler sets ``request.stream`` before submitting. A chunk with ``data`` (a
@@ -45,13 +45,13 @@ import attrs
 import trio
 from quart import Blueprint, Response, request
 
-from ..admission import estimate_tokens
-from ..auth import Caller
-from ..config import AdmissionConfig, Config, TenantConfig
-from ..models import ALL_APIS, LENGTH_ALIASES, Completion, InferenceRequest, Refusal
-from ..pipeline import Pipeline
-from ..streams import TokenChunk, TokenStream
-from .common import (MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated, check_prompt_length,
+from apsd.core.admission import estimate_tokens
+from apsd.serve.auth import Caller
+from apsd.core.config import AdmissionConfig, Config, TenantConfig
+from apsd.core.models import ALL_APIS, LENGTH_ALIASES, Completion, InferenceRequest, Refusal
+from apsd.pipeline import Pipeline
+from apsd.core.streams import TokenChunk, TokenStream
+from apsd.serve.http.common import (MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated, check_prompt_length,
                      client_request_id, http_state, parse_json_object, shown)
 
 __all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "MESSAGE_OVERHEAD_TOKENS", "RESPONSES", "OpenAIBody", "PRIORITY_HEADER", "TENANT_HEADER",

@@ -1,7 +1,7 @@
-"""apsd's own protocol: ``POST /infer``, one request answered with its :class:`~apsd.models.Completion`.
+"""apsd's own protocol: ``POST /infer``, one request answered with its :class:`~apsd.core.models.Completion`.
 
 Every error answer is JSON ``{"error": code, "message": text[, "field": name]}``
-(:func:`~apsd.http.common.error_response`).
+(:func:`~apsd.serve.http.common.error_response`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 import attrs
 from quart import Blueprint, Response, request
 
-from ..auth import Caller
-from ..models import Completion
-from .common import (MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated, check_prompt_length,
+from apsd.serve.auth import Caller
+from apsd.core.models import Completion
+from apsd.serve.http.common import (MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated, check_prompt_length,
                      error_response, http_state, json_response, parse_json_object, shown)
 
 __all__ = ["MAX_TIMEOUT_S", "blueprint", "parse_infer_body"]

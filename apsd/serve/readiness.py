@@ -23,9 +23,9 @@ from collections.abc import Iterable
 
 import attrs
 
-from .engines.backends import BackendStatistics
-from .engines.forward import ForwardEngine
-from .pipeline import Pipeline
+from apsd.engines.backends import BackendStatistics
+from apsd.engines.forward import ForwardEngine
+from apsd.pipeline import Pipeline
 
 __all__ = ["Readiness", "decide_readiness", "readiness"]
 

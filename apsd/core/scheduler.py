@@ -7,7 +7,7 @@ The queue itself is the aging policy object; the scheduler is its only user, and
 the only caller of the three policies on the hot path.
 
 When a dispatch is cut: engines *pull*. An engine with free capacity sends a
-:class:`~apsd.engines.base.Demand` and the scheduler answers that engine; only
+:class:`~apsd.core.engine.Demand` and the scheduler answers that engine; only
 then does it wait out the window and cut, sized to the engine's free capacity as
 it is at that moment, so a dispatch is formed at the last moment and a late
 high-priority request still gets in. If the next request in queue order does
@@ -55,16 +55,16 @@ from collections.abc import Callable, Iterable
 import attrs
 import trio
 
-from .clock import ModelClock
-from .engines.base import Demand, Engine
-from .ledger import Ledger
-from .models import Capacity, Dispatch, InferenceRequest, Outcome, Refusal
-from .policies.aging import FifoQueue
-from .policy import GovernorReading, OrderingPolicy, PolicySet
+from apsd.core.clock import ModelClock
+from apsd.core.engine import Demand, Engine
+from apsd.core.ledger import Ledger
+from apsd.core.models import Capacity, Dispatch, InferenceRequest, Outcome, Refusal
+from apsd.core.queue import FifoQueue
+from apsd.core.policy import GovernorReading, OrderingPolicy, PolicySet
 
 __all__ = ["Scheduler"]
 
-log = logging.getLogger("apsd.scheduler")
+log = logging.getLogger("apsd.core.scheduler")
 
 
 class PolicyFailure(Exception):

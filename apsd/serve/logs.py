@@ -18,11 +18,11 @@ import logging
 import sys
 from typing import Any
 
-from .hookspecs import hookimpl
+from apsd.core.hookspecs import hookimpl
 
 __all__ = ["configure_logging", "event_fields"]
 
-log = logging.getLogger("apsd.events")
+log = logging.getLogger("apsd.core.events")
 
 _settings = {"prompts": False}
 

@@ -3,12 +3,12 @@
 Ownership: :meth:`Daemon.run` runs the pipeline with :func:`~apsd.pipeline.open_pipeline`
 (whose nursery holds the stages: admission, the scheduler's loops, the engines, in a
 nested nursery of their own so they can be stopped first) and, inside it, opens the
-daemon's nursery: the signal watcher and the HTTP server (:func:`apsd.serving.serve_http`:
+daemon's nursery: the signal watcher and the HTTP server (:func:`apsd.serve.server.serve_http`:
 hypercorn's trio worker with its keep-alive race fixed; started with
 ``nursery.start`` so the bound address is known before anyone is told the daemon is
 ready). A crash in any of them cancels the rest and propagates: the daemon stops loudly.
 
-systemd (:mod:`apsd.notify`, a no-op without ``$NOTIFY_SOCKET``): ``READY=1`` once
+systemd (:mod:`apsd.serve.notify`, a no-op without ``$NOTIFY_SOCKET``): ``READY=1`` once
 the HTTP socket listens; ``STATUS=`` lines and ``WATCHDOG=1`` pings from two more
 root-nursery tasks; ``STOPPING=1`` when shutdown begins. :attr:`Daemon.notifier`
 is there for the reload to send ``RELOADING=1`` and ``READY=1``.
@@ -36,17 +36,17 @@ import hypercorn.config
 import pluggy
 import trio
 
-from .http import create_app
-from . import __version__
-from .auth import KeyRing, check_exposure
-from .config import Config, ConfigError, load_config
-from .notify import ProgressProbe, SystemdNotifier, serve_status, serve_watchdog, status_line
-from .engines import deployment_for
-from .engines.profiles import ProfileRegistry
-from .pipeline import Pipeline, open_pipeline
-from .plugins import PluginError, load_policy_registry, load_profile_registry, make_plugin_manager
-from .policy import PolicyRegistry, PolicySet
-from .serving import serve_http
+from apsd.serve.http import create_app
+from apsd.core.version import VERSION as __version__
+from apsd.serve.auth import KeyRing, check_exposure
+from apsd.core.config import Config, ConfigError, load_config
+from apsd.serve.notify import ProgressProbe, SystemdNotifier, serve_status, serve_watchdog, status_line
+from apsd.engines import deployment_for
+from apsd.engines.profiles import ProfileRegistry
+from apsd.pipeline import Pipeline, open_pipeline
+from apsd.plugins import PluginError, load_policy_registry, load_profile_registry, make_plugin_manager
+from apsd.core.policy import PolicyRegistry, PolicySet
+from apsd.serve.server import serve_http
 
 __all__ = ["Daemon"]
 

@@ -1,14 +1,14 @@
 """What every protocol's handlers share: the app's state, authentication, bodies and answers.
 
-Ownership: :class:`HttpState` is made once per app by :func:`apsd.http.create_app` and kept in
+Ownership: :class:`HttpState` is made once per app by :func:`apsd.serve.http.create_app` and kept in
 ``app.extensions["apsd"]``; handlers reach it with :func:`http_state`. It holds no tasks: the
 app reads and submits through the :class:`~apsd.pipeline.Pipeline` it was given.
 
 Authentication is one decorator, :func:`authenticated`: it identifies the caller from the
-``Authorization`` header (:mod:`apsd.auth`) before the body is read, refuses what the
+``Authorization`` header (:mod:`apsd.serve.auth`) before the body is read, refuses what the
 endpoint does not allow (counted as a refusal in the ledger), and hands the handler the
-:class:`~apsd.auth.Caller`. Each protocol renders refusals in its own shape: apsd's
-``{"error", "message"[, "field"]}`` (:func:`error_response`) or OpenAI's (:mod:`apsd.http.openai`).
+:class:`~apsd.serve.auth.Caller`. Each protocol renders refusals in its own shape: apsd's
+``{"error", "message"[, "field"]}`` (:func:`error_response`) or OpenAI's (:mod:`apsd.serve.http.openai`).
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import trio
 from quart import Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
-from .. import strictjson
-from ..auth import Caller, KeyRing
-from ..config import Config
-from ..models import Refusal
-from ..pipeline import Pipeline
-from ..prometheus import PrometheusExporter
+from apsd.core import strictjson
+from apsd.serve.auth import Caller, KeyRing
+from apsd.core.config import Config
+from apsd.core.models import Refusal
+from apsd.pipeline import Pipeline
+from apsd.serve.prometheus import PrometheusExporter
 
 __all__ = ["BodyError", "HttpState", "REQUEST_ID_HEADER", "client_request_id", "MAX_TENANT_ID_CHARS", "MAX_TOKENS_REQUESTED", "ShieldResponseEnd",
            "authenticated", "check_prompt_length", "error_response", "http_state", "json_response",
@@ -92,7 +92,7 @@ def authenticated(*, admin: bool = False, submits: bool = False,
     """Decorate a route: it runs only for a caller the endpoint allows, given as ``caller=``.
 
     Every caller must present a valid key once keys are configured (401 otherwise, with
-    ``WWW-Authenticate``); without keys everyone is :data:`~apsd.auth.OPEN_ACCESS`. ``admin``:
+    ``WWW-Authenticate``); without keys everyone is :data:`~apsd.serve.auth.OPEN_ACCESS`. ``admin``:
     the operator's key only (403 ``admin_only``). ``submits``: the endpoint submits requests,
     which the admin key may not do (403 ``admin_cannot_submit``: it has no tenant to bill).
     A refusal is counted in the ledger (unattributed) and rendered by ``answer`` (default
@@ -124,7 +124,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 
     A key repeated in any object of the document is refused (``duplicate_key``, naming it):
     parsers disagree on which value wins, so a proxy and apsd could read different requests.
-    Nesting deeper than :data:`apsd.strictjson.MAX_DEPTH` is refused (``too_deep``), and so are
+    Nesting deeper than :data:`apsd.core.strictjson.MAX_DEPTH` is refused (``too_deep``), and so are
     ``NaN``/``Infinity`` and lone surrogates (``invalid_json``): a backend would choke on them
     and the request would come back as a 5xx blamed on it.
     """
@@ -248,7 +248,7 @@ class ShieldResponseEnd:
     untimed, until the client leaves (a slow-body client got its 408 and kept its socket).
     Shielding that one ``send`` lets hypercorn finish its bookkeeping.
 
-    It also gives apsd's server (:mod:`apsd.serving`) the send timeout, ``[server] send_timeout_s``,
+    It also gives apsd's server (:mod:`apsd.serve.server`) the send timeout, ``[server] send_timeout_s``,
     in the ASGI lifespan state: a ``send`` cannot time out here, since hypercorn shields the socket
     write inside it, so the server bounds the write itself and drops a client that takes nothing of
     its answer for that long (the request then sees ``http.disconnect`` and is cancelled).
@@ -260,7 +260,7 @@ class ShieldResponseEnd:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan" and self.send_timeout_s is not None and isinstance(scope.get("state"), dict):
-            from ..serving import SEND_TIMEOUT_STATE  # (here: only the lifespan needs it)
+            from apsd.serve.server import SEND_TIMEOUT_STATE  # (here: only the lifespan needs it)
             scope["state"][SEND_TIMEOUT_STATE] = self.send_timeout_s
         if scope["type"] != "http":
             return await self.app(scope, receive, send)

@@ -3,8 +3,8 @@
 Ownership: the HTTP layer (or the simulator) creates an :class:`InferenceRequest`
 with an empty :class:`ReplySlot` and waits on it; exactly one stage later
 resolves the slot with a :class:`Completion` or a :class:`Refusal`, always
-through the ledger so the books balance: :meth:`apsd.ledger.Ledger.finish` for an
-admitted request, :meth:`apsd.ledger.Ledger.refuse_unadmitted` for one refused
+through the ledger so the books balance: :meth:`apsd.core.ledger.Ledger.finish` for an
+admitted request, :meth:`apsd.core.ledger.Ledger.refuse_unadmitted` for one refused
 before admission.
 
 A request's life (each step is the ledger's to count and announce)::
@@ -15,7 +15,7 @@ A request's life (each step is the ledger's to count and announce)::
 
 While it runs, its engine updates its progress fields (``tokens_generated``,
 ``started_at``, ``cost_usd``) and, if a reader attached a
-:class:`~apsd.streams.TokenStream`, delivers tokens to it as they are produced.
+:class:`~apsd.core.streams.TokenStream`, delivers tokens to it as they are produced.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import attrs
 import trio
 
 if TYPE_CHECKING:
-    from .streams import TokenStream
+    from apsd.core.streams import TokenStream
 
 __all__ = ["Batch", "Capacity", "Completion", "Dispatch", "InferenceRequest", "Outcome", "Refusal", "ReplySlot"]
 
@@ -134,7 +134,7 @@ class InferenceRequest:
     stamps ``dispatched_at``, ``effective_priority`` and ``engine_id`` when it
     dispatches it. ``timeout_s`` is the client's own queue timeout (None: the
     config's); the scheduler stamps ``deadline`` when it queues the request (see
-    :meth:`apsd.scheduler.Scheduler.enqueue`). The progress fields below are its
+    :meth:`apsd.core.scheduler.Scheduler.enqueue`). The progress fields below are its
     engine's to update.
     """
 
