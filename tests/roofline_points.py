@@ -1,6 +1,6 @@
 """Published inference measurements the roofline model (apsd/engines/roofline.py) is checked against.
 
-A helpers module, not a test file: ``tests/test_roofline.py`` asserts every point, and
+A helpers module, not a test file: ``tests/unit/test_roofline.py`` asserts every point, and
 ``python -m tests.roofline_points`` prints the Markdown table of docs/engines.md ("Validation")
 from the same data, so the table is always what the code computes.
 

@@ -121,7 +121,7 @@ class SystemdNotifier:
         """``RELOADING=1``: a reload begins; send :meth:`ready` when it is done (even if it failed)."""
         # MONOTONIC_USEC must be CLOCK_MONOTONIC (systemd compares it with its own reload
         # timestamp), not the trio clock, which may be virtual. clock_gettime_ns reads no
-        # wall time into the pipeline; tests/test_codebase.py forbids time.time/monotonic/
+        # wall time into the pipeline; tests/unit/test_codebase.py forbids time.time/monotonic/
         # perf_counter/sleep and must keep allowing this one call.
         usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
         return await self.send("RELOADING=1", f"MONOTONIC_USEC={usec}", status=status)

@@ -19,7 +19,7 @@ handed over copy-on-write), so one scrape still sees one consistent moment; then
 thread renders the lines of those tenants only, reuses every other tenant's from the last
 scrape, and joins them. The event loop goes on serving meanwhile. The output is byte for byte
 prometheus_client's own (:meth:`PrometheusExporter.collect`, kept as the reference;
-``tests/test_prometheus.py`` compares them).
+``tests/daemon/test_prometheus.py`` compares them).
 
 Metrics (``tenant`` is a configured tenant's name)::
 
@@ -423,7 +423,7 @@ def _offer_gil() -> None:
 
     A call that merely drops the GIL for an instant (``select`` with no timeout, ``os.sched_yield``)
     takes it back before the waiting thread wakes; blocking for a moment on a lock hands it over,
-    as ``time.sleep(0)`` would (apsd keeps ``time`` for trio's clock: tests/test_codebase.py). It
+    as ``time.sleep(0)`` would (apsd keeps ``time`` for trio's clock: tests/unit/test_codebase.py). It
     reads no clock and waits for nothing but the handover.
     """
     _NEVER_RELEASED.acquire(timeout=1e-6)

@@ -57,7 +57,7 @@ to substitute another would be to monkeypatch ``hypercorn.trio.run``. :func:`ser
 hypercorn's trio worker (``hypercorn.trio.run.worker_serve``) with that one class replaced, minus what
 apsd does not use (QUIC, statsd, ``max_requests``). The subclass overrides private methods of
 ``TCPServer``, so hypercorn is pinned to :data:`HYPERCORN_VERSION` (``pyproject.toml``), and
-``tests/test_keepalive.py`` checks both the version and the race. Before raising the pin, re-read
+``tests/daemon/test_keepalive.py`` checks both the version and the race. Before raising the pin, re-read
 ``hypercorn/trio/tcp_server.py`` and ``hypercorn/trio/run.py`` (and drop this if #235 is fixed there).
 
 Ownership: :func:`serve_http` supports ``nursery.start`` (it hands back the bound URLs once it

@@ -553,8 +553,8 @@ def _claim_lazy_aging() -> str:
         "",
         "With one `alpha` for every request, P_eff(r1, τ) − P_eff(r2, τ) = (P_bid1 − α·t_a1) − (P_bid2 − α·t_a2) "
         "does not depend on τ, so a heap keyed on `α·t_a − P_bid` is exact at every moment: aging costs nothing "
-        "per tick, and push and pop are O(log N), not O(1). The property test `tests/test_aging.py` checks the "
-        "order against brute-force re-evaluation of P_eff at every pop; `python tests/bench_queue.py` measures "
+        "per tick, and push and pop are O(log N), not O(1). The property test `tests/unit/test_aging.py` checks the "
+        "order against brute-force re-evaluation of P_eff at every pop; `python benchmarks/bench_queue.py` measures "
         "push+pop rates against raw `heapq` at depths 10³–10⁵ on the machine it runs on.",
     ])
 

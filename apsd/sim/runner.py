@@ -113,7 +113,7 @@ def _seeded_trio_scheduler(seed: int) -> Iterator[None]:
     """Fix the order trio gives tasks waking at the same instant, for the duration of one run.
 
     Trio has no public hook for this: it is the private ``trio._core._run._r``. If trio ever
-    drops it, nothing is seeded and tests/test_simulate.py's byte-for-byte test says so.
+    drops it, nothing is seeded and tests/sim/test_simulate.py's byte-for-byte test says so.
     """
     from trio._core import _run
 

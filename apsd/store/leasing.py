@@ -24,7 +24,7 @@ pause. It loses what idle replicas hold: a lease is twice the last interval's de
 ``2 * rate * sync_interval_s`` while busy) and, for ``HOLD_S`` after a pause, the largest recent
 interval's demand, so N replicas park at most N such slices (and a refused request's size, below).
 Measured: three replicas, one tenant at twice its rate for 30 s, 6,360 tokens admitted against a
-bound of 6,400 (``tests/test_store.py``); ``apsd simulate --replicas`` compares sync intervals.
+bound of 6,400 (``tests/backends/test_store.py``); ``apsd simulate --replicas`` compares sync intervals.
 
 Refusals tell the shared truth. A request its lease and optimistic share cannot cover is refused
 at once (nothing waits for the shared state), and the replica asks at its next exchange for a lease

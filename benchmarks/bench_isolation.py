@@ -1,0 +1,73 @@
+"""Isolation figures: issue 14's "done when" for every built-in policy (and ``vtc`` when installed).
+
+What it prints (virtual time, through apsd's own pipeline; the same seeds give the same figures)
+    - continuous engine (tests/sim/test_isolation.py's ``ISOLATING_ENGINE``: a100-80gb, llama-3-8b,
+      ``max_batched_tokens = 256``): the steady tenant's p99 time to first token on
+      ``noisy-neighbor`` (60 s) alone and beside a neighbour at ``CONTINUOUS_FLOOD`` req/s;
+    - micro engine: its p99 latency on ``noisy-neighbor`` (120 s) alone and flooded, and the
+      longest batch of the flooded run;
+    - ``vtc-overload``: the largest service gap between the two backlogged tenants after 200 and
+      800 s (tests/sim/test_isolation.py's measure);
+    - ``vip-flood`` (300 s): the free tenant's longest queue wait, and the longest batch.
+
+How to run (from the repository root; not collected by pytest)
+    .venv/bin/python benchmarks/bench_isolation.py          # about a minute
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from apsd.core.config import Config, parse_config  # noqa: E402
+from apsd.sim.runner import parse_policy_choice, run_policy  # noqa: E402
+from apsd.sim.workloads import build_workload  # noqa: E402
+from tests.sim.test_isolation import (CONTINUOUS_FLOOD, ISOLATING_ENGINE, latency, max_backlogged_service_gap,  # noqa: E402
+                                  p99, steady, ttft)
+
+
+def presets() -> list[str]:
+    names = ["fifo", "static", "aps", "fair"]
+    try:
+        import apsd_vtc  # noqa: F401
+    except ImportError:
+        return names
+    return [*names, "vtc"]
+
+
+def run(workload: str, preset: str, config: Config, **params):
+    return run_policy(build_workload(workload, params), parse_policy_choice(preset), base_config=config)
+
+
+def longest_batch(policy_run) -> float:
+    return max(b.finished_at - b.started_at for b in policy_run.batches)
+
+
+def row(preset: str) -> str:
+    continuous = parse_config({"engine": ISOLATING_ENGINE}, "<bench>")
+    alone = p99(steady(run("noisy-neighbor", preset, continuous, duration=60.0, neighbor_rate=0.0), ttft))
+    flooded = p99(steady(run("noisy-neighbor", preset, continuous, duration=60.0, neighbor_rate=CONTINUOUS_FLOOD),
+                         ttft))
+    micro_alone = p99(steady(run("noisy-neighbor", preset, Config(), neighbor_rate=0.0), latency))
+    micro_run = run("noisy-neighbor", preset, Config())
+    gaps = [max_backlogged_service_gap(run("vtc-overload", preset, Config(), duration=d)) for d in (200.0, 800.0)]
+    vip = run("vip-flood", preset, Config(), duration=300.0)
+    waits = [r.queue_wait for r in vip.requests if r.tenant == "free" and r.queue_wait is not None]
+    return (f"| {preset} | {alone * 1000:.1f} -> {flooded * 1000:.1f} ms ({flooded / alone:.1f}x) "
+            f"| {micro_alone:.2f} -> {p99(steady(micro_run, latency)):.2f} s ({longest_batch(micro_run):.2f} s) "
+            f"| {gaps[0]:,.0f} / {gaps[1]:,.0f} | {max(waits):.2f} s ({longest_batch(vip):.2f} s) |")
+
+
+def main() -> int:
+    print("| policy | continuous: steady p99 TTFT alone -> flooded | micro: steady p99 latency alone -> flooded "
+          "(longest batch) | vtc-overload gap 200 s / 800 s | vip-flood: free's longest wait (longest batch) |")
+    print("|---|---|---|---|---|")
+    for preset in presets():
+        print(row(preset))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

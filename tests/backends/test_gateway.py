@@ -1,0 +1,244 @@
+"""apsd in front of real llama.cpp servers (``llama-server``, a tiny model written by the tests):
+forwarding, two backends, a backend killed under load, settlement against the backend's usage, and
+priority order while the backends are saturated. Real HTTP both ways, real processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import httpx
+import pytest
+import trio
+
+from apsd.core.config import ServerConfig, TenantConfig, parse_config
+
+from tests.helpers import start_apsd, start_daemon, stop_apsd
+from tests.llama_server import (  # noqa: F401  (fixtures)
+    SLOW_MODEL,
+    llama_server,
+    llama_server_binary,
+    open_llama_server,
+    slow_model,
+    tiny_model,
+)
+
+#: Buckets that hold far more than the tests use and do not refill during a test: what is missing from
+#: one at the end is exactly what its requests were charged.
+TENANTS = {"t": TenantConfig(rate=1e-6, burst=10**9), "u": TenantConfig(rate=1e-6, burst=10**9)}
+
+
+def gateway_config(servers, *, preset="aps", max_concurrency=4, **forward):
+    settings = {"health_interval_s": 0.2, "metrics_interval_s": 0.1, **forward}
+    config = parse_config({"policy": {"preset": preset},
+                           "backends": [{"url": s.url, "name": f"b{i}", "max_concurrency": max_concurrency}
+                                        for i, s in enumerate(servers)],
+                           "forward": settings}, "<test>")
+    return attrs.evolve(config, server=ServerConfig(host="127.0.0.1", port=0, shutdown_grace_s=2.0), tenants=TENANTS)
+
+
+async def wait_until(predicate, limit_s=10.0, step_s=0.05):
+    with trio.fail_after(limit_s):
+        while not predicate():
+            await trio.sleep(step_s)
+
+
+def backends_up(daemon, n):
+    return lambda: sum(b.healthy for b in daemon.pipeline.engines[0].backends) == n
+
+
+def infer(tenant="t", tokens=8, bid=5, prompt="Hello there, how are you?"):
+    return {"tenant_id": tenant, "prompt": prompt, "tokens_requested": tokens, "priority_bid": bid}
+
+
+async def test_infer_is_forwarded_and_settled_against_the_backends_usage(nursery, llama_server):
+    running = await start_daemon(nursery, gateway_config([llama_server]))
+    await wait_until(backends_up(running.daemon, 1))
+    async with running.client as client:
+        answer = (await client.post("/infer", json=infer(tokens=9))).json()
+        assert answer["tokens_generated"] == 9            # the tiny model never stops early
+        assert answer["engine_id"] == 0 and answer["ttft_ms"] > 0
+        status = (await client.get("/tenants/t/status")).json()
+        # the tenant's counters and bucket follow the backend's usage, not apsd's estimate
+        assert status["generated_tokens"] == 9 and status["prompt_tokens"] == answer["prompt_tokens"]
+        bucket = running.daemon.pipeline.admission.buckets["t"]
+        assert bucket.level(running.daemon.pipeline.clock.now()) == pytest.approx(
+            10**9 - answer["prompt_tokens"] - 9, abs=1)
+        text = (await client.get("/metrics")).text
+        assert 'apsd_backend_up{backend="b0"} 1.0' in text
+        assert 'apsd_backend_tokens_total{backend="b0",phase="completion"} 9.0' in text
+    running.daemon.request_shutdown()
+
+
+async def test_two_backends_share_the_load_and_one_killed_mid_load_loses_nothing(nursery, llama_server_binary,
+                                                                                  slow_model, tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    async with open_llama_server(slow_model, alias="slow", binary=llama_server_binary, log_dir=tmp_path / "a",
+                                 parallel=2) as a, \
+            open_llama_server(slow_model, alias="slow", binary=llama_server_binary, log_dir=tmp_path / "b",
+                              parallel=2) as b:
+        running = await start_daemon(nursery, gateway_config([a, b], max_concurrency=2, max_retries=3))
+        await wait_until(backends_up(running.daemon, 2))
+        answers: list[httpx.Response] = []
+        async with running.client as client, trio.open_nursery() as load:
+            async def one(i: int) -> None:
+                answers.append(await client.post("/infer", json=infer(tokens=40, bid=1 + i % 10)))
+
+            for i in range(24):
+                load.start_soon(one, i)
+            engine = running.daemon.pipeline.engines[0]
+            await wait_until(lambda: all(backend.requests >= 2 for backend in engine.backends))
+            a.process.kill()                      # a backend dies with requests in flight
+        assert len(answers) == 24
+        statuses = sorted(r.status_code for r in answers)
+        completed = [r.json() for r in answers if r.status_code == 200]
+        failed = [r.json() for r in answers if r.status_code != 200]
+        # requests in flight on the killed backend after their first token fail (502); the rest,
+        # queued or not started yet, are retried on the other one
+        assert all(f["error"] in ("backend_failed", "backend_timeout") for f in failed), statuses
+        assert len(completed) >= 24 - 2 and all(c["tokens_generated"] == 40 for c in completed)
+        b0, b1 = running.daemon.pipeline.statistics().backends
+        assert not b0.healthy and b1.healthy and b0.failures >= 1 and b1.requests >= 12
+        counts = running.daemon.pipeline.statistics().books.requests
+        assert counts.completed + counts.failed == 24 and counts.conservation_ok
+        running.daemon.request_shutdown()
+
+
+async def test_while_the_backend_is_saturated_the_queue_keeps_apsds_priority_order(nursery, llama_server_binary,
+                                                                                    slow_model, tmp_path):
+    async with open_llama_server(slow_model, alias="slow", binary=llama_server_binary, log_dir=tmp_path,
+                                 parallel=1) as server:
+        running = await start_daemon(nursery, gateway_config([server], preset="static", max_concurrency=1))
+        await wait_until(backends_up(running.daemon, 1))
+        finished: list[int] = []
+        async with running.client as client, trio.open_nursery() as load:
+            async def one(bid: int, tokens: int) -> None:
+                response = await client.post("/infer", json=infer(tokens=tokens, bid=bid))
+                assert response.status_code == 200
+                finished.append(bid)
+
+            load.start_soon(one, 5, 300)         # occupies the only slot for a while (a second or so)
+            await wait_until(lambda: running.daemon.pipeline.engines[0].backends[0].in_flight == 1)
+            for _ in range(4):
+                load.start_soon(one, 1, 4)       # low bids queue in apsd, in arrival order...
+            await wait_until(lambda: running.daemon.pipeline.scheduler.queue_depth == 4)
+            load.start_soon(one, 10, 4)          # ...and a late high bid goes first
+            await wait_until(lambda: running.daemon.pipeline.scheduler.queue_depth == 5)
+        assert finished == [5, 10, 1, 1, 1, 1]
+        running.daemon.request_shutdown()
+
+
+# -- the OpenAI API, forwarded -------------------------------------------------------------------------
+
+def openai_client(url: str, tenant: str = "t"):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", default_headers={"X-Apsd-Tenant": tenant},
+                         max_retries=0, timeout=30)
+
+
+async def test_the_official_client_through_apsd_to_llama_cpp(nursery, llama_server):
+    running = await start_daemon(nursery, gateway_config([llama_server]))
+    await wait_until(backends_up(running.daemon, 1))
+
+    def calls():
+        client = openai_client(running.url)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi!"}],
+                                              max_tokens=6, temperature=0.7, seed=3)
+        plain = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi!"}],
+                                                    max_tokens=5, stream=True))
+        usage = list(client.completions.create(model="tiny", prompt="Once upon", max_tokens=4, stream=True,
+                                               stream_options={"include_usage": True}))
+        return chat, plain, usage
+
+    chat, plain, usage = await trio.to_thread.run_sync(calls)
+    assert chat.usage.completion_tokens == 6 and chat.choices[0].finish_reason == "length"
+    assert chat.model == "tiny" and len(chat.choices[0].message.content) > 0
+    text = [c.choices[0].delta.content for c in plain if c.choices and c.choices[0].delta.content]
+    assert len(text) == 5 and all(c.usage is None for c in plain)   # the usage apsd asked for is not shown
+    assert usage[-1].usage.completion_tokens == 4 and usage[-1].usage.prompt_tokens > 0
+    status = running.daemon.pipeline.tenant_status("t")
+    # every token the backend reported is on the tenant's books, the hidden stream usage included
+    assert status.completed == 3 and status.generated_tokens == 6 + 5 + 4
+    assert status.prompt_tokens == chat.usage.prompt_tokens * 2 + usage[-1].usage.prompt_tokens
+    running.daemon.request_shutdown()
+
+
+async def test_the_async_client_streams_through_apsd(nursery, llama_server):
+    import openai
+
+    running = await start_daemon(nursery, gateway_config([llama_server]))
+    await wait_until(backends_up(running.daemon, 1))
+    client = openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="unused",
+                                default_headers={"X-Apsd-Tenant": "u"}, max_retries=0, timeout=30)
+    stream = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Go"}],
+                                                  max_tokens=12, stream=True, stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+    await client.close()
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 12
+    assert chunks[-1].usage.completion_tokens == 12
+    running.daemon.request_shutdown()
+
+
+async def test_a_client_that_leaves_mid_stream_cancels_the_upstream_request(nursery, llama_server_binary,
+                                                                           slow_model, tmp_path):
+    async with open_llama_server(slow_model, alias="slow", binary=llama_server_binary, log_dir=tmp_path,
+                                 parallel=1) as server:
+        running = await start_daemon(nursery, gateway_config([server], max_concurrency=1))
+        await wait_until(backends_up(running.daemon, 1))
+        pipeline = running.daemon.pipeline
+        received = 0
+        async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
+            body = {"model": "slow", "messages": [{"role": "user", "content": "Tell me everything."}],
+                    "max_tokens": 2000, "stream": True}
+            async with client.stream("POST", "/v1/chat/completions", json=body,
+                                     headers={"X-Apsd-Tenant": "t"}) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {") and '"content":"' in line:
+                        received += 1
+                    if received == 20:
+                        break                    # the client leaves with ~1,980 tokens to go
+        backend = pipeline.engines[0].backends[0]
+        await wait_until(lambda: backend.in_flight == 0, limit_s=5)
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as direct:
+            async def processing() -> float:
+                text = (await direct.get("/metrics")).text
+                return float(next(line.split()[1] for line in text.splitlines()
+                                  if line.startswith("llamacpp:requests_processing ")))
+
+            with trio.fail_after(5):                # llama.cpp itself stopped generating
+                while await processing() != 0:
+                    await trio.sleep(0.05)
+        status = pipeline.tenant_status("t")
+        assert status.cancelled == 1 and 20 <= status.generated_tokens < 300   # billed what had arrived
+        # the backend's slot is free again: the next request is served at once, not after 2,000 tokens
+        async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
+            with trio.fail_after(3):
+                answer = await client.post("/v1/completions", json={"model": "slow", "prompt": "x", "max_tokens": 3},
+                                           headers={"X-Apsd-Tenant": "t"})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
+        running.daemon.request_shutdown()
+
+
+async def test_the_daemons_log_has_no_line_per_forwarded_request(llama_server, tmp_path):
+    """httpx logs every request at INFO: a busy gateway's log would be a line per forwarded request."""
+    config = tmp_path / "gateway.toml"
+    config.write_text(f'[[backends]]\nurl = "{llama_server.url}"\n[forward]\nhealth_interval_s = 0.2\n'
+                      '[tenants.t]\nrate = 1e6\nburst = 1000000\n')
+    process, url, seen = await start_apsd(str(config), "--port", "0")
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            with trio.fail_after(10):
+                while not (await client.get("/v1/models")).json()["data"]:
+                    await trio.sleep(0.05)
+            for _ in range(3):
+                answer = await client.post("/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2},
+                                           headers={"X-Apsd-Tenant": "t"})
+                assert answer.status_code == 200
+    finally:
+        log = await stop_apsd(process, seen)
+    assert "backend " in log and " is up" in log
+    assert "HTTP Request" not in log and "httpx" not in log

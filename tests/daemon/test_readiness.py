@@ -1,0 +1,146 @@
+"""Readiness (``GET /ready``) apart from liveness (``GET /health``): the decision on its own, then real
+daemons over HTTP on port 0: a simulated engine, a forward engine whose backend is a closed port and
+then comes up and goes away again, and a daemon draining."""
+
+from __future__ import annotations
+
+import socket
+
+import attrs
+import pytest
+import trio
+
+from apsd.core.config import GpuConfig, ServerConfig, TenantConfig, parse_config
+from apsd.engines.backends import BackendStatistics
+from apsd.serve.readiness import decide_readiness
+
+from tests.helpers import FAST_GPU, make_config, start_daemon
+
+
+def backend(name: str, models: tuple[str, ...], healthy: bool) -> BackendStatistics:
+    figures = {field.name: 0 for field in attrs.fields(BackendStatistics)}   # (counters: not looked at)
+    figures.update(name=name, url=f"http://{name}", models=models, healthy=healthy, saturated=False,
+                   waiting=None, kv_usage=None)
+    return BackendStatistics(**figures)
+
+
+# -- the decision ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("accepting", "backends", "status", "missing"), [
+    (True, None, "ready", ()),                                          # a simulated engine
+    (False, None, "draining", ()),
+    (False, [backend("a", ("m",), True)], "draining", ()),              # draining wins
+    (True, [backend("a", ("m",), True)], "ready", ()),
+    (True, [backend("a", ("m",), False)], "no_backend", ("m",)),
+    (True, [backend("a", ("m", "n"), False), backend("b", ("m",), False)], "no_backend", ("m", "n")),
+    (True, [backend("a", (), False)], "no_backend", ()),                # models not known yet
+    (True, [backend("a", (), True)], "no_backend", ()),                 # healthy, but serves nothing yet
+    (True, [], "no_backend", ()),
+    (True, [backend("a", ("m",), False), backend("b", ("m",), True)], "ready", ()),   # one of two is enough
+    (True, [backend("a", ("n",), False), backend("b", ("m",), True)], "ready", ("n",)),  # partly: ready, says so
+])
+def test_the_decision(accepting, backends, status, missing):
+    answer = decide_readiness(accepting=accepting, backends=backends)
+    assert (answer.status, answer.models_without_backend, answer.ready) == (status, missing, status == "ready")
+    assert answer.message
+
+
+# -- over HTTP -------------------------------------------------------------------------------------
+
+def forward_config(port: int, **backend_fields):
+    config = parse_config({"backends": [{"url": f"http://127.0.0.1:{port}", "name": "b0", **backend_fields}],
+                           "forward": {"health_interval_s": 0.05, "connect_timeout_s": 1.0}}, "<test>")
+    return attrs.evolve(config, server=ServerConfig(host="127.0.0.1", port=0, shutdown_grace_s=2.0),
+                        tenants={"t": TenantConfig(rate=1e4, burst=10_000)})
+
+
+def closed_port() -> socket.socket:
+    """A loopback port bound but not listening (connections to it are refused), held while the socket
+    is open, with SO_REUSEPORT so that a daemon with ``reuse_port`` can listen on it later."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+async def wait_for_status(client, status: str, limit_s: float = 20.0):
+    with trio.fail_after(limit_s):
+        while (answer := await client.get("/ready")).json()["status"] != status:
+            await trio.sleep(0.05)
+    return answer
+
+
+async def test_a_simulated_engine_is_ready(nursery):
+    running = await start_daemon(nursery, make_config(server=ServerConfig(host="127.0.0.1", port=0), gpu=FAST_GPU))
+    async with running.client as client:
+        ready = await client.get("/ready")
+        assert ready.status_code == 200 and ready.headers["cache-control"] == "no-store"
+        assert ready.json() == {"status": "ready", "message": "the engines are serving", "models_without_backend": []}
+        assert (await client.get("/health")).status_code == 200
+    running.daemon.request_shutdown()
+
+
+async def test_a_forward_engine_without_a_usable_backend_is_not_ready_but_alive(nursery):
+    with closed_port() as sock:
+        running = await start_daemon(nursery, forward_config(sock.getsockname()[1], models=["m"]))
+        async with running.client as client:
+            await trio.sleep(0.3)  # several health checks have failed by now
+            answer = await client.get("/ready")
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["status"] == "no_backend" and answer.json()["models_without_backend"] == ["m"]
+            assert "m cannot be served" in answer.json()["message"]
+            health = await client.get("/health")   # liveness: the process serves, nothing to restart
+            assert health.status_code == 200 and health.json()["status"] == "ok"
+        running.daemon.request_shutdown()
+
+
+async def test_readiness_follows_the_backend_up_and_down(nursery):
+    """A closed port, then an apsd (micro) listening there as the backend, then that backend stopped."""
+    with closed_port() as sock:
+        port = sock.getsockname()[1]
+        running = await start_daemon(nursery, forward_config(port))   # models read from its /v1/models
+        async with running.client as client:
+            down = await wait_for_status(client, "no_backend")
+            assert down.status_code == 503 and down.json()["models_without_backend"] == []
+            async with trio.open_nursery() as backend_nursery:
+                backend_config = make_config(server=ServerConfig(host="127.0.0.1", port=port, reuse_port=True),
+                                             gpu=FAST_GPU)
+                backend_daemon = await start_daemon(backend_nursery, backend_config)
+                sock.close()                     # (the backend listens on the port now)
+                up = await wait_for_status(client, "ready")
+                assert up.status_code == 200 and up.json()["models_without_backend"] == []
+                models = (await client.get("/v1/models")).json()["data"]
+                assert [m["id"] for m in models] and [m["id"] for m in models] == \
+                       [m["id"] for m in (await backend_daemon.client.get("/v1/models")).json()["data"]]
+                await backend_daemon.client.aclose()
+                backend_daemon.daemon.request_shutdown()
+            again = await wait_for_status(client, "no_backend")
+            assert again.status_code == 503 and again.json()["models_without_backend"] == [m["id"] for m in models]
+        running.daemon.request_shutdown()
+
+
+async def test_a_draining_daemon_is_not_ready_but_alive(nursery):
+    # one model second is one wall second: a 2000-token request is still running when shutdown begins
+    config = make_config(server=ServerConfig(host="127.0.0.1", port=0, shutdown_grace_s=60.0),
+                         gpu=GpuConfig(time_scale=1.0), tenants={"t": TenantConfig(rate=1e6, burst=10**6)})
+    running = await start_daemon(nursery, config)
+    answers = []
+    async with running.client as client:
+        assert (await client.get("/ready")).status_code == 200
+        async with trio.open_nursery() as requests:
+            async def one() -> None:
+                answers.append(await client.post("/infer", json={"tenant_id": "t", "prompt": "",
+                                                                 "tokens_requested": 2000, "priority_bid": 5}))
+            requests.start_soon(one)
+            with trio.fail_after(20):
+                while (await client.get("/metrics.json")).json()["requests"]["in_flight"] < 1:
+                    await trio.sleep(0.01)
+            running.daemon.request_shutdown()       # what SIGTERM does: the drain begins
+            await trio.sleep(0.05)
+            draining = await client.get("/ready")
+            assert draining.status_code == 503 and draining.json()["status"] == "draining", draining.text
+            health = await client.get("/health")   # liveness: still serving (the drain's answers)
+            assert health.status_code == 200 and health.json()["status"] == "draining"
+            running.daemon.request_shutdown()       # a second signal: the grace period ends now
+    assert [a.status_code for a in answers] == [503]
