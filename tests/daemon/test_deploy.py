@@ -92,13 +92,7 @@ def configmap_text() -> str:
 
 def configmap_config() -> Config:
     """The ConfigMap's apsd.toml through apsd's own loader, as the pods will read it."""
-    try:
-        return apsd.parse_config(tomllib.loads(configmap_text()), "<configmap>")
-    except apsd.ConfigError as exc:
-        if "store" in str(exc):
-            # TODO(issue 15): remove once [store] is in apsd.core.config.
-            pytest.xfail("store section not yet built")
-        raise
+    return apsd.parse_config(tomllib.loads(configmap_text()), "<configmap>")
 
 
 # -- Kubernetes ----------------------------------------------------------------------------------

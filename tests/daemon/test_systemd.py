@@ -289,8 +289,6 @@ def test_progress_probe():
     assert probe()                           # a new stall is judged afresh
 
 
-@pytest.mark.skipif(not hasattr(Scheduler, "dispatch_owed"), reason="the scheduler has no heartbeat yet "
-                    "(Scheduler.decisions and Scheduler.dispatch_owed)")
 async def test_watchdog_stops_pinging_when_the_dispatcher_misses_a_wakeup(tmp_path, autojump_clock, monkeypatch):
     config = make_config(tenants={"a": TenantConfig(rate=1e6, burst=10**6)}, gpu=GpuConfig(time_scale=0.001))
     with receiver(tmp_path) as (path, sock):
