@@ -10,9 +10,7 @@ simulator through :meth:`Pipeline.admit_now`; both read the views
 (:meth:`Pipeline.statistics`, :meth:`Pipeline.health`, :meth:`Pipeline.tenant_status`),
 frozen snapshots that the HTTP edge serialises.
 
-It also owns the :class:`~apsd.engines.micro.FaultInjector` its engines share
-(``[gpu]`` fault injection, with its own seeded random generator) and starts the
-scheduler's queue-timeout task (:meth:`Scheduler.serve_timeouts`).
+It also starts the scheduler's queue-timeout task (:meth:`Scheduler.serve_timeouts`).
 
 Channels (buffer sizes are deliberate)::
 
@@ -36,9 +34,8 @@ import trio
 from apsd.core.admission import Admission, estimate_tokens
 from apsd.core.clock import ModelClock
 from apsd.core.config import Config
-from apsd.engines import Demand, Engine, EngineStatistics, ForwardEngine, build_engines
+from apsd.engines import Demand, Engine, EngineDescription, EngineStatistics, ForwardEngine, build_engines, describe
 from apsd.engines.backends import BackendClient, BackendStatistics
-from apsd.engines.micro import FaultInjector
 from apsd.engines.profiles import ProfileRegistry
 from apsd.core.events import EventBus
 from apsd.core.ledger import Ledger, LedgerStatistics
@@ -125,7 +122,6 @@ class Pipeline:
     admission: Admission
     scheduler: Scheduler
     engines: list[Engine]
-    faults: FaultInjector
     #: Where tenants' buckets and fair-share counters live (``[store]``); its task runs with the stages.
     store: Store
     request_id_prefix: str
@@ -145,18 +141,19 @@ class Pipeline:
         store = store if store is not None else build_store(config)
         ledger = Ledger(tenant_names=config.tenants, clock=clock, events=EventBus(policies.plugin_manager))
         scheduler = Scheduler(policies=policies, ledger=ledger, clock=clock, queue_timeout_s=config.queue.timeout_s)
-        faults = FaultInjector(config.gpu)
-        engines = build_engines(config, ledger=ledger, clock=clock, faults=faults, rank=scheduler.rank,
+        engines = build_engines(config, ledger=ledger, clock=clock, rank=scheduler.rank,
                                 requeue=scheduler.requeue, profiles=profiles, backend_client=backend_client)
         admission = Admission(tenants=dict(config.tenants), batching=policies.batching, ledger=ledger,
                               clock=clock, engine_refuse=engines[0].refuse, max_queued=config.queue.max_requests,
                               max_queued_per_tenant=config.queue.max_requests_per_tenant,
                               max_queued_tokens=config.queue.max_tokens, store=store)
+        # How a request ends (Ledger.finish): the books, then the tenant's settlement, then the policies.
+        ledger.settle, ledger.tell_policies = admission.settle, scheduler.policy_finished
         scheduler.on_new_queue = store.share
         store.share(scheduler.queue)
         send, receive = trio.open_memory_channel[InferenceRequest](config.queue.ingress_buffer)
         return cls(config=config, policies=policies, clock=clock, ledger=ledger, admission=admission,
-                   scheduler=scheduler, engines=engines, faults=faults, store=store,
+                   scheduler=scheduler, engines=engines, store=store,
                    request_id_prefix=request_id_prefix if request_id_prefix is not None else secrets.token_hex(4),
                    ingress_send=send, ingress_receive=receive)
 
@@ -369,12 +366,6 @@ class Pipeline:
         changes += engine_changes
         if config.engine.max_retries != old.engine.max_retries:
             changes.append(f"engine.max_retries {config.engine.max_retries}")
-        self.faults.configure(config.gpu)
-        faults = ("fail_probability", "fail_every_n_batches", "fault_seed")
-        if any(getattr(config.gpu, k) != getattr(old.gpu, k) for k in faults):
-            changes.append("gpu fault injection: " + ", ".join(f"{k}={getattr(config.gpu, k)}" for k in faults))
-        if attrs.evolve(config.gpu, **{k: getattr(old.gpu, k) for k in faults}) != old.gpu:
-            changes.append("gpu model constants")
         changes += [f"{section}.{field.name} {getattr(getattr(config, section), field.name)}"
                     for section in ("admission", "gateway")
                     for field in attrs.fields(type(getattr(config, section)))
@@ -398,25 +389,18 @@ class Pipeline:
                       queue_depth=self.scheduler.queue_depth, governor=self.governor_view())
 
     @property
-    def gpus(self) -> int:
-        """GPUs behind the engines: one per ``micro`` engine, ``tp`` per ``continuous`` one."""
-        if self.config.engine.kind == "forward":
-            return sum(b.gpus for b in self.config.backends)
-        per_engine = self.config.engine.tp if self.config.engine.kind == "continuous" else 1
-        return len(self.engines) * per_engine
+    def engine_description(self) -> EngineDescription:
+        """What its engines are (GPUs, busy units, a summary), as :func:`apsd.engines.describe` says."""
+        return describe(self.config)
 
     @property
-    def busy_units(self) -> int:
-        """What busy time is measured against: each engine (a ``micro`` GPU, a ``continuous``
-        deployment of ``tp`` GPUs, which compute together) or forwarded backend counts one."""
-        if self.config.engine.kind == "forward":
-            return len(self.config.backends)
-        return len(self.engines)
+    def gpus(self) -> int:
+        return self.engine_description.gpus
 
     def statistics(self) -> PipelineStatistics:
         rates = {name: t.rate for name, t in self.config.tenants.items()}
         return PipelineStatistics(
-            books=self.ledger.statistics(self.clock.now(), self.busy_units, rates),
+            books=self.ledger.statistics(self.clock.now(), self.engine_description.busy_units, rates),
             policy=self.scheduler.policy_names,
             queue_depth=self.scheduler.queue_depth,
             engine_kind=self.config.engine.kind,

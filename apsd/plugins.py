@@ -144,7 +144,7 @@ def describe_plugins(pm: pluggy.PluginManager, registry: PolicyRegistry,
         dist = dists.get(id(plugin))
         builtin = name in DEFAULT_PLUGINS
         provides: dict[str, list[str]] = {
-            kind: [e.name for e in registry.entries.values() if e.plugin == name and e.kind == kind]
+            kind: [e.name for e in registry.entries.values() if (e.plugin, e.kind) == (name, kind)]
             for kind in POLICY_KINDS
         }
         provides["presets"] = [p.name for p in registry.presets.values() if p.plugin == name]

@@ -31,8 +31,8 @@ shared bucket, a 429's ``Retry-After`` comes from the shared bucket's last known
 this replica's slice alone (:mod:`apsd.store.leasing`, "Refusals tell the shared truth").
 
 Settlement: admission takes a request's whole ``cost_tokens`` (prompt + requested)
-from its bucket. When the request ends, admission (subscribed to
-``request_finished``) gives back what it did not use: everything if it failed or
+from its bucket. When the request ends, :meth:`Admission.settle` (called by
+:meth:`apsd.core.ledger.Ledger.finish`) gives back what it did not use: everything if it
 never started, the unused output otherwise (see :func:`apsd.core.ledger.billed_tokens`).
 """
 
@@ -110,7 +110,6 @@ class Admission:
     def __attrs_post_init__(self) -> None:
         now = self.clock.now()
         self.buckets = {name: self._new_bucket(name, t, now) for name, t in self.tenants.items()}
-        self.ledger.events.subscribe("request_finished", self.settle, "admission's settlement")
 
     def _new_bucket(self, name: str, tenant: TenantConfig, now: float) -> Bucket:
         return self.store.bucket(name, tenant, now) if self.store is not None else TokenBucket.full(tenant, now)
@@ -231,7 +230,8 @@ class Admission:
         return changes
 
     def settle(self, request: InferenceRequest, outcome: Outcome, now: float) -> None:
-        """Settle the bucket of an admitted request that ended (subscribed to ``request_finished``):
+        """Settle the bucket of an admitted request that ended (step 3 of
+        :meth:`apsd.core.ledger.Ledger.finish`):
         give back what it reserved and did not use, or take what it used beyond (a backend's actual
         prompt can exceed apsd's estimate; the bucket may then go below zero, and the tenant waits
         longer for its next request)."""

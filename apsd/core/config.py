@@ -222,6 +222,11 @@ class StoreConfig:
     #: Prefix of every key apsd writes (several deployments may share one Redis).
     key_prefix: str = attrs.field(default="apsd", validator=non_empty)
 
+    @property
+    def shared(self) -> bool:
+        """Replicas share this store (every kind but ``memory``)."""
+        return self.kind != "memory"
+
 
 @attrs.frozen
 class GatewayConfig:
@@ -253,7 +258,7 @@ class GpuConfig:
     #: Wall seconds per model second: 1.0 is real time, 0.01 runs 100x faster.
     #: Every duration apsd reports is in model seconds, whatever this is.
     time_scale: float = attrs.field(default=1.0, validator=between(1e-6, 1e6))
-    #: Fault injection (see :class:`apsd.engines.micro.FaultInjector`): each batch fails with this
+    #: Fault injection (see :class:`apsd.engines.batch.FaultInjector`): each batch fails with this
     #: probability, drawn from a ``random.Random(fault_seed)`` the pipeline owns ...
     fail_probability: float = attrs.field(default=0.0, validator=between(0, 1))
     #: ... and every n-th batch the pipeline's GPUs start fails (0: never).
@@ -261,10 +266,29 @@ class GpuConfig:
     fault_seed: int = attrs.field(default=0, validator=between(0, 2**63 - 1))
 
 
-ENGINE_KINDS = ("micro", "continuous", "forward")
+@attrs.frozen
+class EngineKind:
+    """What the rest of the configuration must know of an engine kind (the engines are in
+    ``apsd/engines/``; they describe themselves once built: :func:`apsd.engines.describe`)."""
+
+    #: Runs in model time, which ``[gpu] time_scale`` may speed up (False: real servers, real time).
+    simulated: bool
+    #: Relays to the servers of ``[[backends]]``, and is chosen by their presence.
+    forwards: bool
+
+
+ENGINE_KINDS: dict[str, EngineKind] = {
+    "batch": EngineKind(simulated=True, forwards=False),
+    "continuous": EngineKind(simulated=True, forwards=False),
+    "forward": EngineKind(simulated=False, forwards=True),
+}
+#: Kinds that were renamed: a config naming one gets an error that names the new one.
+RENAMED_ENGINE_KINDS = {"micro": "batch"}
 
 
 def engine_kind(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+    if value in RENAMED_ENGINE_KINDS:
+        raise ValueError(f"{value!r} is now called {RENAMED_ENGINE_KINDS[value]!r}")
     if value not in ENGINE_KINDS:
         raise ValueError(f"must be one of {', '.join(ENGINE_KINDS)}, got {value!r}")
 
@@ -273,14 +297,15 @@ def engine_kind(_inst: object, attribute: attrs.Attribute, value: str) -> None:
 class EngineConfig:
     """Where requests run: ``count`` engines of one ``kind`` (see ``apsd/engines/``).
 
-    ``micro`` is the seeds' simulated A100 (its constants are under ``[gpu]``): fixed
-    micro-batches, every request of a batch finishing with it. ``continuous`` batches at the
+    ``batch`` is a simulated GPU with fixed prefill and decode rates (its constants are under
+    ``[gpu]``; the defaults approximate an A100) running whole batches: every request of a batch
+    starts and finishes with it. ``continuous`` batches at the
     iteration level on a roofline model of ``gpu`` x ``model`` over ``tp`` GPUs (profiles:
     ``apsd profile --list``). ``forward`` relays to the real servers of ``[[backends]]``
     (chosen by their presence; ``count`` does not apply: one engine routes to them all).
     """
 
-    kind: str = attrs.field(default="micro", validator=engine_kind)
+    kind: str = attrs.field(default="batch", validator=engine_kind)
     #: Engines of that kind (each a GPU, or ``tp`` GPUs for ``continuous``).
     count: int = attrs.field(default=1, validator=between(1, 1024))
     gpu: str = attrs.field(default="a100-80gb", validator=non_empty)
@@ -296,11 +321,21 @@ class EngineConfig:
     reserved_sequences: int = attrs.field(default=16, validator=between(0, 100_000))
     #: Share of the GPUs' memory for weights and KV cache (vLLM's gpu_memory_utilization).
     memory_fraction: float = attrs.field(default=0.9, validator=between(0.05, 1.0))
-    #: USD per GPU-hour; 0 takes the GPU profile's price (continuous; micro uses gpu.price_per_hour_usd).
+    #: USD per GPU-hour; 0 takes the GPU profile's price (continuous; batch uses gpu.price_per_hour_usd).
     price_per_gpu_hour_usd: float = attrs.field(default=0.0, validator=between(0, 1e9))
     #: Times a request whose engine failed before its first token goes back to the queue;
     #: after that it is answered 502.
     max_retries: int = attrs.field(default=0, validator=between(0, 100))
+
+    @property
+    def simulated(self) -> bool:
+        """Runs in model time (``[gpu] time_scale`` applies)."""
+        return ENGINE_KINDS[self.kind].simulated
+
+    @property
+    def forwards(self) -> bool:
+        """Relays to ``[[backends]]``."""
+        return ENGINE_KINDS[self.kind].forwards
 
     def __attrs_post_init__(self) -> None:
         if self.reserved_sequences >= self.max_sequences:
@@ -537,22 +572,23 @@ def _check_backends(config: Config, *, engine_kind_given: bool) -> Config:
     """``[[backends]]`` make the engine ``forward`` (unless ``[engine] kind`` says otherwise, which is
     an error); ``kind = "forward"`` needs at least one backend."""
     if config.backends:
-        if engine_kind_given and config.engine.kind != "forward":
+        if engine_kind_given and not config.engine.forwards:
             raise ConfigError(f"engine.kind: [[backends]] are forwarded to by the forward engine; "
                               f"remove kind = {config.engine.kind!r}, or the [[backends]]")
-        config = attrs.evolve(config, engine=attrs.evolve(config.engine, kind="forward"))
+        forwarding = next(name for name, kind in ENGINE_KINDS.items() if kind.forwards)
+        config = attrs.evolve(config, engine=attrs.evolve(config.engine, kind=forwarding))
         labels = [b.label for b in config.backends]
         if len(set(labels)) != len(labels):
             raise ConfigError("backends: two backends have the same name (or URL)")
-    elif config.engine.kind == "forward":
-        raise ConfigError("engine.kind: the forward engine needs at least one [[backends]] entry")
-    if config.engine.kind == "forward" and config.gpu.time_scale != 1.0:
+    elif config.engine.forwards:
+        raise ConfigError(f"engine.kind: the {config.engine.kind} engine needs at least one [[backends]] entry")
+    if not config.engine.simulated and config.gpu.time_scale != 1.0:
         raise ConfigError("gpu.time_scale: real backends run in real time: it must be 1 with [[backends]]")
     return config
 
 
 def _check_store(config: Config) -> None:
-    if config.store.kind == "redis":
+    if config.store.shared:
         if not config.store.url:
             raise ConfigError('store.url: required with kind = "redis" (e.g. "redis://127.0.0.1:6379/0")')
         if config.gpu.time_scale != 1.0:

@@ -1,18 +1,17 @@
-"""Observation events: the pipeline tells its listeners what happened, cheaply and safely.
+"""Observation events: the pipeline tells its observers what happened, cheaply and safely.
 
-Ownership: one :class:`EventBus` per pipeline, built from the plugin manager at
-start-up; the ledger emits every event (it is where each step is counted). Two kinds of
-listener, called in this order:
+Ownership: one :class:`EventBus` per pipeline, built from the plugin manager at start-up; the
+ledger emits every event (it is where each step is counted). The bus carries observation only:
+what must happen when a request ends (its tenant's settlement, its policies) is written out in
+:meth:`apsd.core.ledger.Ledger.finish`, which emits ``request_finished`` last. Two kinds of
+observer, called in this order:
 
-* apsd's own parts, which :meth:`EventBus.subscribe` when the pipeline is assembled:
-  admission settles a tenant's bucket when a request finishes, the scheduler tells its
-  policies, the Prometheus exporter feeds its histograms. Nothing is injected into the
-  ledger and no bus is ever replaced.
+* apsd's own, which :meth:`EventBus.subscribe` when they are built: the Prometheus exporter's
+  histograms (:mod:`apsd.serve.prometheus`);
 * plugins' hook implementations (:mod:`apsd.core.hookspecs`), in pluggy's call order.
 
-Each listener is called on its own, with the arguments it declares (by name). One that
-raises is logged, naming it, and the others still run. An event nobody listens to costs one
-dict lookup.
+Each observer is called on its own, with the arguments it declares (by name). One that raises
+is logged, naming it, and the others still run. An event nobody observes costs one dict lookup.
 """
 
 from __future__ import annotations

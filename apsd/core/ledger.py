@@ -3,9 +3,10 @@
 Ownership: the ledger is the only code that resolves a request's reply slot
 (:meth:`Ledger.finish`, :meth:`Ledger.refuse_unadmitted`), and the only code that
 moves a request between queued and running, so counting and answering cannot drift
-apart. For the same reason it emits every observation event on its
-:class:`~apsd.core.events.EventBus`: whoever must act on a step (admission settling a
-bucket, the scheduler's policies, the Prometheus exporter, plugins) subscribes there.
+apart. :meth:`Ledger.finish` is where every admitted request ends, in one written sequence
+(the books, the tenant's settlement, the policies, the stream, then the observers). Each step
+is also announced on its :class:`~apsd.core.events.EventBus`, which carries observation only
+(the Prometheus histograms, logs, plugins): nothing that must happen hangs off an event.
 It keeps, per tenant and overall::
 
     admitted == completed + failed + cancelled + queued + running
@@ -21,9 +22,9 @@ proportional to their number. :meth:`Ledger.statistics` reads the totals; only i
 index visits every tenant with admitted work (a sum over floats, once per call).
 
 Usage: a request's tenant is charged what it used (``request.used_tokens``: its prompt
-once it started, and the tokens it generated), whatever its outcome, except when it
-failed (the engine's or apsd's fault: nothing is charged). The per-tenant token and
-cost counters are those charges.
+once it started, and the tokens it generated), whatever its outcome (:func:`billed_tokens`;
+a request that failed before its first token used nothing). The per-tenant token and cost
+counters are those charges.
 
 Fairness: Jain's index ``(sum x)^2 / (n * sum x^2)`` where ``x_i`` is the
 output tokens served to tenant ``i`` divided by its configured rate (its
@@ -35,7 +36,7 @@ means one tenant got everything.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import attrs
 import numpy as np
@@ -225,6 +226,12 @@ class Ledger:
     latencies_s: collections.deque[float] = attrs.field(factory=_recent)
     clock: ModelClock | None = None
     events: EventBus = attrs.field(factory=EventBus)
+    #: Step 3 of :meth:`finish`: settle the tenant's bucket for a request that ended (the pipeline
+    #: wires admission's :meth:`~apsd.core.admission.Admission.settle`; None: no buckets).
+    settle: Callable[[InferenceRequest, Outcome, float], None] | None = None
+    #: Step 4 of :meth:`finish`: tell the policies (the pipeline wires the scheduler's
+    #: :meth:`~apsd.core.scheduler.Scheduler.policy_finished`; None: no policies).
+    tell_policies: Callable[[InferenceRequest, Outcome, float], None] | None = None
     _idle: trio.Event = attrs.field(factory=trio.Event)
 
     def __attrs_post_init__(self) -> None:
@@ -339,14 +346,39 @@ class Ledger:
         self.cost_usd += cost_usd
 
     def finish(self, request: InferenceRequest, outcome: Outcome, at: float | None = None) -> bool:
-        """Deliver an admitted request's terminal outcome; False if it already had one.
+        """End an admitted request with its terminal outcome; False (and nothing done) if it
+        already had one. ``at`` is the model time it ended (default: now); an engine that
+        schedules in model time passes its own.
 
-        ``at`` is the model time it ended (default: now); an engine that schedules in model
-        time passes its own.
+        This is where every admitted request ends, in this order:
+
+        1. its reply is resolved: the client's answer (the guard against a second outcome);
+        2. the books: the tenant's counters and the totals, latency samples, what it used;
+        3. the tenant's bucket is settled (:attr:`settle`);
+        4. the policies are told (:attr:`tell_policies`);
+        5. its stream, if any, is closed;
+        6. observers are notified (``request_finished`` on :attr:`events`: metrics, logs,
+           plugins), each shielded from the others' failures.
+
+        Nothing before step 6 is shielded: an exception in settlement propagates to the caller
+        (an engine's task, then the pipeline), so a billing bug stops the daemon loudly rather
+        than becoming a log line. (The scheduler handles its policies' exceptions itself.)
         """
         if not request.reply.resolve(outcome):
             return False
         now = self._now() if at is None else at
+        self._book_end(request, outcome, now)
+        if self.settle is not None:
+            self.settle(request, outcome, now)
+        if self.tell_policies is not None:
+            self.tell_policies(request, outcome, now)
+        if request.stream is not None:
+            request.stream.close(None if isinstance(outcome, Completion) else outcome.message)
+        self.events.emit("request_finished", request=request, outcome=outcome, now=now)
+        return True
+
+    def _book_end(self, request: InferenceRequest, outcome: Outcome, now: float) -> None:
+        """Step 2 of :meth:`finish`: count the outcome and what the request used."""
         request.finished_at = now
         stats = self._changing(request.tenant_id)
         if request.dispatched_at is None:
@@ -355,18 +387,19 @@ class Ledger:
             stats.running -= 1
             self.running_total -= 1
         totals = self.totals
-        if isinstance(outcome, Completion):
-            stats.completed += 1
-            totals.completed += 1
-            self.latencies_s.append(now - request.arrival)
-            if outcome.tpot_ms is not None:
-                self.tpots_s.append(outcome.tpot_ms / 1000.0)
-        elif outcome.kind == "failed":
-            stats.failed += 1
-            totals.failed += 1
-        else:
-            stats.cancelled += 1
-            totals.cancelled += 1
+        match outcome:
+            case Completion():
+                stats.completed += 1
+                totals.completed += 1
+                self.latencies_s.append(now - request.arrival)
+                if outcome.tpot_ms is not None:
+                    self.tpots_s.append(outcome.tpot_ms / 1000.0)
+            case Refusal(kind="failed"):
+                stats.failed += 1
+                totals.failed += 1
+            case _:
+                stats.cancelled += 1
+                totals.cancelled += 1
         if billed_tokens(request, outcome):
             prompt = request.prompt_tokens if request.started_at is not None else 0
             stats.prompt_tokens += prompt
@@ -375,13 +408,9 @@ class Ledger:
             totals.prompt_tokens += prompt
             totals.generated_tokens += request.tokens_generated
             totals.cost_usd += request.cost_usd
-        if request.stream is not None:
-            request.stream.close(None if isinstance(outcome, Completion) else outcome.message)
         del self.outstanding[request]
         if not self.outstanding:
             self._idle.set()
-        self.events.emit("request_finished", request=request, outcome=outcome, now=now)
-        return True
 
     async def wait_idle(self) -> None:
         """Return once no admitted request is queued or running."""

@@ -110,7 +110,6 @@ class Scheduler:
 
     def __attrs_post_init__(self) -> None:
         self._use_queue(self.policies.aging)
-        self.ledger.events.subscribe("request_finished", self.policy_finished, "the scheduler's policies")
 
     def use_policies(self, policies: PolicySet) -> None:
         """Switch to new policies (a reload): queued requests move to the new queue in admission order."""
@@ -160,12 +159,13 @@ class Scheduler:
         self._changed = trio.Event()
 
     # -- policy calls and their failures ----------------------------------------------------
-    def _failure(self, kind: str, exc: Exception) -> PolicyFailure:
-        if kind == "cut":  # batching.cut drives the queue's peek/pop: either policy may have raised
+    def _failure(self, which: str, exc: Exception) -> PolicyFailure:
+        """Log and describe a policy's exception; ``which``: the policy kind, or ``cut``."""
+        if which == "cut":  # batching.cut drives the queue's peek/pop: either policy may have raised
             who = (f"cutting a batch (batching policy {self.policies.names['batching']!r} from aging "
                    f"policy {self.policies.names['aging']!r})")
         else:
-            who = f"{kind} policy {self.policies.names[kind]!r}"
+            who = f"{which} policy {self.policies.names[which]!r}"
         log.error("%s raised", who, exc_info=exc)
         return PolicyFailure(f"{who} raised {type(exc).__name__}: {exc}")
 
@@ -195,7 +195,9 @@ class Scheduler:
             self.ledger.finish(request, Refusal(500, "policy_error", str(failure), kind="failed"))
 
     def policy_finished(self, request: InferenceRequest, outcome: Outcome, now: float) -> None:
-        """Tell every policy with an ``on_finish`` method (subscribed to ``request_finished``)."""
+        """Tell every policy with an ``on_finish`` method that ``request`` ended (step 4 of
+        :meth:`apsd.core.ledger.Ledger.finish`); a policy that raises is logged and reported as a
+        policy failure, and the others are still told."""
         for kind, on_finish in self._on_finish:
             try:
                 on_finish(request, outcome, now)

@@ -38,12 +38,14 @@ from apsd.core.models import GENERATION_APIS, Capacity, Dispatch, InferenceReque
 from apsd.core.streams import TokenChunk
 from apsd.core.engine import UNBOUNDED, Demand, EngineStatistics, completion
 
-__all__ = ["FaultInjector", "GpuModel", "MicroEngine"]
+__all__ = ["FaultInjector", "GpuModel", "BatchEngine"]
 
-log = logging.getLogger("apsd.engines.micro")
+log = logging.getLogger("apsd.engines.batch")
 
 #: The model name the ``micro`` engine answers to on the OpenAI API (``GET /v1/models``).
-MICRO_MODEL_NAME = "apsd-micro"
+BATCH_MODEL_NAME = "apsd-batch"
+#: The ``[gpu]`` keys of fault injection.
+FAULT_KEYS = ("fail_probability", "fail_every_n_batches", "fault_seed")
 #: Model seconds between two deliveries of tokens to the streams of a running batch.
 STREAM_INTERVAL_S = 0.05
 
@@ -70,7 +72,7 @@ class GpuModel:
 
 @attrs.define(eq=False)
 class FaultInjector:
-    """Which batches fail; one per pipeline, shared by its engines (the pipeline owns it).
+    """Which batches fail; one per pipeline, shared by its batch engines (built with them).
 
     Batches are counted in the order they start, across all engines; the n-th fails if
     ``n`` is a multiple of ``fail_every_n_batches`` (when that is set), or if a draw from
@@ -104,7 +106,7 @@ class FaultInjector:
 
 
 @attrs.define(eq=False)
-class MicroEngine:
+class BatchEngine:
     """One simulated seed GPU (see the module docstring)."""
 
     engine_id: int
@@ -116,7 +118,7 @@ class MicroEngine:
     max_retries: int = 0
     #: Called with a request whose batch failed and that has retries left, and why: back to the queue.
     requeue: Callable[[InferenceRequest, str], None] | None = None
-    kind: str = attrs.field(default="micro", init=False)
+    kind: str = attrs.field(default="batch", init=False)
     apis: tuple[str, ...] = attrs.field(default=GENERATION_APIS, init=False)
     _running: Dispatch | None = attrs.field(default=None, init=False)
     _dispatches: int = attrs.field(default=0, init=False)
@@ -140,16 +142,25 @@ class MicroEngine:
 
     def models(self) -> list[str]:
         """The seed model has no model name of its own: requests may name ``apsd-micro``."""
-        return [MICRO_MODEL_NAME]
+        return [BATCH_MODEL_NAME]
 
     def cancel(self, request: InferenceRequest) -> bool:
         return False  # a batch runs as one: the request finishes with it (and is billed)
 
     def reconfigure(self, config: Config) -> list[str]:
-        """Take ``[gpu]``'s model constants and ``engine.max_retries`` (from the next batch on)."""
-        self.model = GpuModel(config.gpu)
+        """Take ``[gpu]``'s model constants and fault injection, and ``engine.max_retries`` (from
+        the next batch on); returns what changed."""
+        old, new = self.model.gpu, config.gpu
+        changes = []
+        if any(getattr(new, k) != getattr(old, k) for k in FAULT_KEYS):
+            changes.append("gpu fault injection: " + ", ".join(f"{k}={getattr(new, k)}" for k in FAULT_KEYS))
+        if attrs.evolve(new, **{k: getattr(old, k) for k in FAULT_KEYS}) != old:
+            changes.append("gpu model constants")
+        if self.faults is not None:
+            self.faults.configure(new)
+        self.model = GpuModel(new)
         self.max_retries = config.engine.max_retries
-        return []
+        return changes
 
     def statistics(self) -> EngineStatistics:
         running = self._running

@@ -41,7 +41,7 @@ from apsd.core.version import VERSION as __version__
 from apsd.serve.auth import KeyRing, check_exposure
 from apsd.core.config import Config, ConfigError, load_config
 from apsd.serve.notify import ProgressProbe, SystemdNotifier, serve_status, serve_watchdog, status_line
-from apsd.engines import deployment_for
+from apsd import engines
 from apsd.engines.profiles import ProfileRegistry
 from apsd.pipeline import Pipeline, open_pipeline
 from apsd.plugins import PluginError, load_policy_registry, load_profile_registry, make_plugin_manager
@@ -106,15 +106,6 @@ def raise_open_file_limit() -> None:
         log.warning("could not raise the open-file limit: %s", exc)
 
 
-def _describe_engine(config: Config) -> str:
-    engine = config.engine
-    if engine.kind == "micro":
-        return "micro(seed-A100)"
-    if engine.kind == "forward":
-        return "forward(" + ",".join(b.label for b in config.backends) + ")"
-    return f"continuous({engine.model}@{engine.tp}x{engine.gpu})"
-
-
 def _bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -170,8 +161,7 @@ class Daemon:
         registry = load_policy_registry(pm)
         policies = registry.build(config, preset)
         profiles = load_profile_registry(pm)
-        if config.engine.kind == "continuous":
-            deployment_for(config, profiles)  # unknown profiles, or a model that does not fit: refuse now
+        engines.check(config, profiles)  # e.g. unknown profiles, or a model that does not fit: refuse now
         return cls(config=config, policies=policies, plugin_manager=pm, registry=registry, profiles=profiles,
                    handle_signals=handle_signals, preset=preset, config_path=config_path,
                    overrides=overrides or {})
@@ -199,7 +189,7 @@ class Daemon:
             binds = await nursery.start(self._serve_http, pipeline, http_stop, http_done)
             log.info("apsd listening on %s policy=%s tenants=%s engine=%s engines=%d",
                      ", ".join(binds), "/".join(f"{k}={v}" for k, v in self.policies.names.items()),
-                     ",".join(sorted(self.config.tenants)), _describe_engine(self.config), len(pipeline.engines),
+                     ",".join(sorted(self.config.tenants)), engines.describe(self.config).summary, len(pipeline.engines),
                      extra={"event": "ready"})
             self._ready = True
             await notifier.ready(status=self.status_text())  # the HTTP socket listens: ready

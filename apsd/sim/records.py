@@ -132,7 +132,7 @@ class PolicyRun:
     gpus: int
     tenant_rates: dict[str, float]
     #: The ``[engine]`` it ran on: kind, and for ``continuous`` gpu, model, tp; and count.
-    engine: dict[str, Any] = attrs.field(factory=lambda: {"kind": "micro", "count": 1})
+    engine: dict[str, Any] = attrs.field(factory=lambda: {"kind": "batch", "count": 1})
     engines: tuple[EngineRecord, ...] = ()
     wall_s: float = attrs.field(default=0.0, eq=False)  # real seconds it took: never in reports' data
 

@@ -619,12 +619,12 @@ def describe_engine(engine: dict[str, Any], gpus: int | None = None) -> str:
     count = engine.get("count", 1)
     kind = engine.get("kind", "?")
     noun = "engine" if count == 1 else "engines"
-    if kind == "micro":
-        what = "the seeds' simulated A100, `[gpu]`"
-    elif "gpu" in engine:
+    if "gpu" in engine:
         what = f"{engine['gpu']} × {engine['model']}, tp {engine.get('tp', 1)}"
+    elif "backends" in engine:
+        what = "to " + ", ".join(f"`{b}`" for b in engine["backends"])
     else:
-        what = ""
+        what = "a simulated GPU, `[gpu]`"
     text = f"{count} `{kind}` {noun}" + (f" ({what})" if what else "")
     if gpus is not None and gpus != count:
         text += f", {gpus} GPUs"

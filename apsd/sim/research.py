@@ -37,7 +37,7 @@ import attrs
 
 from apsd.core.config import Config
 from apsd.engines import deployment_for
-from apsd.engines.micro import GpuModel
+from apsd.engines.batch import GpuModel
 from apsd.engines.roofline import Deployment, DeploymentError, estimate_static_batch
 from apsd.core.ledger import jain_index
 from apsd.plugins import (DEFAULT_PLUGINS, describe_plugins, load_policy_registry, load_profile_registry,
@@ -135,7 +135,7 @@ def report_dir(engine: str, name: str) -> Path:
     """Where a workload's report goes under ``<out>``: ``research/<workload>`` on the ``micro``
     engine (as before the continuous engine existed), ``research/continuous/<workload>`` on the
     continuous engine (scaled variants included, under their own names)."""
-    return Path("research", name) if engine == "micro" else Path("research", engine, name)
+    return Path("research", name) if engine == "batch" else Path("research", engine, name)
 
 
 def plugin_presets(registry: PolicyRegistry) -> tuple[str, ...]:
@@ -149,17 +149,17 @@ def plugin_presets(registry: PolicyRegistry) -> tuple[str, ...]:
 
 def engine_configs(config: Config) -> dict[str, Config]:
     """``config`` on one ``micro`` engine, and on the continuous engine of :data:`CONTINUOUS_ENGINE`."""
-    micro = attrs.evolve(config, engine=attrs.evolve(config.engine, kind="micro", count=1))
+    micro = attrs.evolve(config, engine=attrs.evolve(config.engine, kind="batch", count=1))
     fields = {k: v for k, v in CONTINUOUS_ENGINE.items()}
     continuous = attrs.evolve(config, engine=attrs.evolve(config.engine, **fields))
-    return {"micro": micro, "continuous": continuous}
+    return {"batch": micro, "continuous": continuous}
 
 
 @attrs.frozen
 class _Measured:
     """Everything research.md is computed from."""
 
-    #: engine ("micro", "continuous") -> workload (or scaled variant) name -> summaries, in policy order.
+    #: engine ("batch", "continuous") -> workload (or scaled variant) name -> summaries, in policy order.
     results: dict[str, dict[str, list[dict[str, Any]]]]
     #: report directory (as text) -> :func:`_service_during_overload` of its runs.
     overload: dict[str, dict[str, Any]]
@@ -220,7 +220,7 @@ def write_research(out_dir: Path, *, seed: int = 1, config: Config | None = None
             workload = build_workload(name, None, seed=seed)
             shapes[name] = _mean_shape(workload)
             full[name] = _full_engine_tps(deployment, configs["continuous"], shapes[name])
-            run("micro", name, workload, f"apsd research: {name}")
+            run("batch", name, workload, f"apsd research: {name}")
             run("continuous", name, workload, f"apsd research: {name} on the continuous engine")
             if name in GOVERNOR_WORKLOADS:
                 for engine, base in configs.items():
@@ -228,7 +228,7 @@ def write_research(out_dir: Path, *, seed: int = 1, config: Config | None = None
                     zero_window[engine][name] = summarize(run_policy(workload, ZERO_WINDOW, base_config=zero,
                                                                      plugin_manager=pm, progress=progress))
         for name in ISOLATION_WORKLOADS:
-            run("micro", name, build_workload(name, None, seed=seed), f"apsd research: {name}")
+            run("batch", name, build_workload(name, None, seed=seed), f"apsd research: {name}")
         for scaled in (*SCALED, *ISOLATION_SCALED):
             workload = build_workload(scaled.workload, scaled.params, seed=seed)
             shapes[scaled.name] = _mean_shape(workload)
@@ -627,7 +627,7 @@ def _continuous_intro(m: _Measured, config: Config) -> str:
 
 def _continuous_load(m: _Measured) -> tuple[str, str, str]:
     """The load, utilisation and cost table, and the utilisation and cost verdicts (bullet, paragraph)."""
-    micro = m.results["micro"]
+    micro = m.results["batch"]
     lines = []
     for name in _names():
         o = _cont(m, name)["overall"]
@@ -692,13 +692,13 @@ def _continuous_load(m: _Measured) -> tuple[str, str, str]:
     cheap_name, cheap = min(costs, key=lambda r: r[1]["overall"]["cost_per_1m_tokens_usd"])
     dear_name, dear = max(costs, key=lambda r: r[1]["overall"]["cost_per_1m_tokens_usd"])
     lowest = cheap["overall"]["cost_per_1m_tokens_usd"]
-    seed_price = m.configs["micro"].gpu.price_per_hour_usd
+    seed_price = m.configs["batch"].gpu.price_per_hour_usd
     at_seed_price = lowest * seed_price / d.price_per_hour_usd
     floor_name = max((n for n in _names() if m.full_engine_tps[n]), key=lambda n: m.full_engine_tps[n])
     floor = d.price_per_hour_usd / 3600 / m.full_engine_tps[floor_name] * 1e6
     holds = lowest <= 0.53
     step_one, step_full = _decode_step_ms(m)
-    micro_best = min(s["overall"]["cost_per_1m_tokens_usd"] for name in WORKLOADS for s in m.results["micro"][name]
+    micro_best = min(s["overall"]["cost_per_1m_tokens_usd"] for name in WORKLOADS for s in m.results["batch"][name]
                      if s["overall"]["cost_per_1m_tokens_usd"] is not None)
     cost = (
         f"Cost per 1M output tokens on the continuous engine runs from {_usd(lowest)} (`{cheap['label']}` on "
@@ -728,7 +728,7 @@ def _continuous_load(m: _Measured) -> tuple[str, str, str]:
 
 def _continuous_starvation(m: _Measured, alpha: float) -> tuple[str, str]:
     scaled = next(s for s in SCALED if s.workload == "vip-flood")
-    labels = [s["label"] for s in m.results["micro"]["vip-flood"]]
+    labels = [s["label"] for s in m.results["batch"]["vip-flood"]]
 
     def worst(engine: str, name: str, label: str) -> float | None:
         return _overall(m.results[engine], name, label)["lowest_bidder"]["max_queue_wait_ms"]
@@ -744,9 +744,9 @@ def _continuous_starvation(m: _Measured, alpha: float) -> tuple[str, str]:
     def ranking(engine: str, name: str) -> list[str]:
         return sorted(labels, key=lambda label: (worst(engine, name, label) or 0.0, label))
 
-    same = ranking("micro", "vip-flood") == ranking("continuous", scaled.name)
+    same = ranking("batch", "vip-flood") == ranking("continuous", scaled.name)
     st, ap, ff = (worst("continuous", scaled.name, x) for x in ("static", "aps", "fifo"))
-    map_, mff = (worst("micro", "vip-flood", x) for x in ("aps", "fifo"))
+    map_, mff = (worst("batch", "vip-flood", x) for x in ("aps", "fifo"))
     best = min(labels, key=lambda label: worst("continuous", scaled.name, label) or 0.0)
     text = (
         f"At the default rates the flood is {_pct(_load(m, 'vip-flood', 'fifo'))} of a full continuous engine, "
@@ -782,11 +782,11 @@ def _continuous_starvation(m: _Measured, alpha: float) -> tuple[str, str]:
 def _continuous_governor(m: _Measured) -> tuple[str, str]:
     rows = []
     ttft_helped: list[str] = []
-    latency_helped = {"micro": 0, "continuous": 0}
+    latency_helped = {"batch": 0, "continuous": 0}
     zero_best: list[str] = []
     window_is_wait: list[str] = []
     for name in GOVERNOR_WORKLOADS:
-        for engine in ("micro", "continuous"):
+        for engine in ("batch", "continuous"):
             e, f = _run(m.results[engine], name, "aps"), _run(m.results[engine], name, "aps+fixed")
             z = m.zero_window[engine][name]
             eo, fo, zo = e["overall"], f["overall"], z["overall"]
@@ -917,11 +917,11 @@ def _continuous_section(m: _Measured, config: Config) -> list[str]:
 
 def _isolation_names(engine: str) -> list[str]:
     """The isolation workloads' report names on ``engine``: the built-ins, or their scaled variants."""
-    return list(ISOLATION_WORKLOADS) if engine == "micro" else [s.name for s in ISOLATION_SCALED]
+    return list(ISOLATION_WORKLOADS) if engine == "batch" else [s.name for s in ISOLATION_SCALED]
 
 
 def _engine_name(engine: str) -> str:
-    return "seed" if engine == "micro" else engine
+    return "seed" if engine == "batch" else engine
 
 
 def _noisy_name(engine: str) -> str:
@@ -940,7 +940,7 @@ def _ratio(new: float | None, old: float | None) -> str:
 
 def _noisy_neighbor(m: _Measured) -> str:
     rows, verdicts = [], []
-    for engine in ("micro", "continuous"):
+    for engine in ("batch", "continuous"):
         summaries = m.results[engine][_noisy_name(engine)]
         for s in summaries:
             (latency, ttft), (alone_latency, alone_ttft) = _steady(s), _steady(m.alone[engine][s["label"]])
@@ -988,9 +988,9 @@ def _f0(x: float | None) -> str:
 
 def _backlogged_rows(m: _Measured) -> list[tuple[str, str, list[dict[str, Any]]]]:
     """(engine, workload, summaries) of every workload with two tenants backlogged in some window."""
-    names = {"micro": [*WORKLOADS, *_isolation_names("micro")],
+    names = {"batch": [*WORKLOADS, *_isolation_names("batch")],
              "continuous": [*_names(), *_isolation_names("continuous")]}
-    return [(engine, name, m.results[engine][name]) for engine in ("micro", "continuous") for name in names[engine]
+    return [(engine, name, m.results[engine][name]) for engine in ("batch", "continuous") for name in names[engine]
             if any(s["overall"]["service_difference"]["windows"] for s in m.results[engine][name])]
 
 
@@ -1086,13 +1086,13 @@ def _workload_sections(results: dict[str, list[dict[str, Any]]], engine: str, na
         summaries = results[name]
         workload = summaries[0]["workload"]
         directory = report_dir(engine, name).as_posix()
-        scaled = _scaled(name) if engine != "micro" else None
+        scaled = _scaled(name) if engine != "batch" else None
         description = workload["description"]
         if scaled is not None:
             description = (f"`{scaled.workload}` scaled: " + ", ".join(f"`{k}={v:g}`" for k, v in scaled.params.items())
                            + f", {scaled.why}. " + description)
         parts += [
-            f"### `{name}`" + ("" if engine == "micro" else f" on the {engine} engine"),
+            f"### `{name}`" + ("" if engine == "batch" else f" on the {engine} engine"),
             "",
             f"{description} ({workload['arrivals']} arrivals; details, per-tenant tables and "
             f"all plots: [{directory}/report.md]({directory}/report.md)).",
@@ -1106,8 +1106,8 @@ def _workload_sections(results: dict[str, list[dict[str, Any]]], engine: str, na
 
 
 def _markdown(m: _Measured, config: Config, seed: int, extra: tuple[str, ...], plugins: list[dict[str, Any]]) -> str:
-    micro = m.results["micro"]
-    g = m.configs["micro"].gpu
+    micro = m.results["batch"]
+    g = m.configs["batch"].gpu
     builtin = ", ".join(f"`{parse_policy_choice(p).label}`" for p in POLICIES)
     origin = _origin(plugins)
     presets = ", ".join(f"`{p}` ({origin.get(p, 'a plugin')})" for p in extra)
@@ -1121,7 +1121,7 @@ def _markdown(m: _Measured, config: Config, seed: int, extra: tuple[str, ...], p
         f"(`apsd simulate`), with workload seed {seed}. Same seed and same installed plugins, same bytes.",
         "",
         "Two engines. The seed engine is "
-        f"{describe_engine({'kind': 'micro', 'count': m.configs['micro'].engine.count})}: prefill "
+        f"{describe_engine({'kind': 'batch', 'count': m.configs['batch'].engine.count})}: prefill "
         f"{g.prefill_tokens_per_s:g} tokens/s, batch decode {g.decode_tokens_per_s:g}·({g.decode_batch_base:g} + "
         f"{g.decode_batch_sqrt:g}·√b) tokens/s, ${g.price_per_hour_usd:.2f}/hour of busy time, fixed batches of "
         "up to "
@@ -1138,7 +1138,7 @@ def _markdown(m: _Measured, config: Config, seed: int, extra: tuple[str, ...], p
         "",
         _claim_utilization(micro), "",
         _claim_cost(micro, config), "",
-        _claim_fairness(micro, m.overload[report_dir("micro", "vtc-overload").as_posix()], extra), "",
+        _claim_fairness(micro, m.overload[report_dir("batch", "vtc-overload").as_posix()], extra), "",
         _claim_starvation(micro, extra, _origin(plugins)), "",
         _claim_governor(micro), "",
         _claim_lazy_aging(), "",
@@ -1146,8 +1146,8 @@ def _markdown(m: _Measured, config: Config, seed: int, extra: tuple[str, ...], p
         *_isolation_section(m),
         "## The workloads on the seed engine",
         "",
-        *_workload_sections(micro, "micro", list(WORKLOADS), "queue_wait.png", "queue wait against arrival time"),
-        *_workload_sections(micro, "micro", _isolation_names("micro"), "service_difference.png",
+        *_workload_sections(micro, "batch", list(WORKLOADS), "queue_wait.png", "queue wait against arrival time"),
+        *_workload_sections(micro, "batch", _isolation_names("batch"), "service_difference.png",
                             "service difference between backlogged tenants"),
         "## The workloads on the continuous engine",
         "",

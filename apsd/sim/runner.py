@@ -39,6 +39,7 @@ from apsd.core.config import Config, ConfigError
 from apsd.core.hookspecs import hookimpl
 from apsd.core.models import Completion, InferenceRequest, Refusal
 from apsd.core.clock import ModelClock
+from apsd.engines import describe as describe_engines
 from apsd.engines.backends import SimulatedBackendClient, SimulatedServer
 from apsd.pipeline import open_pipeline
 from apsd.core.streams import TokenStream
@@ -166,8 +167,8 @@ def run_policies(workload: Workload, choices: Sequence[PolicyChoice], **kwargs: 
 def simulated_backends(config: Config) -> SimulatedBackendClient | None:
     """For the ``forward`` engine: its ``[[backends]]`` simulated in model time (each running
     ``max_concurrency`` requests at once, at its ``sim_ttft_s`` and ``sim_tpot_s``), so the
-    forwarding logic runs with the daemon's own code; None for the other engines."""
-    if config.engine.kind != "forward":
+    forwarding logic runs with the daemon's own code; None for the other engines (no backends)."""
+    if not config.backends:
         return None
     servers = {b.label: SimulatedServer(models=b.models or ("sim",), slots=b.max_concurrency, ttft_s=b.sim_ttft_s,
                                         tpot_s=b.sim_tpot_s) for b in config.backends}
@@ -175,13 +176,8 @@ def simulated_backends(config: Config) -> SimulatedBackendClient | None:
 
 
 def describe_engine(config: Config) -> dict[str, Any]:
-    """The ``[engine]`` a run used, for its report."""
-    engine = config.engine
-    if engine.kind == "micro":
-        return {"kind": "micro", "count": engine.count}
-    if engine.kind == "forward":
-        return {"kind": "forward", "backends": [b.label for b in config.backends]}
-    return {"kind": engine.kind, "gpu": engine.gpu, "model": engine.model, "tp": engine.tp, "count": engine.count}
+    """The ``[engine]`` a run used, for its report (:meth:`apsd.engines.EngineDescription.as_dict`)."""
+    return describe_engines(config).as_dict()
 
 
 async def _drive(workload: Workload, config: Config, policies: Any, progress: Callable[[int], None] | None,
@@ -191,7 +187,7 @@ async def _drive(workload: Workload, config: Config, policies: Any, progress: Ca
                              backend_client=simulated_backends(config)) as pipeline:
         clock = pipeline.clock
         mock = trio.lowlevel.current_clock()
-        forwarding = config.engine.kind == "forward"
+        streamed = describe_engines(config).streams_to_time_first_token
         # Let the stages start and block (engines ask for work) before the first arrival: they were
         # made runnable together with this task, and _advance_to only sees tasks that are runnable
         # for the *next* batch of the run loop, not those still due in the current one.
@@ -201,7 +197,7 @@ async def _drive(workload: Workload, config: Config, policies: Any, progress: Ca
                 await _advance_to(clock, mock, arrival.at)
             request = pipeline.new_request(tenant_id=arrival.tenant, prompt="", tokens_requested=arrival.output_tokens,
                                            priority_bid=arrival.bid, prompt_tokens=arrival.prompt_tokens)
-            if forwarding:  # streamed from the simulated backend, so its first token is seen; nobody reads
+            if streamed:  # (so that its first token is seen; nobody reads the stream)
                 request.stream = TokenStream()
                 request.stream.abandon()
             pipeline.admit_now(request)

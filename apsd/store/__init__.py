@@ -30,7 +30,7 @@ __all__ = ["Bucket", "BucketView", "MemoryStore", "SharedService", "Store", "Sto
 
 def build_store(config: Config) -> Store:
     """The store ``[store]`` asks for (not started: run :meth:`Store.run` in a nursery)."""
-    if config.store.kind == "redis":
+    if config.store.shared:
         from apsd.store.redis import redis_store
 
         return redis_store(config.store)

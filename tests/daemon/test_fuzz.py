@@ -470,7 +470,7 @@ def test_tenant_status_by_any_name(apsd, name):
 
 # -- the OpenAI-compatible API ----------------------------------------------------------------------
 
-MODEL = "apsd-micro"
+MODEL = "apsd-batch"
 message_values = st.dictionaries(st.sampled_from(["role", "content", "name", "tool_calls"]), json_values, max_size=3)
 
 

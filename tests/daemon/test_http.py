@@ -173,9 +173,9 @@ async def test_metrics_health_and_tenant_status(live):
     assert metrics["cost_per_1m_tokens_usd"] == pytest.approx(metrics["cost_usd"] / 150 * 1e6)
     assert 0 < metrics["fairness"]["jain_index"] <= 1 and "rate" in metrics["fairness"]["definition"]
     assert set(metrics["governor"]) == {"state", "entropy_bits", "window_ms", "error"}
-    assert metrics["engine_kind"] == "micro" and metrics["gpus"] == 1
+    assert metrics["engine_kind"] == "batch" and metrics["gpus"] == 1
     [engine] = metrics["engines"]
-    assert (engine["engine_id"], engine["kind"], engine["running"], engine["dispatches"]) == (0, "micro", 0, 3)
+    assert (engine["engine_id"], engine["kind"], engine["running"], engine["dispatches"]) == (0, "batch", 0, 3)
     assert engine["busy_s"] > 0 and engine["tokens_generated"] == 150 and engine["mfu"] is None
     for figure in ("queue_wait_ms", "ttft_ms", "tpot_ms", "latency_ms"):
         assert set(metrics[figure]) == {"p50", "p95", "p99"} and metrics[figure]["p99"] > 0

@@ -27,7 +27,7 @@ from apsd.serve.http.openai import CHAT, COMPLETIONS, parse_openai_body, placeho
 from tests.helpers import FAST_GPU, LiveDaemon, make_config, start_daemon
 
 TENANT = {"X-Apsd-Tenant": "tenant_a"}
-MICRO_MODEL = "apsd-micro"
+MICRO_MODEL = "apsd-batch"
 HELLO = [{"role": "user", "content": "Hello there"}]  # 11 characters: 3 tokens + 4 for the message
 
 
@@ -195,7 +195,7 @@ async def test_a_raw_stream_has_openai_chunks_and_ends_with_done(apsd):
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == placeholder_text(0, 20)
 
 
-@pytest.mark.parametrize("engine", ["micro", "continuous"])
+@pytest.mark.parametrize("engine", ["batch", "continuous"])
 @pytest.mark.parametrize("max_tokens", [1, 17, 1000])
 async def test_placeholder_streams_deliver_exactly_max_tokens(nursery, engine, max_tokens):
     live = await start(nursery, {"engine": {"kind": engine}})

@@ -111,7 +111,7 @@ async def test_embeddings_need_an_engine_that_relays_to_servers(nursery):
     running = await start_daemon(nursery, make_config(
         server=ServerConfig(host="127.0.0.1", port=0, shutdown_grace_s=2.0), gpu=FAST_GPU, tenants=TENANTS))
     async with running.client as client:
-        answer = await client.post("/v1/embeddings", json={"model": "apsd-micro", "input": "x"},
+        answer = await client.post("/v1/embeddings", json={"model": "apsd-batch", "input": "x"},
                                    headers={"X-Apsd-Tenant": "t"})
         assert answer.status_code == 404 and answer.json()["error"]["code"] == "unsupported_api"
         assert "[[backends]]" in answer.json()["error"]["message"]

@@ -66,7 +66,7 @@ async def slow_reader_daemon(nursery: trio.Nursery, admitted: Admitted) -> LiveD
 
 def completion_request(url: str, max_tokens: int) -> bytes:
     """A streamed ``/v1/completions`` request (with its usage) on a connection to close after it."""
-    body = json.dumps({"model": "apsd-micro", "prompt": "x", "max_tokens": max_tokens, "stream": True,
+    body = json.dumps({"model": "apsd-batch", "prompt": "x", "max_tokens": max_tokens, "stream": True,
                        "stream_options": {"include_usage": True}}).encode()
     return (f"POST /v1/completions HTTP/1.1\r\nHost: {urlsplit(url).netloc}\r\nX-Apsd-Tenant: {TENANT}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"

@@ -76,7 +76,7 @@ def tiny_run(label="aps", workload=None, **changes):
         duration_s=4.0,
         gpus=2,
         tenant_rates={"a": 10.0, "b": 20.0},
-        engine={"kind": "micro", "count": 2},
+        engine={"kind": "batch", "count": 2},
         wall_s=0.123,
     )
     fields.update(changes)
@@ -180,7 +180,7 @@ def test_ttft_and_tpot_skip_requests_without_them():
 
 
 def test_micro_engine_block():
-    assert summarize(tiny_run())["engine"] == {"kind": "micro", "count": 2, "preemptions": 0, "mfu": None,
+    assert summarize(tiny_run())["engine"] == {"kind": "batch", "count": 2, "preemptions": 0, "mfu": None,
                                                "mbu": None}
 
 

@@ -62,7 +62,7 @@ def default_research(tmp_path_factory):
 
 
 def all_directories():
-    return [report_dir("micro", name) for name in (*WORKLOADS, *ISOLATION_WORKLOADS)] + [
+    return [report_dir("batch", name) for name in (*WORKLOADS, *ISOLATION_WORKLOADS)] + [
         report_dir("continuous", name) for name in (*WORKLOADS, *(s.name for s in (*SCALED, *ISOLATION_SCALED)))]
 
 
@@ -89,7 +89,7 @@ def test_committed_research_report_is_current(default_research):
 
 def test_reports_go_to_one_directory_per_engine_and_workload(default_research):
     out, md = default_research
-    assert report_dir("micro", "vip-flood") == Path("research/vip-flood")
+    assert report_dir("batch", "vip-flood") == Path("research/vip-flood")
     assert report_dir("continuous", "vip-flood") == Path("research/continuous/vip-flood")
     found = sorted(p.parent.relative_to(out) for p in out.glob("research/**/summary.json"))
     assert found == sorted(all_directories())
@@ -112,7 +112,7 @@ def test_every_run_reports_token_times_and_its_engine(default_research):
                 assert 0 < run["engine"]["mfu"] < 1 and 0 < run["engine"]["mbu"] < 1
                 assert o["batch_sizes"]["count"] == 0
             else:
-                assert run["engine"] == {"kind": "micro", "count": 1, "preemptions": 0, "mfu": None, "mbu": None}
+                assert run["engine"] == {"kind": "batch", "count": 1, "preemptions": 0, "mfu": None, "mbu": None}
 
 
 def test_continuous_section_states_what_changes_from_the_runs(default_research):
@@ -218,7 +218,7 @@ def test_isolation_compares_the_steady_tenant_with_its_neighbour_and_alone(defau
     out, md = default_research
     section = md[md.index("## Tenant isolation"):md.index("## The workloads on the seed engine")]
     assert "`neighbor_rate = 0`" in section
-    for engine, name in (("micro", NOISY), ("continuous", next(s.name for s in ISOLATION_SCALED
+    for engine, name in (("batch", NOISY), ("continuous", next(s.name for s in ISOLATION_SCALED
                                                                  if s.workload == NOISY))):
         row = table_row(section, f"| `fifo` | {'seed' if engine == 'micro' else engine} |")
         steady = summary(out, report_dir(engine, name), "fifo")["tenants"]["steady"]
@@ -244,18 +244,18 @@ def test_isolation_reports_the_service_difference_of_every_backlogged_workload(d
                  md.index("## The workloads on the seed engine")]
     for name in ISOLATION_WORKLOADS:
         row = table_row(section, f"| `{name}` | seed |")
-        d = summary(out, report_dir("micro", name), "fifo")["overall"]["service_difference"]
+        d = summary(out, report_dir("batch", name), "fifo")["overall"]["service_difference"]
         assert row[1] == f"{d['max']:,.0f} ({d['first_half_max']:,.0f}) / {d['mean']:,.0f}"
     for scaled in ISOLATION_SCALED:
         assert f"| `{scaled.name}` | continuous |" in section
     assert "| `periodic` |" not in section  # one tenant at a time: never two backlogged
     # Under fair share the difference is a fraction of FIFO's where both tenants stay backlogged.
-    d = {label: summary(out, report_dir("micro", "vtc-overload"), label)["overall"]["service_difference"]
+    d = {label: summary(out, report_dir("batch", "vtc-overload"), label)["overall"]["service_difference"]
          for label in ("fifo", "fair")}
     assert d["fair"]["mean"] < d["fifo"]["mean"] / 10
     assert "The whole run's maximum exceeds the first half's by more than 25% on" in section
     # Every report has the figure and its table.
-    report = (out / report_dir("micro", "on-off") / "report.md").read_text()
+    report = (out / report_dir("batch", "on-off") / "report.md").read_text()
     assert "### Service difference between backlogged tenants" in report
 
 

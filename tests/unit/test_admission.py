@@ -39,10 +39,12 @@ def no_engine_limit(request):
 
 
 def make_admission(clock, max_queued=100, per_tenant=100):
-    return Admission(tenants={"t": TenantConfig(rate=100.0, burst=1000)},
-                     batching=MicroBatching(MicroParams(max_batch_size=16, kv_cap_tokens=800)),
-                     ledger=Ledger(tenant_names=["t"]), clock=clock, engine_refuse=no_engine_limit,
-                     max_queued=max_queued, max_queued_per_tenant=per_tenant)
+    admission = Admission(tenants={"t": TenantConfig(rate=100.0, burst=1000)},
+                          batching=MicroBatching(MicroParams(max_batch_size=16, kv_cap_tokens=800)),
+                          ledger=Ledger(tenant_names=["t"]), clock=clock, engine_refuse=no_engine_limit,
+                          max_queued=max_queued, max_queued_per_tenant=per_tenant)
+    admission.ledger.settle = admission.settle  # (as Pipeline.build wires it)
+    return admission
 
 
 async def test_bucket_refills_in_virtual_time(autojump_clock):
@@ -103,7 +105,7 @@ async def test_refusal_order(autojump_clock):
 
 
 async def test_a_request_that_ends_gives_back_what_it_did_not_use(autojump_clock):
-    """Settlement on request_finished: nothing charged for a request that never started; prompt +
+    """Settlement when a request ends: nothing charged for a request that never started; prompt +
     generated tokens for one that ran, whatever its outcome (failed included)."""
     from apsd.core.models import Dispatch, Refusal
 

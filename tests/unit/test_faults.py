@@ -17,7 +17,7 @@ import trio.testing
 
 from apsd.serve.http import metrics_document
 from apsd.core.config import ConfigError, GpuConfig, QueueConfig, TenantConfig
-from apsd.engines.micro import FaultInjector
+from apsd.engines.batch import FaultInjector
 from apsd.core.models import Completion, InferenceRequest, Refusal
 from apsd.pipeline import Pipeline, open_pipeline
 
@@ -266,9 +266,9 @@ async def test_faults_are_off_by_default_and_draw_nothing(autojump_clock):
     config = config_with()
     outcomes, metrics, pipeline = await run_batches(config, [2, 2, 2])
     assert all(isinstance(o, Completion) for g in outcomes for o in g)
-    assert metrics["requests"]["failed"] == 0 and pipeline.faults.batches == 3
+    assert metrics["requests"]["failed"] == 0 and pipeline.engines[0].faults.batches == 3
     untouched = FaultInjector(config.gpu)
-    assert pipeline.faults._rng.getstate() == untouched._rng.getstate()
+    assert pipeline.engines[0].faults._rng.getstate() == untouched._rng.getstate()
 
 
 async def test_fault_settings_follow_a_reload(autojump_clock):

@@ -165,10 +165,10 @@ def _message_text(message: Any, i: int) -> str:
         parts.append(content)
     elif isinstance(content, list):
         for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
+            part_type = part.get("type") if isinstance(part, dict) else None
+            if part_type == "text" and isinstance(part.get("text"), str):
                 parts.append(part["text"])
-            elif kind in MEDIA_PARTS and isinstance(part.get(kind), (dict, str)):
+            elif part_type in MEDIA_PARTS and isinstance(part.get(part_type), (dict, str)):
                 parts.append(MEDIA_PLACEHOLDER)
             else:
                 raise _invalid(f"{where}.content[{j}]", 'must be a content part: {"type": "text", "text": "..."}, or '
