@@ -279,7 +279,7 @@ class Pipeline:
         """The client gave up on ``request``. Queued: it leaves the queue, counted as cancelled,
         its tokens refunded. Running: its engine stops it (now or at its next step boundary),
         frees its slot and KV cache, and it is billed for what ran; an engine that cannot stop
-        it (``micro``: a batch runs as one) lets it finish, billed. Returns whether it was (or
+        it (``batch``: a batch runs as one) lets it finish, billed. Returns whether it was (or
         will be) cancelled."""
         if request.stream is not None:
             request.stream.abandon()

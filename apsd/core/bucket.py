@@ -15,7 +15,7 @@ __all__ = ["TokenBucket"]
 
 @attrs.define(eq=False)
 class TokenBucket:
-    """Seed 003's bucket: ``min(burst, tokens + elapsed * rate)``, taken whole or not at all."""
+    """``min(burst, tokens + elapsed * rate)``, taken whole or not at all."""
 
     rate: float
     burst: float

@@ -91,9 +91,13 @@ def port_number(_inst: object, attribute: attrs.Attribute, value: int) -> None:
 class ServerConfig:
     """Where the HTTP API listens and how it shuts down."""
 
+    #: Listen address (``--host`` overrides it). Anything but a loopback address (127.0.0.0/8,
+    #: ``::1``, ``localhost``) needs API keys: without any, apsd refuses to start.
     host: str = attrs.field(default="127.0.0.1", validator=non_empty)
+    #: Listen port; 0 picks a free port (``--port`` overrides it).
     port: int = attrs.field(default=8002, validator=port_number)
-    #: Seconds queued and running requests get to finish after SIGTERM/SIGINT.
+    #: Wall seconds queued and running requests get to finish after SIGTERM/SIGINT (a second
+    #: signal ends the wait).
     shutdown_grace_s: float = attrs.field(default=30.0, validator=between(0, 86_400))
     #: Largest accepted request body; larger bodies get 413.
     max_body_bytes: int = attrs.field(default=1_048_576, validator=between(1, 1 << 30))
@@ -122,16 +126,20 @@ class ServerConfig:
 class TenantConfig:
     """One tenant's token bucket: ``rate`` tokens/second, at most ``burst`` banked."""
 
+    #: Tokens per (model) second added to the tenant's bucket; with replicas sharing a store, its
+    #: total across them.
     rate: float = attrs.field(validator=between(1e-6, 1e12))
+    #: The most tokens its bucket holds, which it starts with. A request that costs more is refused
+    #: 413 ``exceeds_tenant_burst``.
     burst: int = attrs.field(validator=between(1, 10**12))
     #: Hashes of this tenant's API keys (several, so a key can be rotated without downtime).
     api_key_hashes: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=key_hashes,
                                                   metadata=SECRET)
     #: The highest bid its requests get (1-10): a higher ``priority_bid``, ``X-Apsd-Priority`` or
     #: vLLM ``priority`` is served at this bid (clamped, not refused).
-    max_bid: int = attrs.field(default=10, validator=between(1, 10))
+    max_bid: int = attrs.field(default=10, validator=between(1, 10))  # (MAX_BID)
     #: The bid of an OpenAI-API request that asks for no priority (vLLM ``priority`` 0);
-    #: ``priority`` p asks for ``default_bid - p``.
+    #: ``priority`` p asks for ``default_bid - p``. At most ``max_bid``.
     default_bid: int = attrs.field(default=5, validator=between(1, 10))
     #: Its share under fair-share policies (``fair``, ``vtc``): a tenant of weight 2 is given twice
     #: the service of a tenant of weight 1 while both are backlogged.
@@ -142,6 +150,19 @@ class TenantConfig:
             raise ValueError(f"default_bid: must be <= max_bid ({self.max_bid}), got {self.default_bid}")
 
 
+#: Bids run from 1 to this; a request that asks for no bid on the OpenAI API gets ``DEFAULT_BID``
+#: (both also the defaults of a tenant's ``max_bid`` and ``default_bid``).
+MAX_BID = 10
+DEFAULT_BID = 5
+
+
+def clamp_bid(tenant: TenantConfig | None, wanted: int) -> int:
+    """The bid a request asking for ``wanted`` is served at: 1 to its tenant's ``max_bid``, clamped,
+    not refused (``None``, a tenant admission will answer 404: 1 to :data:`MAX_BID`). The one rule
+    behind ``/infer``'s ``priority_bid`` and the OpenAI API's ``priority`` and ``X-Apsd-Priority``."""
+    return max(1, min(wanted, MAX_BID if tenant is None else tenant.max_bid))
+
+
 @attrs.frozen
 class AuthConfig:
     """Operator access: keys for the operator-only endpoints (``/metrics``, any tenant's status),
@@ -150,6 +171,8 @@ class AuthConfig:
     Authentication is on as soon as any key (a tenant's, an admin's or a metrics key) is configured.
     """
 
+    #: Hashes (``apsd hash-key``) of the operator's keys: they read ``/metrics``, ``/metrics.json``
+    #: and any tenant's status, and cannot submit requests.
     admin_key_hashes: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=key_hashes,
                                                     metadata=SECRET)
     #: Keys that read ``/metrics`` and ``/metrics.json`` and nothing else (403 ``metrics_only``
@@ -162,6 +185,8 @@ class AuthConfig:
 class QueueConfig:
     """Backpressure: admitted-but-not-dispatched requests beyond this get 503."""
 
+    #: Admitted requests not yet dispatched, all tenants together: beyond it new requests get 503
+    #: ``queue_full``.
     max_requests: int = attrs.field(default=10_000, validator=between(1, 10**8))
     #: One tenant's share of the queue: beyond it that tenant gets 429 (the others are unaffected).
     max_requests_per_tenant: int = attrs.field(default=2_000, validator=between(1, 10**8))
@@ -209,6 +234,8 @@ class StoreConfig:
     """Where tenants' buckets and fair-share counters live: this process (``memory``), or Redis,
     shared by every replica (``redis``: :mod:`apsd.store`)."""
 
+    #: ``memory``: this process's own buckets, full again after a restart; ``redis``: shared by
+    #: every replica through Redis, where they outlive a replica's restart.
     kind: str = attrs.field(default="memory", validator=either("memory", "redis"))
     #: The Redis server (``redis://host:6379/0``); required with ``kind = "redis"``.
     url: str = attrs.field(default="", validator=redis_url)
@@ -237,23 +264,30 @@ class GatewayConfig:
     default_max_tokens: int = attrs.field(default=256, validator=between(1, 1_000_000_000))
 
 
-#: The seed GPU's KV cache, in tokens (prompt + requested, summed over one micro-batch).
+#: The batch engine's KV cache, in tokens (prompt + requested, summed over one batch).
 SEED_KV_CAP_TOKENS = 32_768
 
 
 @attrs.frozen
 class GpuConfig:
-    """The seed's simulated A100, which the ``micro`` engine runs (every constant of its model is
-    here), and the model clock and fault injection of every simulated engine."""
+    """The simulated GPU the ``batch`` engine runs (every constant of its model is here; the
+    defaults approximate an A100), the model clock of every simulated engine, and the batch
+    engine's fault injection."""
 
+    #: Prefill speed, in tokens per second over a batch's prompt tokens.
     prefill_tokens_per_s: float = attrs.field(default=1024.0, validator=between(1e-3, 1e12))
     #: Single-sequence decode speed; a batch of b decodes at
     #: ``decode_tokens_per_s * (decode_batch_base + decode_batch_sqrt * sqrt(b))``.
     decode_tokens_per_s: float = attrs.field(default=128.0, validator=between(1e-3, 1e12))
+    #: The constant term of the batch decode rate (see ``decode_tokens_per_s``).
     decode_batch_base: float = attrs.field(default=0.4, validator=between(0, 1e6))
+    #: The ``sqrt(b)`` term of the batch decode rate (see ``decode_tokens_per_s``);
+    #: ``decode_batch_base + decode_batch_sqrt`` must be above 0.
     decode_batch_sqrt: float = attrs.field(default=0.6, validator=between(0, 1e6))
+    #: USD per hour of the simulated GPU's busy time: what its batches cost.
     price_per_hour_usd: float = attrs.field(default=3.0, validator=between(0, 1e9))
-    #: KV cache of one micro-batch: the prompt + requested tokens of its requests, summed.
+    #: KV cache of one batch: the prompt + requested tokens of its requests, summed; a request
+    #: alone above it is refused 413 ``exceeds_batch_capacity``.
     kv_cap_tokens: int = attrs.field(default=SEED_KV_CAP_TOKENS, validator=between(1, 10**12))
     #: Wall seconds per model second: 1.0 is real time, 0.01 runs 100x faster.
     #: Every duration apsd reports is in model seconds, whatever this is.
@@ -263,6 +297,7 @@ class GpuConfig:
     fail_probability: float = attrs.field(default=0.0, validator=between(0, 1))
     #: ... and every n-th batch the pipeline's GPUs start fails (0: never).
     fail_every_n_batches: int = attrs.field(default=0, validator=between(0, 10**9))
+    #: Seed of the fault injector's own random generator: the same seed fails the same batches.
     fault_seed: int = attrs.field(default=0, validator=between(0, 2**63 - 1))
 
 
@@ -305,11 +340,16 @@ class EngineConfig:
     (chosen by their presence; ``count`` does not apply: one engine routes to them all).
     """
 
+    #: The kind of engine (above); the presence of ``[[backends]]`` makes it the forwarding kind.
     kind: str = attrs.field(default="batch", validator=engine_kind)
     #: Engines of that kind (each a GPU, or ``tp`` GPUs for ``continuous``).
     count: int = attrs.field(default=1, validator=between(1, 1024))
+    #: The GPU profile of a continuous engine (``apsd profile --list``; plugins add more).
     gpu: str = attrs.field(default="a100-80gb", validator=non_empty)
+    #: The model profile of a continuous engine (``apsd profile --list``; plugins add more).
     model: str = attrs.field(default="llama-3-8b", validator=non_empty)
+    #: GPUs per continuous engine, with tensor parallelism; the model must fit on them (an error
+    #: names the ``tp`` that fits).
     tp: int = attrs.field(default=1, validator=between(1, 8))
     #: Most sequences one continuous engine runs at once (vLLM's max_num_seqs).
     max_sequences: int = attrs.field(default=256, validator=between(1, 100_000))
@@ -368,13 +408,16 @@ class BackendConfig:
     #: Cost, either per GPU-hour of the backend (``gpus`` of them; a request pays its share:
     #: its duration x the backend's hourly price / ``max_concurrency``) ...
     cost_per_gpu_hour_usd: float = attrs.field(default=0.0, validator=between(0, 1e9))
+    #: GPUs behind the backend, priced at ``cost_per_gpu_hour_usd`` each.
     gpus: int = attrs.field(default=1, validator=between(1, 1024))
-    #: ... or per token (both may be set: they add up).
+    #: ... or per token: USD per million prompt tokens (both ways may be set: they add up) ...
     cost_per_1m_prompt_tokens_usd: float = attrs.field(default=0.0, validator=between(0, 1e9))
+    #: ... and USD per million output tokens (with ``cost_per_1m_prompt_tokens_usd``).
     cost_per_1m_output_tokens_usd: float = attrs.field(default=0.0, validator=between(0, 1e9))
     #: ``apsd simulate`` only, in place of the server: model seconds to the first token and per
     #: output token after it, with ``max_concurrency`` requests running at once.
     sim_ttft_s: float = attrs.field(default=0.05, validator=between(0, 3600))
+    #: ``apsd simulate`` only: model seconds per output token after the first (see ``sim_ttft_s``).
     sim_tpot_s: float = attrs.field(default=0.02, validator=between(0, 3600))
 
     @property
@@ -386,6 +429,7 @@ class BackendConfig:
 class ForwardConfig:
     """How the ``forward`` engine talks to its backends (wall seconds)."""
 
+    #: Connecting to a backend.
     connect_timeout_s: float = attrs.field(default=5.0, validator=between(0.01, 3600))
     #: A health check, model list or metrics read unanswered within this marks the backend down:
     #: a stalled server (stopped, hung) is found out in seconds, and the requests it holds that
@@ -404,6 +448,7 @@ class ForwardConfig:
     #: How often each backend's health (``/health``, else ``/v1/models``) and its Prometheus
     #: ``/metrics`` are read.
     health_interval_s: float = attrs.field(default=2.0, validator=between(0.01, 3600))
+    #: How often each backend's Prometheus ``/metrics`` is read (see ``health_interval_s``).
     metrics_interval_s: float = attrs.field(default=1.0, validator=between(0.01, 3600))
     #: Metrics older than this count as saturated: dispatch waits rather than trusting them.
     metrics_max_age_s: float = attrs.field(default=5.0, validator=between(0.01, 86_400))
@@ -419,18 +464,24 @@ class PolicyConfig:
     """Which policy of each kind runs, and each policy's own parameters.
 
     ``preset`` (overridden by ``--policy``) fills in any kind left unset;
-    ``params`` maps a policy name to its table, e.g. ``[policy.aps]``.
+    ``params`` holds the ``[policy.<name>]`` tables by policy name, e.g. ``[policy.aps]``.
     """
 
+    #: The preset, which names one policy of each kind (``--policy`` overrides it; ``apsd plugins``
+    #: lists the installed presets).
     preset: str = "fair"
+    #: An aging policy (the order of the waiting queue), by name, in place of the preset's.
     aging: str | None = None
+    #: A governor (the batch window), by name, in place of the preset's.
     governor: str | None = None
+    #: A batching policy (when a dispatch is full and what goes in it), by name, in place of the preset's.
     batching: str | None = None
+    #: The ``[policy.<name>]`` tables: each policy's own parameters, by policy name.
     params: dict[str, dict[str, Any]] = attrs.field(factory=dict)
 
 
 def _default_tenants() -> dict[str, TenantConfig]:
-    # The seeds' three tenants (seed 002, "Default tenants").
+    # Three tenants of different sizes, so the embedded defaults show contention.
     return {
         "tenant_a": TenantConfig(rate=500.0, burst=5000),
         "tenant_b": TenantConfig(rate=300.0, burst=3000),

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Demand", "Engine", "EngineStatistics", "UNBOUNDED", "completion"]
 
-#: A capacity that never limits (the ``micro`` engine's sequence count).
+#: A capacity that never limits (the ``batch`` engine's sequence count).
 UNBOUNDED = 2**62
 
 
@@ -52,7 +52,7 @@ class EngineStatistics:
 
     engine_id: int
     kind: str
-    #: Sequences running now (a ``micro`` engine: the requests of the batch it runs).
+    #: Sequences running now (a ``batch`` engine: the requests of the batch it runs).
     running: int
     #: Sequences it holds but cannot run now (preempted, waiting for KV cache).
     waiting: int
@@ -65,7 +65,7 @@ class EngineStatistics:
     tokens_generated: int
     preemptions: int
     #: Model FLOPs and bytes read over the busy time, as fractions of the hardware's peak (None: the
-    #: engine has no hardware model, e.g. the seed's ``micro`` engine).
+    #: engine has no hardware model, e.g. the ``batch`` engine).
     mfu: float | None = None
     mbu: float | None = None
 
@@ -75,7 +75,7 @@ class Engine(Protocol):
     """Where dispatched requests run. See the module docstring for the protocol."""
 
     engine_id: int
-    #: ``micro``, ``continuous``, ...: the ``[engine] kind`` that built it.
+    #: ``batch``, ``continuous``, ``forward``: the ``[engine] kind`` that built it.
     kind: str
     #: The OpenAI APIs it runs (``request.api``): :data:`~apsd.core.models.GENERATION_APIS` at least.
     apis: tuple[str, ...]

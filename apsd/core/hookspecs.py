@@ -25,7 +25,7 @@ exists, ``request_started``; then exactly one ``request_finished``. A request wh
 engine fails before its first token may be put back in the queue
 (``request_requeued``) and is dispatched again. A request refused before admission
 produces exactly one ``request_rejected`` (bodies too malformed to name a request
-produce none). ``batch_started`` and ``batch_finished`` come from the ``micro``
+produce none). ``batch_started`` and ``batch_finished`` come from the ``batch``
 engine, whose dispatches run as batches.
 """
 
@@ -114,8 +114,8 @@ def request_requeued(request: InferenceRequest, engine_id: int, reason: str, now
 
 
 @hookspec
-def batch_started(batch: Dispatch, executor_id: int, now: float) -> None:
-    """The ``micro`` engine ``executor_id`` began running ``batch``. Called once per batch."""
+def batch_started(batch: Dispatch, engine_id: int, now: float) -> None:
+    """The batch engine ``engine_id`` began running ``batch``. Called once per batch."""
 
 
 @hookspec
@@ -125,8 +125,8 @@ def request_started(request: InferenceRequest, engine_id: int, now: float) -> No
 
 
 @hookspec
-def batch_finished(batch: Dispatch, executor_id: int, now: float, busy_s: float, cost_usd: float) -> None:
-    """``batch`` finished on ``micro`` engine ``executor_id`` after ``busy_s`` model seconds, costing
+def batch_finished(batch: Dispatch, engine_id: int, now: float, busy_s: float, cost_usd: float) -> None:
+    """``batch`` finished on batch engine ``engine_id`` after ``busy_s`` model seconds, costing
     ``cost_usd``. Called once per batch that ran, before its requests' ``request_finished``.
     """
 

@@ -331,13 +331,13 @@ class Ledger:
         request.retries += 1
         self.events.emit("request_requeued", request=request, engine_id=engine_id, reason=reason, now=self._now())
 
-    def batch_started(self, batch: Dispatch, executor_id: int) -> None:
-        self.events.emit("batch_started", batch=batch, executor_id=executor_id, now=self._now())
+    def batch_started(self, batch: Dispatch, engine_id: int) -> None:
+        self.events.emit("batch_started", batch=batch, engine_id=engine_id, now=self._now())
 
-    def batch_ran(self, batch: Dispatch, executor_id: int, busy_s: float, cost_usd: float) -> None:
+    def batch_ran(self, batch: Dispatch, engine_id: int, busy_s: float, cost_usd: float) -> None:
         self.batches += 1
         self.engine_ran(busy_s, cost_usd)
-        self.events.emit("batch_finished", batch=batch, executor_id=executor_id, now=self._now(),
+        self.events.emit("batch_finished", batch=batch, engine_id=engine_id, now=self._now(),
                          busy_s=busy_s, cost_usd=cost_usd)
 
     def engine_ran(self, busy_s: float, cost_usd: float) -> None:

@@ -29,7 +29,8 @@ import trio
 if TYPE_CHECKING:
     from apsd.core.streams import TokenStream
 
-__all__ = ["Batch", "Capacity", "Completion", "Dispatch", "InferenceRequest", "Outcome", "Refusal", "ReplySlot"]
+__all__ = ["Batch", "Capacity", "Completion", "Dispatch", "InferenceRequest", "Outcome", "Refusal", "ReplySlot",
+           "exceeds_batch"]
 
 
 @attrs.frozen
@@ -41,7 +42,7 @@ class Completion:
     to the first token, ``decode_ms`` from the first token to the last, ``latency_ms`` from
     admission to the last token (``queue_ms + prefill_ms + decode_ms``), ``tpot_ms`` the mean
     time per output token after the first (None with a single token). ``batch_id`` and
-    ``batch_size`` name the dispatch the request left the queue in (for the ``micro`` engine,
+    ``batch_size`` name the dispatch the request left the queue in (for the ``batch`` engine,
     the batch it ran in).
     """
 
@@ -214,7 +215,7 @@ class Capacity:
     """What an engine can take on now: how many more sequences, how many more KV tokens.
 
     ``reserve_output``: a request joining needs KV for its prompt and its whole requested
-    output (``micro``: a batch holds everything it will generate), or only for its prompt and
+    output (the batch engine: a batch holds everything it will generate), or only for its prompt and
     first token, its cache growing as it decodes (``continuous``: a sequence that then runs
     out of KV is preempted).
     """
@@ -250,11 +251,21 @@ class Capacity:
         return slots is None or request.model is None or slots.get(request.model, 0) > 0
 
 
+def exceeds_batch(request: InferenceRequest, cap_tokens: int, setting: str) -> str | None:
+    """Why ``request`` could never run in a batch whose KV cache holds ``cap_tokens`` (its prompt and
+    requested tokens, reserved whole), naming the config key ``setting``; None when it fits.
+    The one rule behind the batch engine's and the ``micro`` batching policy's 413s."""
+    if request.cost_tokens <= cap_tokens:
+        return None
+    return (f"request needs {request.cost_tokens} KV tokens (prompt {request.prompt_tokens} + requested "
+            f"{request.tokens_requested}) but a batch holds at most {cap_tokens} ({setting})")
+
+
 @attrs.frozen
 class Dispatch:
     """Requests the scheduler hands to one engine at once, in queue order.
 
-    For the ``micro`` engine a dispatch is a batch that runs as one; a ``continuous`` engine
+    For the ``batch`` engine a dispatch is a batch that runs as one; a ``continuous`` engine
     adds its requests to the sequences it is already running.
     """
 

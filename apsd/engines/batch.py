@@ -1,4 +1,6 @@
-"""The ``micro`` engine: the seeds' simulated A100, running fixed micro-batches.
+"""The ``batch`` engine: a simulated GPU with fixed prefill and decode rates, running whole batches.
+
+Its constants are ``[gpu]``'s; the defaults approximate an A100 serving a small model.
 
 When idle, an engine asks for a batch with its whole KV cache free (``gpu.kv_cap_tokens``,
 prompt + requested tokens reserved per request); the scheduler's batching policy cuts it.
@@ -34,7 +36,7 @@ import trio
 from apsd.core.clock import ModelClock
 from apsd.core.config import Config, GpuConfig
 from apsd.core.ledger import Ledger
-from apsd.core.models import GENERATION_APIS, Capacity, Dispatch, InferenceRequest, Refusal
+from apsd.core.models import GENERATION_APIS, Capacity, Dispatch, InferenceRequest, Refusal, exceeds_batch
 from apsd.core.streams import TokenChunk
 from apsd.core.engine import UNBOUNDED, Demand, EngineStatistics, completion
 
@@ -42,7 +44,7 @@ __all__ = ["FaultInjector", "GpuModel", "BatchEngine"]
 
 log = logging.getLogger("apsd.engines.batch")
 
-#: The model name the ``micro`` engine answers to on the OpenAI API (``GET /v1/models``).
+#: The model name the ``batch`` engine answers to on the OpenAI API (``GET /v1/models``).
 BATCH_MODEL_NAME = "apsd-batch"
 #: The ``[gpu]`` keys of fault injection.
 FAULT_KEYS = ("fail_probability", "fail_every_n_batches", "fault_seed")
@@ -52,7 +54,7 @@ STREAM_INTERVAL_S = 0.05
 
 @attrs.frozen
 class GpuModel:
-    """Pure timing and cost arithmetic of the seed's simulated GPU."""
+    """Pure timing and cost arithmetic of the simulated GPU (``[gpu]``)."""
 
     gpu: GpuConfig
 
@@ -107,7 +109,7 @@ class FaultInjector:
 
 @attrs.define(eq=False)
 class BatchEngine:
-    """One simulated seed GPU (see the module docstring)."""
+    """One simulated GPU (see the module docstring)."""
 
     engine_id: int
     model: GpuModel
@@ -128,12 +130,8 @@ class BatchEngine:
 
     def refuse(self, request: InferenceRequest) -> Refusal | None:
         """413 ``exceeds_batch_capacity`` for a request that alone needs more than a batch's KV cache."""
-        cap = self.model.gpu.kv_cap_tokens
-        if request.cost_tokens > cap:
-            return Refusal(413, "exceeds_batch_capacity",
-                           f"request needs {request.cost_tokens} KV tokens (prompt {request.prompt_tokens} + requested "
-                           f"{request.tokens_requested}) but a batch holds at most {cap} (gpu.kv_cap_tokens)")
-        return None
+        reason = exceeds_batch(request, self.model.gpu.kv_cap_tokens, "gpu.kv_cap_tokens")
+        return None if reason is None else Refusal(413, "exceeds_batch_capacity", reason)
 
     def free(self) -> Capacity:
         if self._running is not None:
@@ -141,7 +139,7 @@ class BatchEngine:
         return Capacity(sequences=UNBOUNDED, kv_tokens=self.model.gpu.kv_cap_tokens, reserve_output=True)
 
     def models(self) -> list[str]:
-        """The seed model has no model name of its own: requests may name ``apsd-micro``."""
+        """The simulated model has no name of its own: requests may name ``apsd-batch``."""
         return [BATCH_MODEL_NAME]
 
     def cancel(self, request: InferenceRequest) -> bool:

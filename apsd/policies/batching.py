@@ -3,7 +3,7 @@
 A dispatch takes requests in the queue's order (highest effective priority first)
 until it holds ``max_batch_size`` requests or as many as the engine has free
 sequences, or the next request would need more KV tokens than the engine has free
-(``Capacity.need``: prompt + requested for the ``micro`` engine, prompt for the
+(``Capacity.need``: prompt + requested for the ``batch`` engine, prompt for the
 ``continuous`` one), or names a model with no free slot (the ``forward`` engine); that
 request then leads the next dispatch. When only the engine's headroom is left
 (``Capacity.slot_for``) and the queue can look past its head (``pop_first``, as the fair-share
@@ -20,7 +20,7 @@ import attrs
 
 from apsd.core.config import Config, between, parse_section
 from apsd.core.hookspecs import hookimpl
-from apsd.core.models import Capacity, InferenceRequest
+from apsd.core.models import Capacity, InferenceRequest, exceeds_batch
 from apsd.core.policy import OrderingPolicy
 
 __all__ = ["MicroBatching"]
@@ -39,11 +39,9 @@ class MicroBatching:
         self.kv_cap_tokens = params.kv_cap_tokens
 
     def refuse_reason(self, request: InferenceRequest) -> str | None:
-        if self.kv_cap_tokens and request.cost_tokens > self.kv_cap_tokens:
-            return (f"request needs {request.cost_tokens} KV tokens (prompt {request.prompt_tokens} + "
-                    f"requested {request.tokens_requested}) but a batch holds at most "
-                    f"{self.kv_cap_tokens} (policy.micro.kv_cap_tokens)")
-        return None
+        if not self.kv_cap_tokens:
+            return None
+        return exceeds_batch(request, self.kv_cap_tokens, "policy.micro.kv_cap_tokens")
 
     def _limits(self, free: Capacity) -> tuple[int, int]:
         kv = min(free.kv_tokens, self.kv_cap_tokens) if self.kv_cap_tokens else free.kv_tokens

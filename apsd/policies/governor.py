@@ -1,6 +1,6 @@
 """Built-in governors (batch window): ``fixed`` and ``entropy``.
 
-``entropy`` is the seeds' formula: the Shannon entropy ``H = -sum p log2 p`` of
+``entropy`` is the design's formula: the Shannon entropy ``H = -sum p log2 p`` of
 the last ``history`` inter-arrival gaps binned at ``bin_ms``, and the window
 ``w = base_window * exp(-H / temperature)``. State: ``STABLE`` below
 ``stable_below_bits``, ``CRITICAL_BURST`` above ``burst_above_bits``,
@@ -10,7 +10,7 @@ simultaneous arrivals has ``H = 0``. Whether it helps is for the simulator to sa
 The view ages with time, not only with arrivals: a gap is forgotten ``forget_after_s``
 model seconds after the arrival that closed it. An idle daemon therefore drifts back to
 fewer than two remembered gaps (``H = 0``, ``STABLE``, the full window) instead of
-reporting the last burst for ever; ``0`` never forgets (the seeds' formula, literally).
+reporting the last burst for ever; ``0`` never forgets (the design's formula, literally).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _bin(gap_s: float, bin_s: float) -> int:
 
 
 class EntropyGovernor:
-    """The seed's entropy feedback.
+    """Entropy feedback on inter-arrival times.
 
     Cost: each arrival updates the bin counts of the last ``history`` gaps in
     O(1), and each forgotten gap costs O(1) once; a reading after a change computes
@@ -163,4 +163,4 @@ def _entropy(params: dict[str, Any], config: Config) -> EntropyGovernor:
 @hookimpl
 def register_policies(registry: Any) -> None:
     registry.governor("fixed", _fixed, "constant batch window [window_ms]")
-    registry.governor("entropy", _entropy, "seed formula w = base*exp(-H/T) on inter-arrival entropy")
+    registry.governor("entropy", _entropy, "window w = base*exp(-H/T) from the entropy of inter-arrival times")

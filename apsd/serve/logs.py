@@ -94,11 +94,11 @@ def request_rejected(request: Any, refusal: Any) -> None:
 
 
 @hookimpl
-def batch_finished(batch: Any, executor_id: int, busy_s: float, cost_usd: float) -> None:
+def batch_finished(batch: Any, engine_id: int, busy_s: float, cost_usd: float) -> None:
     # DEBUG, not INFO: one line per batch is a flood on a busy daemon (and a few percent of its CPU
     # under the HTTP benchmark); the batch figures are in /metrics
     if log.isEnabledFor(logging.DEBUG):
-        log.debug("batch finished", extra={"event": "batch", "batch_id": batch.batch_id, "executor": executor_id,
+        log.debug("batch finished", extra={"event": "batch", "batch_id": batch.batch_id, "executor": engine_id,
                                           "size": len(batch.requests), "kv_tokens": batch.kv_tokens,
                                           "busy_s": round(busy_s, 6), "cost_usd": round(cost_usd, 8)})
 

@@ -8,7 +8,7 @@ that is only waiting for its backends. ``/ready`` answers "would a new request b
 * ``no_backend``: the ``forward`` engine has no usable backend (none is healthy, or none knows
   its models yet), so every new request would get 503 ``no_backend``. The answer lists the
   models known to have no usable backend (empty while no backend has told its models);
-* ``ready`` otherwise. A simulated engine (``micro``, ``continuous``) is always usable. A forward
+* ``ready`` otherwise. A simulated engine (``batch``, ``continuous``) is always usable. A forward
   engine that serves some models but not others is ready (it can serve some requests; those for
   the missing models get 503 ``no_backend`` at once) and lists the missing ones.
 

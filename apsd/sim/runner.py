@@ -102,9 +102,9 @@ class _BatchRecorder:
         self.started[batch.batch_id] = now
 
     @hookimpl
-    def batch_finished(self, batch: Any, executor_id: int, now: float, busy_s: float, cost_usd: float) -> None:
+    def batch_finished(self, batch: Any, engine_id: int, now: float, busy_s: float, cost_usd: float) -> None:
         self.batches.append(BatchRecord(
-            batch_id=batch.batch_id, executor_id=executor_id, size=len(batch.requests), kv_tokens=batch.kv_tokens,
+            batch_id=batch.batch_id, executor_id=engine_id, size=len(batch.requests), kv_tokens=batch.kv_tokens,
             formed_at=batch.formed_at, started_at=self.started.pop(batch.batch_id), finished_at=now,
             busy_s=busy_s, cost_usd=cost_usd, window_s=batch.window_s))
 

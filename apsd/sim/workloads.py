@@ -19,7 +19,7 @@ burst=10**9)``: far more than any workload here can use, so admission never
 rejects for quota and a comparison measures scheduling alone. A trace gets the
 same bucket for each tenant it names.
 
-Sizes: a built-in's requests always fit the seed GPU's KV cache of
+Sizes: a built-in's requests always fit the batch engine's KV cache of
 :data:`KV_CAPACITY_TOKENS` per batch (``prompt + output <= 32768``); random sizes
 are clipped to ``1..16384`` each. Bids are integers 1..10.
 """
@@ -58,7 +58,7 @@ __all__ = [
 UNTHROTTLED = TenantConfig(rate=1e6, burst=10**9)
 #: A workload may hold at most this many arrivals (built or loaded).
 MAX_ARRIVALS = 2_000_000
-#: The seed GPU's KV cache per batch: every built-in request fits it.
+#: The batch engine's KV cache per batch: every built-in request fits it.
 KV_CAPACITY_TOKENS = SEED_KV_CAP_TOKENS
 #: Random prompt and output sizes are clipped to ``1..MAX_RANDOM_TOKENS`` each.
 MAX_RANDOM_TOKENS = KV_CAPACITY_TOKENS // 2
@@ -217,7 +217,7 @@ class Generated:
 
 
 def seed_stress(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
-    """Seed 002's stress test: VIP and free requests interleaved, all at once (or spread evenly)."""
+    """A high bidder against a low one: VIP and free requests interleaved, all at once (or spread evenly)."""
     vip = ["tenant_a"] * p["vip_requests"]
     free = ["tenant_b"] * p["free_requests"]
     order = [t for pair in zip(vip, free) for t in pair] + vip[len(free):] + free[len(vip):]
@@ -430,7 +430,7 @@ class Builtin:
 BUILTINS: dict[str, Builtin] = {b.name: b for b in [
     Builtin(
         "seed-stress",
-        "seed 002's stress test: tenant_a (bid 10) x 50 and tenant_b (bid 1) x 50, interleaved, all at t=0",
+        "a high bidder against a low one: tenant_a (bid 10) x 50 and tenant_b (bid 1) x 50, interleaved, all at t=0",
         {"vip_requests": count(50), "free_requests": count(50), "prompt_tokens": tokens(16),
          "output_tokens": tokens(100), "spread_s": Param(0.0, 0, 1e6)},
         seed_stress,

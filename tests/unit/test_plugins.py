@@ -204,11 +204,11 @@ class Recorder:
         self.events.append(("started", request.request_id, engine_id))
 
     @apsd.hookimpl
-    def batch_started(self, batch, executor_id, now):
-        self.events.append(("batch_started", batch.batch_id, executor_id))
+    def batch_started(self, batch, engine_id, now):
+        self.events.append(("batch_started", batch.batch_id, engine_id))
 
     @apsd.hookimpl
-    def batch_finished(self, batch, executor_id, now, busy_s, cost_usd):
+    def batch_finished(self, batch, engine_id, now, busy_s, cost_usd):
         self.events.append(("batch_finished", batch.batch_id, busy_s, cost_usd))
 
     @apsd.hookimpl

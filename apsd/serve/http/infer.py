@@ -14,11 +14,12 @@ import attrs
 from quart import Blueprint, Response, request
 
 from apsd.serve.auth import Caller
+from apsd.core.config import clamp_bid
 from apsd.core.models import Completion
 from apsd.serve.http.common import (MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated, check_prompt_length,
                      error_response, http_state, json_response, parse_json_object, shown)
 
-__all__ = ["MAX_TIMEOUT_S", "blueprint", "parse_infer_body"]
+__all__ = ["MAX_TIMEOUT_S", "InferBody", "blueprint", "parse_infer_body"]
 
 blueprint = Blueprint("infer", __name__)
 
@@ -32,7 +33,21 @@ _COMPLETION_FIELDS = tuple(field.name for field in attrs.fields(Completion) if f
 MAX_TIMEOUT_S = 86_400.0
 
 
-def parse_infer_body(raw: bytes, *, tenant_required: bool = True) -> dict[str, Any]:
+@attrs.frozen
+class InferBody:
+    """A valid ``POST /infer`` body."""
+
+    prompt: str
+    tokens_requested: int
+    #: 1-10 as sent (served at most at the tenant's ``max_bid``: :func:`~apsd.core.config.clamp_bid`).
+    priority_bid: int
+    #: None: the key names the tenant.
+    tenant_id: str | None = None
+    #: Model seconds it may wait queued, at most :data:`MAX_TIMEOUT_S`; None: ``[queue] timeout_s``.
+    timeout_s: float | None = None
+
+
+def parse_infer_body(raw: bytes, *, tenant_required: bool = True) -> InferBody:
     """Validate a ``POST /infer`` body; BodyError names the field and the rule.
 
     ``tenant_required=False`` (API keys on: the key names the tenant) makes ``tenant_id`` optional.
@@ -68,7 +83,7 @@ def parse_infer_body(raw: bytes, *, tenant_required: bool = True) -> dict[str, A
                 or isinstance(timeout, float) and not math.isfinite(timeout):
             raise BodyError(422, "invalid_field", "timeout_s must be a number of seconds > 0", field="timeout_s")
         data["timeout_s"] = float(min(timeout, MAX_TIMEOUT_S))
-    return data
+    return InferBody(**data)
 
 
 @blueprint.post("/infer")
@@ -81,20 +96,19 @@ async def infer(caller: Caller) -> Response:
     pipeline = http_state().pipeline
     try:
         body = parse_infer_body(await request.get_data(cache=False), tenant_required=caller.anonymous)
-        tenant_id = body.get("tenant_id", caller.tenant)
+        tenant_id = body.tenant_id if body.tenant_id is not None else caller.tenant
         if not caller.anonymous and tenant_id != caller.tenant:
             raise BodyError(403, "tenant_mismatch", "tenant_id names a tenant other than the API key's "
                             "(leave it out, or name the key's own tenant)", field="tenant_id")
-        prompt_tokens = pipeline.estimate_prompt_tokens(body["prompt"])
-        check_prompt_length(prompt_tokens, len(body["prompt"]), pipeline)
+        prompt_tokens = pipeline.estimate_prompt_tokens(body.prompt)
+        check_prompt_length(prompt_tokens, len(body.prompt), pipeline)
     except BodyError as exc:
         pipeline.ledger.count_refusal(None, exc.refusal.error)
         return error_response(exc.refusal)
     tenant = pipeline.config.tenants.get(tenant_id)  # (an unknown one: admission answers 404)
-    bid = body["priority_bid"] if tenant is None else min(body["priority_bid"], tenant.max_bid)
-    inference = pipeline.new_request(tenant_id=tenant_id, prompt=body["prompt"],
-                                     tokens_requested=body["tokens_requested"], priority_bid=bid,
-                                     prompt_tokens=prompt_tokens, timeout_s=body.get("timeout_s"))
+    inference = pipeline.new_request(tenant_id=tenant_id, prompt=body.prompt, tokens_requested=body.tokens_requested,
+                                     priority_bid=clamp_bid(tenant, body.priority_bid), prompt_tokens=prompt_tokens,
+                                     timeout_s=body.timeout_s)
     refusal = pipeline.submit_nowait(inference)
     try:
         outcome = refusal or await inference.reply.wait()

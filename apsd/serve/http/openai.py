@@ -47,7 +47,7 @@ from quart import Blueprint, Response, request
 
 from apsd.core.admission import estimate_tokens
 from apsd.serve.auth import Caller
-from apsd.core.config import AdmissionConfig, Config, TenantConfig
+from apsd.core.config import DEFAULT_BID, AdmissionConfig, Config, TenantConfig, clamp_bid
 from apsd.core.models import ALL_APIS, LENGTH_ALIASES, Completion, InferenceRequest, Refusal
 from apsd.pipeline import Pipeline
 from apsd.core.streams import TokenChunk, TokenStream
@@ -417,11 +417,10 @@ def priority_bid(tenant: TenantConfig | None, *, priority: int | None = None, he
     ``header`` (``X-Apsd-Priority``, apsd's polarity) gives ``clamp(header, 1, max_bid)``;
     otherwise the body's ``priority`` (vLLM's polarity: lower sooner, default 0) gives
     ``clamp(default_bid - priority, 1, max_bid)``. An unknown tenant (None: admission will
-    answer 404) is taken as the defaults' (5, 10).
+    answer 404) is taken as the defaults' (:data:`~apsd.core.config.DEFAULT_BID`, :data:`~apsd.core.config.MAX_BID`).
     """
-    default_bid, max_bid = (5, 10) if tenant is None else (tenant.default_bid, tenant.max_bid)
-    wanted = header if header is not None else default_bid - (priority or 0)
-    return max(1, min(wanted, max_bid))
+    default_bid = DEFAULT_BID if tenant is None else tenant.default_bid
+    return clamp_bid(tenant, header if header is not None else default_bid - (priority or 0))
 
 
 def _tenant(caller: Caller) -> str:
