@@ -1,17 +1,22 @@
-"""The ``apsd`` command.
+"""The ``apsd`` command and its subcommands.
 
-* ``apsd [--policy P] [--host H] [--port N] [CONFIG]`` runs the daemon.
-* ``apsd plugins [--json]`` lists every registered plugin and what it provides.
+* ``apsd [--policy PRESET] [--host H] [--port N] [--log-level L] [--log-format F] [--log-prompts] [CONFIG]``
+  runs the daemon (:mod:`apsd.serve.daemon`) until SIGTERM or SIGINT.
 * ``apsd hash-key [--new]`` makes an API key's hash for the config (:mod:`apsd.serve.auth`).
-* ``apsd simulate --workload W [--policy P ...]`` compares policies on one workload in
-  virtual time and writes a report (:mod:`apsd.sim.runner`, :mod:`apsd.sim.report`).
+* ``apsd plugins [--json]`` lists every registered plugin and what it provides.
+* ``apsd simulate [--workload W | --trace FILE] [--policy P ...]`` compares policies on one workload in
+  virtual time and writes a report (:mod:`apsd.sim.runner`, :mod:`apsd.sim.report`); with
+  ``--replicas N`` it runs N replicas sharing a simulated store instead (:mod:`apsd.sim.replicas`).
 * ``apsd research`` runs the research suite and writes ``docs/research.md`` (:mod:`apsd.sim.research`).
 * ``apsd profile --gpu G --model M --batch B --prompt-tokens P --output-tokens O`` runs a batch on
   one continuous engine in virtual time and prints its figures (:mod:`apsd.sim.profile`).
 
-Exit status: 0 after a clean shutdown, 2 for a bad config or command line
-(one message naming the file and the key, no traceback), 1 for a plugin that
-cannot load.
+Exit status: 0 after a clean shutdown; 2 for a bad config or command line (one message naming the
+file and the key, no traceback); 1 for a plugin that cannot load, or an address the daemon cannot
+serve (already in use, say); 130 for Ctrl-C before the daemon listens for signals; 141 when the
+reader of standard output has gone (``apsd plugins --json | head -c 100``).
+
+``docs/reference/cli.md`` is generated from the parsers below (:mod:`apsd.reference`).
 """
 
 from __future__ import annotations
@@ -51,15 +56,17 @@ def _port(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="apsd",
-        description="Multi-tenant inference scheduler daemon (Adaptive Priority Scheduling).",
+        description="Multi-tenant inference scheduler daemon: per-tenant token buckets, fair share between "
+                    "tenants and priority aging inside each, in front of simulated GPUs or real inference servers.",
         epilog="Without CONFIG, apsd runs on its embedded defaults (the same as config/apsd.toml). "
         "'apsd hash-key --new' makes an API key and its hash; 'apsd plugins' lists the installed policy plugins (APSD_PLUGINS=name,... limits which load); "
-        "'apsd simulate --help' compares policies in virtual time; 'apsd research' regenerates "
-        "docs/research.md.",
+        "'apsd simulate --help' compares policies in virtual time; 'apsd profile --help' measures a GPU and "
+        "model on the roofline model; 'apsd research' regenerates docs/research.md.",
     )
     parser.add_argument("config", nargs="?", metavar="CONFIG", help="TOML config file")
     parser.add_argument("--policy", metavar="PRESET",
-                        help="policy preset: fifo, static, aps (default: [policy] preset, else aps)")
+                        help="policy preset: fair, aps, static, fifo, or one a plugin adds (default: [policy] "
+                             "preset, else fair)")
     parser.add_argument("--host", help="listen address (overrides [server] host)")
     parser.add_argument("--port", type=_port, help="listen port, 0 for any free port (overrides [server] port)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -142,8 +149,8 @@ def simulate_parser() -> argparse.ArgumentParser:
                         help="a workload parameter (repeatable), e.g. --set rate=5")
     parser.add_argument("--params", metavar="FILE", help="workload parameters from a TOML file (--set wins)")
     parser.add_argument("--seed", type=int, help="random seed of a built-in workload (default 1)")
-    parser.add_argument("--config", metavar="FILE", help="apsd config for the GPU model, queue limits and policy "
-                        "parameters (the workload brings its own tenants)")
+    parser.add_argument("--config", metavar="FILE", help="apsd config for the engines ([engine], [gpu], [[backends]]), "
+                        "queue limits and policy parameters (the workload brings its own tenants)")
     parser.add_argument("--out", metavar="DIR", help="report directory (default apsd-sim/<workload>)")
     parser.add_argument("--no-plots", action="store_true", help="write report.md and summary.json only")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no table")

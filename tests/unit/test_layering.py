@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("apsd.plugins",),
     ("apsd.pipeline",),
     ("apsd.serve", "apsd.sim"),
-    ("apsd", "apsd.cli", "apsd.__main__"),
+    ("apsd", "apsd.cli", "apsd.__main__", "apsd.reference"),
 )
 
 
