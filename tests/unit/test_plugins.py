@@ -38,10 +38,10 @@ HOOKS = [name for name, f in inspect.getmembers(hookspecs, inspect.isfunction)
 
 def test_every_hookspec_is_documented():
     assert set(HOOKS) == {"register_policies", "register_profiles", *hookspecs.EVENT_HOOKS}
-    plugin_guide = (ROOT / "docs" / "plugins.md").read_text()
+    plugin_guide = (ROOT / "docs" / "how-to" / "write-a-plugin.md").read_text()
     for name in HOOKS:
         assert len(inspect.getdoc(getattr(hookspecs, name)) or "") > 60, name
-        assert f"`{name}" in plugin_guide, f"docs/plugins.md does not document {name}"
+        assert f"`{name}" in plugin_guide, f"docs/how-to/write-a-plugin.md does not document {name}"
 
 
 # -- broken plugins stop the daemon at start-up with one message ------------------------------------

@@ -1,7 +1,7 @@
 """The roofline model and its profiles: arithmetic, validation, and published measurements.
 
 The published points live in ``tests/roofline_points.py`` (one place for the data, which also
-prints the table of docs/engines.md); every one is asserted here with its stated band.
+prints the table of docs/explanation/engines.md); every one is asserted here with its stated band.
 """
 
 from __future__ import annotations
@@ -70,9 +70,9 @@ def test_points_are_well_formed():
 
 
 def test_the_docs_table_is_what_the_code_computes():
-    docs = (Path(__file__).resolve().parents[2] / "docs" / "engines.md").read_text()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "explanation" / "engines.md").read_text()
     missing = [line for line in table().splitlines() if line and line not in docs]
-    assert not missing, "docs/engines.md is stale; paste `python -m tests.roofline_points`:\n" + "\n".join(missing)
+    assert not missing, "docs/explanation/engines.md is stale; paste `python -m tests.roofline_points`:\n" + "\n".join(missing)
 
 
 # -- KV cache and memory -------------------------------------------------------------------------
