@@ -38,6 +38,7 @@ from apsd.core.config import BackendConfig, ForwardConfig
 __all__ = [
     "Backend",
     "BackendAnswer",
+    "BackendChunk",
     "BackendClient",
     "BackendError",
     "BackendLoad",
@@ -83,8 +84,19 @@ class BackendAnswer:
     response: dict | None = None
 
 
-#: Called with each stream chunk (the backend's JSON object) as it arrives.
-OnChunk = Callable[[dict], Awaitable[None]]
+@attrs.frozen
+class BackendChunk:
+    """One chunk of a backend's stream, as it arrives."""
+
+    #: The chunk's JSON object, as the server sent it (relayed to the client).
+    data: dict
+    #: Output tokens it carries, when the client knows (a simulated server does); None: one if it
+    #: has text, as an OpenAI-compatible server sends a token per chunk.
+    tokens: int | None = None
+
+
+#: Called with each stream chunk as it arrives.
+OnChunk = Callable[[BackendChunk], Awaitable[None]]
 
 #: Names of the metrics that give a backend's load, in order of preference.
 _WAITING = ("vllm:num_requests_waiting", "llamacpp:requests_deferred", "sglang:num_queue_reqs")
@@ -361,7 +373,7 @@ class HttpBackendClient:
                         elif chunk.get("type") in _RESPONSE_ENDS and isinstance(chunk.get("response"), dict):
                             usage = chunk["response"].get("usage")
                         started = True
-                        await on_chunk(chunk)
+                        await on_chunk(BackendChunk(chunk))
                         silence.deadline = trio.current_time() + settings.read_timeout_s
             if silence.cancelled_caught:
                 raise trio.TooSlowError
@@ -625,9 +637,9 @@ class SimulatedBackendClient:
                 if sent:
                     await self.clock.sleep(server.tpot_s * n)
                 sent += n
-                await on_chunk(_simulated_chunk(api, n))
+                await on_chunk(BackendChunk(_simulated_chunk(api, n), tokens=n))
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens}
-            await on_chunk({"object": "chat.completion.chunk", "choices": [], "usage": usage})
+            await on_chunk(BackendChunk({"object": "chat.completion.chunk", "choices": [], "usage": usage}, tokens=0))
             return BackendAnswer(prompt_tokens, tokens)
         finally:
             server.running -= 1
@@ -643,6 +655,5 @@ def _simulated_prompt_tokens(body: dict) -> int:
 def _simulated_chunk(api: str, tokens: int) -> dict:
     text = " tok" * tokens
     if api == "chat.completions":
-        return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}],
-                "apsd_tokens": tokens}
-    return {"object": "text_completion", "choices": [{"index": 0, "text": text}], "apsd_tokens": tokens}
+        return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]}
+    return {"object": "text_completion", "choices": [{"index": 0, "text": text}]}

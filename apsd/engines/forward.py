@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -59,7 +59,8 @@ from apsd.core.config import Config, ForwardConfig
 from apsd.core.ledger import Ledger
 from apsd.core.models import ALL_APIS, LENGTH_ALIASES, Capacity, Completion, Dispatch, InferenceRequest, Refusal
 from apsd.core.streams import TokenChunk
-from apsd.engines.backends import Backend, BackendAnswer, BackendClient, BackendError, BackendStatistics
+from apsd.engines.backends import (Backend, BackendAnswer, BackendChunk, BackendClient, BackendError, BackendStatistics,
+                                   OnChunk)
 from apsd.core.engine import UNBOUNDED, Demand, EngineStatistics, completion
 
 __all__ = ["ForwardEngine"]
@@ -275,7 +276,7 @@ class ForwardEngine:
         return api, body, wants_usage
 
     def _relay(self, request: InferenceRequest, backend: Backend,
-               wants_usage: bool) -> Callable[[dict], Awaitable[None]]:
+               wants_usage: bool) -> OnChunk:
         """What to do with each chunk of ``request``'s stream from the backend: count its tokens and
         hand it to the client's stream without waiting for the client (a slow reader delays only
         itself: the backend's slot is freed at the backend's pace, and the request is charged what
@@ -285,11 +286,10 @@ class ForwardEngine:
         stream = request.stream
         held: list[dict] = []
 
-        async def on_chunk(chunk: dict) -> None:
-            tokens = chunk.pop("apsd_tokens", None)   # (the simulated client says how many it sent)
+        async def on_chunk(piece: BackendChunk) -> None:
+            chunk = piece.data
             text = _chunk_text(chunk)
-            if not isinstance(tokens, int):
-                tokens = 1 if text else 0
+            tokens = piece.tokens if piece.tokens is not None else 1 if text else 0
             now = self.clock.now()
             if tokens and request.started_at is None:
                 self.ledger.started(request, now)

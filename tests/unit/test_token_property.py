@@ -82,7 +82,7 @@ from hypothesis import strategies as st
 from apsd.core.bucket import TokenBucket
 from apsd.core.clock import ModelClock
 from apsd.core.config import Config, TenantConfig, parse_config
-from apsd.engines.backends import (Backend, BackendAnswer, OnChunk, SimulatedBackendClient, SimulatedServer,
+from apsd.engines.backends import (Backend, BackendAnswer, BackendChunk, OnChunk, SimulatedBackendClient, SimulatedServer,
                                    _simulated_prompt_tokens)
 from apsd.serve.http.openai import CHAT, COMPLETIONS, parse_openai_body, priority_bid
 from apsd.core.models import LENGTH_ALIASES, Completion, InferenceRequest, Refusal
@@ -205,8 +205,8 @@ class CountingClient(SimulatedBackendClient):
         sent_body = {key: value for key, value in body.items() if key not in LIMIT_NAMES}
         sent_body["max_tokens"] = tokens
 
-        async def counted(chunk: dict) -> None:
-            sent = chunk.get("apsd_tokens") or 0
+        async def counted(chunk: BackendChunk) -> None:
+            sent = chunk.tokens or 0
             if sent:
                 self._sent(run, prompt, sent)
             await on_chunk(chunk)
