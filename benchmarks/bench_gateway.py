@@ -32,7 +32,8 @@ import httpx
 import numpy as np
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import from the repository root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from tests.helpers import APSD  # noqa: E402
 from tests.llama_server import find_llama_server, open_llama_server, write_tiny_model  # noqa: E402

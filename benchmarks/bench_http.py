@@ -41,9 +41,9 @@ The load generator
     ``keep_alive_max_requests``, 1000, requests) and never retries a request.
 
 How to run (from the repository root; this is not a pytest test and is not collected)
-    /tmp/venv/bin/python benchmarks/bench_http.py                  # default: a few minutes on 2 cores
-    /tmp/venv/bin/python benchmarks/bench_http.py --quick          # under a minute
-    /tmp/venv/bin/python benchmarks/bench_http.py --requests 50000 --concurrency 128
+    .venv/bin/python benchmarks/bench_http.py                  # default: a few minutes on 2 cores
+    .venv/bin/python benchmarks/bench_http.py --quick          # under a minute
+    .venv/bin/python benchmarks/bench_http.py --requests 50000 --concurrency 128
 
 Every load loop is bounded by its request count and by ``--time-limit`` seconds per phase; all
 traffic goes to 127.0.0.1 servers this script starts on port 0 and stops.
@@ -70,6 +70,9 @@ from typing import Any
 import attrs
 import httpx
 import trio
+
+if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import from the repository root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 APSD = str(Path(sys.executable).with_name("apsd"))
 LISTENING = re.compile(r"apsd listening on (http://[0-9.:\[\]]+)")

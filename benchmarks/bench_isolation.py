@@ -1,13 +1,13 @@
 """Isolation figures: issue 14's "done when" for every built-in policy (and ``vtc`` when installed).
 
 What it prints (virtual time, through apsd's own pipeline; the same seeds give the same figures)
-    - continuous engine (tests/sim/test_isolation.py's ``ISOLATING_ENGINE``: a100-80gb, llama-3-8b,
-      ``max_batched_tokens = 256``): the steady tenant's p99 time to first token on
-      ``noisy-neighbor`` (60 s) alone and beside a neighbour at ``CONTINUOUS_FLOOD`` req/s;
-    - micro engine: its p99 latency on ``noisy-neighbor`` (120 s) alone and flooded, and the
-      longest batch of the flooded run;
+    - continuous engine (``ISOLATING_ENGINE`` of tests/helpers.py, as tests/sim/test_isolation.py
+      runs it: a100-80gb, llama-3-8b, ``max_batched_tokens = 256``): the steady tenant's p99 time to
+      first token on ``noisy-neighbor`` (60 s) alone and beside a neighbour at ``CONTINUOUS_FLOOD`` req/s;
+    - batch engine (the default): its p99 latency on ``noisy-neighbor`` (120 s) alone and flooded,
+      and the longest batch of the flooded run;
     - ``vtc-overload``: the largest service gap between the two backlogged tenants after 200 and
-      800 s (tests/sim/test_isolation.py's measure);
+      800 s (``max_backlogged_service_gap`` of tests/helpers.py, tests/sim/test_isolation.py's measure);
     - ``vip-flood`` (300 s): the free tenant's longest queue wait, and the longest batch.
 
 How to run (from the repository root; not collected by pytest)
@@ -19,13 +19,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import from the repository root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from apsd.core.config import Config, parse_config  # noqa: E402
 from apsd.sim.runner import parse_policy_choice, run_policy  # noqa: E402
 from apsd.sim.workloads import build_workload  # noqa: E402
-from tests.sim.test_isolation import (CONTINUOUS_FLOOD, ISOLATING_ENGINE, latency, max_backlogged_service_gap,  # noqa: E402
-                                  p99, steady, ttft)
+from tests.helpers import (CONTINUOUS_FLOOD, ISOLATING_ENGINE, latency, max_backlogged_service_gap,  # noqa: E402
+                           p99, steady, ttft)
 
 
 def presets() -> list[str]:
@@ -61,7 +62,7 @@ def row(preset: str) -> str:
 
 
 def main() -> int:
-    print("| policy | continuous: steady p99 TTFT alone -> flooded | micro: steady p99 latency alone -> flooded "
+    print("| policy | continuous: steady p99 TTFT alone -> flooded | batch: steady p99 latency alone -> flooded "
           "(longest batch) | vtc-overload gap 200 s / 800 s | vip-flood: free's longest wait (longest batch) |")
     print("|---|---|---|---|---|")
     for preset in presets():

@@ -29,9 +29,9 @@ What it measures
     aps, heapq, ...) so machine noise hits them alike. The RNG is seeded.
 
 How to run (from the repository root; this is not a pytest test and is not collected)
-    /tmp/venv/bin/python benchmarks/bench_queue.py            # default, well under a minute
-    /tmp/venv/bin/python benchmarks/bench_queue.py --quick    # smoke run, a few seconds
-    /tmp/venv/bin/python benchmarks/bench_queue.py --ops 500000 --repeat 7
+    .venv/bin/python benchmarks/bench_queue.py            # default, well under a minute
+    .venv/bin/python benchmarks/bench_queue.py --quick    # smoke run, a few seconds
+    .venv/bin/python benchmarks/bench_queue.py --ops 500000 --repeat 7
 
 How to read the ratios
     "x heapq" is baseline_rate / variant_rate: how many times slower the variant is
@@ -53,14 +53,12 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-try:
-    import apsd  # noqa: F401
-except ImportError:  # running from a checkout without the package installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import from the repository root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from apsd.core.models import Completion, InferenceRequest
-from apsd.policies.aging import ApsQueue, FifoQueue, HeapQueue, StaticQueue
-from apsd.policies.fair import FairQueue, FairShareQueue
+from apsd.core.models import Completion, InferenceRequest  # noqa: E402
+from apsd.policies.aging import ApsQueue, FifoQueue, HeapQueue, StaticQueue  # noqa: E402
+from apsd.policies.fair import FairQueue, FairShareQueue  # noqa: E402
 
 try:
     from apsd_vtc import VtcParams, VtcQueue

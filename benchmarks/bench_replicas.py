@@ -96,11 +96,12 @@ import attrs
 import httpx
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import from the repository root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.bench_http import report_problems, stop_process
-from tests.helpers import APSD, LISTENING, ROOT
-from tests.redis_server import RedisServer, free_loopback_port
+from benchmarks.bench_http import report_problems, stop_process  # noqa: E402
+from tests.helpers import APSD, LISTENING, ROOT  # noqa: E402
+from tests.redis_server import RedisServer, free_loopback_port  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 BODY = json.dumps({"tenant_id": "bench", "prompt": "Explain token buckets in one paragraph.",

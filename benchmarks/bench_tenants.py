@@ -2,7 +2,7 @@
 request latency while ``GET /metrics`` is scraped.
 
 What it measures
-    Two ``apsd`` daemons run as subprocesses on 127.0.0.1, port 0, with bench_http's fast
+    Two ``apsd`` daemons run as subprocesses on 127.0.0.1, port 0, with benchmarks/bench_http.py's fast
     settings (``gpu.time_scale = 1e-6``, queue limits far above the concurrency): one with a
     single tenant, one with ``--tenants`` (10,000) ``[tenants.x]`` tables, every tenant with rate
     and burst 1e12 (admission never throttles). Requests (16 tokens, a 44-character prompt) are
@@ -10,7 +10,7 @@ What it measures
     name different tenants and every tenant is used).
 
     (a) Throughput. ``--requests`` POST /infer per daemon, sent by ``--concurrency`` client tasks
-        on keep-alive connections (bench_http's raw client), in ``--rounds`` alternating rounds
+        on keep-alive connections (benchmarks/bench_http.py's raw client), in ``--rounds`` alternating rounds
         (1 tenant, 10,000, 10,000, 1, ...) so that other work on the machine hits both alike.
         Reported: requests/s, latency percentiles and server CPU per request of each, and the
         ratio of the 10,000-tenant throughput to the 1-tenant one (goal: close to 1.0).
@@ -51,7 +51,11 @@ from pathlib import Path
 import attrs
 import httpx
 import trio
-from bench_http import (
+
+if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import from the repository root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.bench_http import (  # noqa: E402
     FAST_CONFIG,
     Figures,
     LoadRun,
@@ -92,7 +96,7 @@ while True:
 
 
 def tenants_config(count: int) -> str:
-    """bench_http's fast config with ``count`` tenants instead of its one."""
+    """benchmarks/bench_http.py's fast config with ``count`` tenants instead of its one."""
     head = FAST_CONFIG.split("[tenants.")[0]
     return head + "".join(f"[tenants.t{i:05d}]\nrate = 1e12\nburst = 1000000000000\n" for i in range(count))
 

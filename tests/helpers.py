@@ -1,22 +1,27 @@
-"""Helpers the tests share: configs, policies, submitting requests, daemons in-process and as a
-subprocess. Fixtures live in ``conftest.py``; tests import helpers from here, never from each other."""
+"""Helpers the tests share: configs, policies, submitting requests, ``/infer`` bodies, daemons
+in-process and as a subprocess, daemons forwarding to backends, waiting for a condition, and the
+simulator's isolation measures. Fixtures live in ``conftest.py`` and in the real-server modules
+(``llama_server.py``, ``redis_server.py``, ``standin_backend.py``); tests import helpers from here,
+never from each other (the benchmarks under ``benchmarks/`` import them too)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import httpx
+import numpy as np
 import trio
 
-from apsd.core.config import Config, GpuConfig, parse_config
+from apsd.core.config import Config, GpuConfig, ServerConfig, TenantConfig, parse_config
 from apsd.serve.daemon import Daemon
 from apsd.core.models import InferenceRequest
 from apsd.pipeline import Pipeline
@@ -29,6 +34,9 @@ APSD = str(Path(sys.executable).with_name("apsd"))
 LISTENING = re.compile(rb"apsd listening on (http://\S+)")
 #: A simulated GPU 1000x faster than real time, for daemons over real HTTP.
 FAST_GPU = GpuConfig(time_scale=0.001)
+#: How long :func:`wait_until` waits by default (real seconds): a condition that takes longer on a
+#: loaded machine is a failure, well inside pytest's 120 s timeout.
+WAIT_S = 60.0
 
 
 def make_config(toml_data: dict[str, Any] | None = None, **sections: Any) -> Config:
@@ -56,6 +64,23 @@ async def submit_at(pipeline: Pipeline, at: float, **kwargs: Any) -> InferenceRe
     """:func:`submit` at model time ``at`` (virtual time friendly); returns the request."""
     await pipeline.clock.sleep_until(at)
     return submit(pipeline, **kwargs)
+
+
+def infer_body(tenant: str | None = "tenant_a", prompt: str = "Hello world", tokens: int = 100, bid: int = 5,
+               **extra: Any) -> dict[str, Any]:
+    """A ``POST /infer`` body; ``tenant=None`` leaves ``tenant_id`` out (it comes from an API key),
+    ``extra``: more fields (``timeout_s``, or ones the daemon must refuse)."""
+    body: dict[str, Any] = {"prompt": prompt, "tokens_requested": tokens, "priority_bid": bid, **extra}
+    if tenant is not None:
+        body = {"tenant_id": tenant, **body}
+    return body
+
+
+async def wait_until(predicate: Callable[[], bool], limit_s: float = WAIT_S, step_s: float = 0.05) -> None:
+    """Poll ``predicate`` every ``step_s`` (trio's clock) until it holds; fail after ``limit_s``."""
+    with trio.fail_after(limit_s):
+        while not predicate():
+            await trio.sleep(step_s)
 
 
 @attrs.define
@@ -113,3 +138,83 @@ async def stop_apsd(process: trio.Process, seen: list[bytes]) -> str:
     while chunk := await process.stderr.receive_some():
         seen.append(chunk)
     return b"".join(seen).decode(errors="replace")
+
+
+# -- daemons in front of backends (the forward engine) ------------------------------------------------
+
+def forwarding_config(urls: Sequence[str], tenants: dict[str, TenantConfig], *, preset: str | None = None,
+                      max_concurrency: int = 4, shutdown_grace_s: float = 2.0, **forward: Any) -> Config:
+    """A daemon on 127.0.0.1:0 forwarding to the backends at ``urls`` (named b0, b1, ...), health
+    checked every 0.2 s and their metrics read every 0.1 s unless ``forward`` says otherwise."""
+    toml: dict[str, Any] = {"backends": [{"url": url, "name": f"b{i}", "max_concurrency": max_concurrency}
+                                         for i, url in enumerate(urls)],
+                            "forward": {"health_interval_s": 0.2, "metrics_interval_s": 0.1, **forward}}
+    if preset is not None:
+        toml["policy"] = {"preset": preset}
+    return make_config(toml, server=ServerConfig(host="127.0.0.1", port=0, shutdown_grace_s=shutdown_grace_s),
+                       tenants=tenants)
+
+
+def backends_up(daemon: Daemon, n: int | None = None) -> Callable[[], bool]:
+    """A predicate: ``n`` of the forward engine's backends are healthy (None: all of them)."""
+    def up() -> bool:
+        backends = daemon.pipeline.engines[0].backends
+        healthy = sum(b.healthy for b in backends)
+        return healthy == (len(backends) if n is None else n)
+    return up
+
+
+def bucket_level(daemon: Daemon, tenant: str) -> float:
+    """Tokens left in ``tenant``'s bucket now."""
+    pipeline = daemon.pipeline
+    return pipeline.admission.buckets[tenant].level(pipeline.clock.now())
+
+
+# -- the simulator's isolation measures (tests/sim/test_isolation.py, benchmarks/bench_isolation.py) ----
+
+#: The continuous engine of the isolation figures: one A100-80GB serving Llama-3-8B, with a small step
+#: budget so that the step a light tenant's request arrives in is short (docs/architecture.md: the trade).
+ISOLATING_ENGINE = {"kind": "continuous", "gpu": "a100-80gb", "model": "llama-3-8b", "max_batched_tokens": 256}
+#: ~10x what that engine serves of the neighbour's 64/128-token requests (about 45 req/s).
+CONTINUOUS_FLOOD = 500.0
+
+
+def steady(run: Any, measure: Callable[[Any], float]) -> list[float]:
+    """``measure`` of every completed request of the ``steady`` tenant of a simulated run."""
+    return [measure(r) for r in run.requests if r.tenant == "steady" and r.outcome == "completed"]
+
+
+def p99(values: Sequence[float]) -> float:
+    return float(np.percentile(values, 99))
+
+
+def ttft(r: Any) -> float:
+    return r.started_at - r.arrival
+
+
+def latency(r: Any) -> float:
+    return r.finished_at - r.arrival
+
+
+def max_backlogged_service_gap(run: Any) -> float:
+    """The largest difference, after any dispatch while both tenants have requests queued, between the
+    service (prompt + 2 x output tokens) dispatched to each since both last became backlogged. The
+    requests of one dispatch leave at one instant: the gap is read once they all have."""
+    events = sorted([(r.arrival, 0, i) for i, r in enumerate(run.requests)]
+                    + [(r.dispatched_at, 1, i) for i, r in enumerate(run.requests) if r.dispatched_at is not None])
+    queued = {"tenant_a": 0, "tenant_b": 0}
+    served = {"tenant_a": 0.0, "tenant_b": 0.0}
+    gap = 0.0
+    for at, group in itertools.groupby(events, key=lambda e: (e[0], e[1])):
+        for _, kind, i in group:
+            r = run.requests[i]
+            if kind == 0:
+                queued[r.tenant] += 1
+                if queued[r.tenant] == 1:  # a new continuously backlogged period may start
+                    served = {t: 0.0 for t in served}
+            else:
+                queued[r.tenant] -= 1
+                served[r.tenant] += r.prompt_tokens + 2 * r.output_tokens
+        if at[1] == 1 and all(queued.values()):
+            gap = max(gap, abs(served["tenant_a"] - served["tenant_b"]))
+    return gap

@@ -4,18 +4,15 @@ priority order while the backends are saturated. Real HTTP both ways, real proce
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import attrs
 import httpx
 import pytest
 import trio
 
-from apsd.core.config import ServerConfig, TenantConfig, parse_config
+from apsd.core.config import TenantConfig
 
-from tests.helpers import start_apsd, start_daemon, stop_apsd
+from tests.helpers import (backends_up, bucket_level, forwarding_config, infer_body, start_apsd, start_daemon,
+                           stop_apsd, wait_until)
 from tests.llama_server import (  # noqa: F401  (fixtures)
-    SLOW_MODEL,
     llama_server,
     llama_server_binary,
     open_llama_server,
@@ -29,26 +26,12 @@ TENANTS = {"t": TenantConfig(rate=1e-6, burst=10**9), "u": TenantConfig(rate=1e-
 
 
 def gateway_config(servers, *, preset="aps", max_concurrency=4, **forward):
-    settings = {"health_interval_s": 0.2, "metrics_interval_s": 0.1, **forward}
-    config = parse_config({"policy": {"preset": preset},
-                           "backends": [{"url": s.url, "name": f"b{i}", "max_concurrency": max_concurrency}
-                                        for i, s in enumerate(servers)],
-                           "forward": settings}, "<test>")
-    return attrs.evolve(config, server=ServerConfig(host="127.0.0.1", port=0, shutdown_grace_s=2.0), tenants=TENANTS)
-
-
-async def wait_until(predicate, limit_s=10.0, step_s=0.05):
-    with trio.fail_after(limit_s):
-        while not predicate():
-            await trio.sleep(step_s)
-
-
-def backends_up(daemon, n):
-    return lambda: sum(b.healthy for b in daemon.pipeline.engines[0].backends) == n
+    return forwarding_config([s.url for s in servers], TENANTS, preset=preset, max_concurrency=max_concurrency,
+                             **forward)
 
 
 def infer(tenant="t", tokens=8, bid=5, prompt="Hello there, how are you?"):
-    return {"tenant_id": tenant, "prompt": prompt, "tokens_requested": tokens, "priority_bid": bid}
+    return infer_body(tenant, prompt, tokens, bid)
 
 
 async def test_infer_is_forwarded_and_settled_against_the_backends_usage(nursery, llama_server):
@@ -61,9 +44,7 @@ async def test_infer_is_forwarded_and_settled_against_the_backends_usage(nursery
         status = (await client.get("/tenants/t/status")).json()
         # the tenant's counters and bucket follow the backend's usage, not apsd's estimate
         assert status["generated_tokens"] == 9 and status["prompt_tokens"] == answer["prompt_tokens"]
-        bucket = running.daemon.pipeline.admission.buckets["t"]
-        assert bucket.level(running.daemon.pipeline.clock.now()) == pytest.approx(
-            10**9 - answer["prompt_tokens"] - 9, abs=1)
+        assert bucket_level(running.daemon, "t") == pytest.approx(10**9 - answer["prompt_tokens"] - 9, abs=1)
         text = (await client.get("/metrics")).text
         assert 'apsd_backend_up{backend="b0"} 1.0' in text
         assert 'apsd_backend_tokens_total{backend="b0",phase="completion"} 9.0' in text

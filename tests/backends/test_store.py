@@ -22,7 +22,7 @@ import trio
 
 from apsd.core.config import ConfigError, parse_config
 
-from tests.helpers import LiveDaemon, make_config, run_cli, start_apsd, start_daemon, stop_apsd
+from tests.helpers import LiveDaemon, infer_body, make_config, run_cli, start_apsd, start_daemon, stop_apsd
 from tests.redis_server import open_redis_server
 
 
@@ -47,7 +47,7 @@ PROMPT = "x" * 16  # 4 tokens at 4 characters per token
 
 
 def infer(tenant: str, tokens: int) -> dict:
-    return {"tenant_id": tenant, "prompt": PROMPT, "tokens_requested": tokens, "priority_bid": 5}
+    return infer_body(tenant, PROMPT, tokens)
 
 
 def test_a_shared_store_needs_wall_time_and_a_url():

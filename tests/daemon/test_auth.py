@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -17,8 +18,8 @@ from apsd.core.config import AuthConfig, ConfigError, ServerConfig, TenantConfig
 from apsd.serve.daemon import Daemon
 from apsd.plugins import make_plugin_manager
 
-from tests.helpers import FAST_GPU, make_config, start_daemon
-from tests.helpers import APSD, run_cli, start_apsd, stop_apsd
+from tests.helpers import (APSD, FAST_GPU, infer_body, make_config, run_cli, start_apsd, start_daemon,
+                           stop_apsd)
 
 KEY_A, KEY_A2, KEY_B, ADMIN, SCRAPER = (new_key() for _ in range(5))
 
@@ -38,8 +39,8 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def job(**fields):
-    return {"prompt": "Hello", "tokens_requested": 8, "priority_bid": 5, **fields}
+#: An ``/infer`` body naming no tenant (the key names it); ``job(tenant_id=...)`` names one.
+job = functools.partial(infer_body, None, "Hello", 8)
 
 
 @pytest.fixture

@@ -15,11 +15,7 @@ import trio
 from apsd.serve.http import metrics_document
 from apsd.core.config import AdmissionConfig, GpuConfig, ServerConfig, TenantConfig
 
-from tests.helpers import make_config, start_daemon
-
-
-def body(tenant="tenant_a", prompt="Hello world", tokens=100, bid=5, **extra):
-    return {"tenant_id": tenant, "prompt": prompt, "tokens_requested": tokens, "priority_bid": bid, **extra}
+from tests.helpers import infer_body, make_config, start_daemon
 
 
 #: /metrics answers Prometheus text unless the client asks for JSON (tests/daemon/test_prometheus.py)
@@ -27,7 +23,7 @@ JSON = {"Accept": "application/json"}
 
 
 async def test_infer_answers_with_every_field(live):
-    response = await live.client.post("/infer", json=body(prompt="x" * 40))
+    response = await live.client.post("/infer", json=infer_body(prompt="x" * 40))
     assert response.status_code == 200
     data = response.json()
     assert set(data) == {"request_id", "tenant_id", "prompt_tokens", "tokens_generated", "queue_ms", "ttft_ms",
@@ -49,9 +45,9 @@ async def test_infer_answers_with_every_field(live):
 
 
 async def test_rate_limited_gets_429_with_retry_after(live):
-    ok = await live.client.post("/infer", json=body("trickle", prompt="", tokens=60))
+    ok = await live.client.post("/infer", json=infer_body("trickle", prompt="", tokens=60))
     assert ok.status_code == 200
-    limited = await live.client.post("/infer", json=body("trickle", prompt="", tokens=60))
+    limited = await live.client.post("/infer", json=infer_body("trickle", prompt="", tokens=60))
     assert limited.status_code == 429
     assert limited.json()["error"] == "rate_limited"
     # 20 tokens short at 0.001 tokens per model second = 20000 model s = 20 wall s at time_scale 0.001
@@ -68,8 +64,8 @@ async def test_rate_limited_gets_429_with_retry_after(live):
 @pytest.mark.parametrize(
     ("payload", "error", "fragment"),
     [
-        (body("tenant_b", prompt="", tokens=3001), "exceeds_tenant_burst", "burst"),
-        (body("big", prompt="", tokens=40_000), "exceeds_batch_capacity", "kv_cap_tokens"),
+        (infer_body("tenant_b", prompt="", tokens=3001), "exceeds_tenant_burst", "burst"),
+        (infer_body("big", prompt="", tokens=40_000), "exceeds_batch_capacity", "kv_cap_tokens"),
     ],
 )
 async def test_never_admissible_gets_413_naming_the_limit(live, payload, error, fragment):
@@ -80,7 +76,7 @@ async def test_never_admissible_gets_413_naming_the_limit(live, payload, error, 
 
 
 async def test_unknown_tenant_is_404(live):
-    response = await live.client.post("/infer", json=body("nobody"))
+    response = await live.client.post("/infer", json=infer_body("nobody"))
     assert (response.status_code, response.json()["error"], response.json()["field"]) == (
         404, "unknown_tenant", "tenant_id")
     assert (await live.client.get("/tenants/nobody/status")).status_code == 404
@@ -89,19 +85,19 @@ async def test_unknown_tenant_is_404(live):
 @pytest.mark.parametrize(
     ("payload", "field"),
     [
-        ({k: v for k, v in body().items() if k != "prompt"}, "prompt"),
-        ({k: v for k, v in body().items() if k != "tenant_id"}, "tenant_id"),
-        (body(tokens="100"), "tokens_requested"),
-        (body(tokens=1.5), "tokens_requested"),
-        (body(tokens=0), "tokens_requested"),
-        (body(tokens=True), "tokens_requested"),
-        (body(bid=0), "priority_bid"),
-        (body(bid=11), "priority_bid"),
-        (body(bid=None), "priority_bid"),
-        (body(tenant=""), "tenant_id"),
-        (body(tenant=7), "tenant_id"),
-        (body(prompt=["a"]), "prompt"),
-        (body(priority=3), "priority"),
+        ({k: v for k, v in infer_body().items() if k != "prompt"}, "prompt"),
+        ({k: v for k, v in infer_body().items() if k != "tenant_id"}, "tenant_id"),
+        (infer_body(tokens="100"), "tokens_requested"),
+        (infer_body(tokens=1.5), "tokens_requested"),
+        (infer_body(tokens=0), "tokens_requested"),
+        (infer_body(tokens=True), "tokens_requested"),
+        (infer_body(bid=0), "priority_bid"),
+        (infer_body(bid=11), "priority_bid"),
+        (infer_body(bid=None), "priority_bid"),
+        (infer_body(tenant=""), "tenant_id"),
+        (infer_body(tenant=7), "tenant_id"),
+        (infer_body(prompt=["a"]), "prompt"),
+        (infer_body(priority=3), "priority"),
     ],
 )
 async def test_bad_fields_get_422_naming_the_field(live, payload, field):
@@ -112,7 +108,7 @@ async def test_bad_fields_get_422_naming_the_field(live, payload, field):
 
 async def test_the_readme_example_error_is_what_the_daemon_says(live):
     """README's error example, word for word (it had drifted)."""
-    response = await live.client.post("/infer", json=body(bid=11))
+    response = await live.client.post("/infer", json=infer_body(bid=11))
     assert response.json() == {"error": "invalid_field", "message": "priority_bid must be 1-10, got 11",
                                "field": "priority_bid"}
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
@@ -143,9 +139,9 @@ async def test_a_prompt_over_the_limit_is_413(live):
     # (tenant "big" can afford it; the body limit of this daemon is 64 KiB, so the limit is lowered)
     live.daemon.pipeline.config = attrs.evolve(live.daemon.pipeline.config, admission=AdmissionConfig(
         max_prompt_tokens=1000))
-    fits = await live.client.post("/infer", json=body("big", prompt="x" * 4000, tokens=1))
+    fits = await live.client.post("/infer", json=infer_body("big", prompt="x" * 4000, tokens=1))
     assert fits.status_code == 200
-    too_long = await live.client.post("/infer", json=body("big", prompt="x" * 4001, tokens=1))
+    too_long = await live.client.post("/infer", json=infer_body("big", prompt="x" * 4001, tokens=1))
     assert (too_long.status_code, too_long.json()["error"], too_long.json()["field"]) == (413, "prompt_too_long", "prompt")
     assert "admission.max_prompt_tokens" in too_long.json()["message"] and "1001 tokens" in too_long.json()["message"]
     assert "Retry-After" not in too_long.headers
@@ -161,8 +157,8 @@ async def test_http_errors_are_json(live):
 
 async def test_metrics_health_and_tenant_status(live):
     for tenant in ("tenant_a", "tenant_a", "tenant_b"):
-        assert (await live.client.post("/infer", json=body(tenant, tokens=50))).status_code == 200
-    await live.client.post("/infer", json=body("nobody"))
+        assert (await live.client.post("/infer", json=infer_body(tenant, tokens=50))).status_code == 200
+    await live.client.post("/infer", json=infer_body("nobody"))
     metrics = (await live.client.get("/metrics", headers=JSON)).json()
     assert metrics["requests"] | {"conservation_ok": None} == {
         "admitted": 3, "rejected": 1, "completed": 3, "failed": 0, "cancelled": 0, "queued": 0,
@@ -204,7 +200,7 @@ async def send_and_wait_in_flight(nursery: trio.Nursery, client: httpx.AsyncClie
     admitted (counted, not "in flight at once": on a loaded machine the first may end before the last
     arrives, and a wait for all in flight would never end)."""
     async def one() -> None:
-        answers.append(await client.post("/infer", json=body("t", prompt="", tokens=tokens)))
+        answers.append(await client.post("/infer", json=infer_body("t", prompt="", tokens=tokens)))
 
     for _ in range(n):
         nursery.start_soon(one)
@@ -221,7 +217,7 @@ async def test_shutdown_finishes_accepted_work_and_refuses_new(nursery):
             await send_and_wait_in_flight(requests, client, 20, 400, answers)
             running.daemon.request_shutdown()
             await trio.sleep(0.05)
-            late = await client.post("/infer", json=body("t", prompt="", tokens=10))
+            late = await client.post("/infer", json=infer_body("t", prompt="", tokens=10))
             assert late.status_code == 503 and late.json()["error"] == "shutting_down"
             assert "Retry-After" in late.headers
             assert (await client.get("/health")).json()["status"] == "draining"
@@ -253,7 +249,7 @@ async def test_shutdown_after_grace_answers_the_rest_with_503(nursery):
 
 async def test_refusals_before_admission_are_counted_without_growing_per_name_state(live):
     for i in range(50):
-        await live.client.post("/infer", json=body(f"stranger-{i}"))
+        await live.client.post("/infer", json=infer_body(f"stranger-{i}"))
     await live.client.post("/infer", content=b"{")
     metrics = (await live.client.get("/metrics", headers=JSON)).json()
     assert metrics["requests"]["rejected"] == 51
@@ -268,7 +264,7 @@ async def test_huge_integers_are_422_and_the_daemon_lives_on(live, tokens):
            '{"tenant_id": "tenant_a", "prompt": "abcd", "tokens_requested": %s, "priority_bid": 5}' % ("9" * 4300))
     response = await live.client.post("/infer", content=raw.encode(), headers={"content-type": "application/json"})
     assert response.status_code == 422 and response.json()["field"] == "tokens_requested"
-    assert (await live.client.post("/infer", json=body(tokens=5))).status_code == 200
+    assert (await live.client.post("/infer", json=infer_body(tokens=5))).status_code == 200
 
 
 async def test_client_that_disconnects_while_queued_cancels_and_is_refunded(nursery):
@@ -280,7 +276,7 @@ async def test_client_that_disconnects_while_queued_cancels_and_is_refunded(nurs
             while (await client.get("/metrics", headers=JSON)).json()["requests"]["running"] < 1:
                 await trio.sleep(0.01)
             with trio.move_on_after(0.2):                                     # gives up while queued
-                await client.post("/infer", json=body("t", prompt="", tokens=5000))
+                await client.post("/infer", json=infer_body("t", prompt="", tokens=5000))
             with trio.fail_after(5):
                 while (await client.get("/tenants/t/status")).json()["cancelled"] < 1:
                     await trio.sleep(0.01)
@@ -329,8 +325,8 @@ def floats(data, key=""):
 
 async def test_answers_round_milliseconds_money_and_ratios(live):
     for tokens in (7, 13, 29):
-        assert (await live.client.post("/infer", json=body(prompt="x" * 37, tokens=tokens))).status_code == 200
-    answer = (await live.client.post("/infer", json=body(prompt="y" * 41, tokens=31))).json()
+        assert (await live.client.post("/infer", json=infer_body(prompt="x" * 37, tokens=tokens))).status_code == 200
+    answer = (await live.client.post("/infer", json=infer_body(prompt="y" * 41, tokens=31))).json()
     assert answer["cost_usd"] > 0 and decimals(answer["cost_usd"]) <= 9
     documents = [answer, (await live.client.get("/metrics.json")).json(), (await live.client.get("/health")).json(),
                  (await live.client.get("/tenants/tenant_a/status")).json()]
@@ -353,8 +349,8 @@ async def test_429_seconds_are_wall_seconds_at_any_time_scale(nursery):
                          tenants={"t": TenantConfig(rate=10.0, burst=1000)})
     running = await start_daemon(nursery, config)
     async with running.client as client:
-        assert (await client.post("/infer", json=body("t", prompt="", tokens=900))).status_code == 200
-        limited = await client.post("/infer", json=body("t", prompt="", tokens=900))
+        assert (await client.post("/infer", json=infer_body("t", prompt="", tokens=900))).status_code == 200
+        limited = await client.post("/infer", json=infer_body("t", prompt="", tokens=900))
         assert limited.status_code == 429
         # ~800 tokens short at 10 tokens per model second = ~80 model s = ~0.8 wall s
         waited = float(limited.json()["message"].rsplit("enough accrue in ", 1)[1].removesuffix(" s"))
@@ -368,7 +364,7 @@ async def test_latencies_are_model_time_when_the_clock_is_scaled(nursery):
     running = await start_daemon(nursery, config)
     async with running.client as client:
         for _ in range(5):
-            data = (await client.post("/infer", json=body("tenant_c", prompt="", tokens=5))).json()
+            data = (await client.post("/infer", json=infer_body("tenant_c", prompt="", tokens=5))).json()
             assert data["decode_ms"] == pytest.approx(5 / 128 * 1000, abs=0.001)
             assert data["latency_ms"] == pytest.approx(data["queue_ms"] + data["prefill_ms"] + data["decode_ms"],
                                                        abs=0.002)
@@ -385,7 +381,7 @@ async def test_an_idle_daemon_forgets_the_burst(nursery):
     async with running.client as client:
         async def one(delay: float) -> None:
             await trio.sleep(delay)
-            assert (await client.post("/infer", json=body("tenant_c", prompt="", tokens=1))).status_code == 200
+            assert (await client.post("/infer", json=infer_body("tenant_c", prompt="", tokens=1))).status_code == 200
 
         async with trio.open_nursery() as burst:
             for i in range(60):

@@ -5,13 +5,13 @@ backend that records what it received; and a clear answer where the engine canno
 
 from __future__ import annotations
 
-import attrs
 import pytest
 import trio
 
-from apsd.core.config import ServerConfig, TenantConfig, parse_config
+from apsd.core.config import ServerConfig, TenantConfig
 
-from tests.helpers import FAST_GPU, make_config, start_daemon
+from tests.helpers import (FAST_GPU, backends_up, bucket_level, forwarding_config, make_config, start_daemon,
+                           wait_until)
 from tests.llama_server import (  # noqa: F401  (fixtures)
     llama_server_binary,
     open_llama_server,
@@ -26,15 +26,7 @@ TENANTS = {"t": TenantConfig(rate=1e-6, burst=BURST)}
 
 
 def forwarding_to(url: str):
-    config = parse_config({"backends": [{"url": url, "name": "b0", "max_concurrency": 4}],
-                           "forward": {"health_interval_s": 0.2, "metrics_interval_s": 0.2}}, "<test>")
-    return attrs.evolve(config, server=ServerConfig(host="127.0.0.1", port=0, shutdown_grace_s=2.0), tenants=TENANTS)
-
-
-async def wait_until(predicate, limit_s=10.0):
-    with trio.fail_after(limit_s):
-        while not predicate():
-            await trio.sleep(0.05)
+    return forwarding_config([url], TENANTS, metrics_interval_s=0.2)
 
 
 def openai_client(url: str):
@@ -45,7 +37,7 @@ def openai_client(url: str):
 
 
 def charged(daemon) -> float:
-    return BURST - daemon.pipeline.admission.buckets["t"].level(daemon.pipeline.clock.now())
+    return BURST - bucket_level(daemon, "t")
 
 
 async def test_embeddings_and_responses_through_apsd_to_llama_cpp(nursery, llama_server_binary, tiny_model, tmp_path):
@@ -53,7 +45,7 @@ async def test_embeddings_and_responses_through_apsd_to_llama_cpp(nursery, llama
                                  extra_args=("--embeddings", "--pooling", "mean")) as server:
         running = await start_daemon(nursery, forwarding_to(server.url))
         daemon = running.daemon
-        await wait_until(lambda: daemon.pipeline.engines[0].backends[0].healthy)
+        await wait_until(backends_up(daemon))
 
         def embed():
             return openai_client(running.url).embeddings.create(model="tiny", input=["Hello there", "General Kenobi"])
@@ -89,7 +81,7 @@ async def test_embeddings_and_responses_through_apsd_to_llama_cpp(nursery, llama
 async def test_image_parts_and_the_request_id_reach_the_backend(nursery):
     backend = await start_standin_backend(nursery, model="vision")
     running = await start_daemon(nursery, forwarding_to(backend.url))
-    await wait_until(lambda: running.daemon.pipeline.engines[0].backends[0].healthy)
+    await wait_until(backends_up(running.daemon))
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
 
     def ask():

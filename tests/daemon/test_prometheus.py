@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import shutil
@@ -17,15 +18,15 @@ from apsd.pipeline import open_pipeline
 from apsd.serve.prometheus import exporter_for, negotiate
 from apsd.core.scheduler import Scheduler
 
-from tests.helpers import build_policies, make_config, start_daemon
+from tests.helpers import build_policies, infer_body, make_config, start_daemon
 
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
                      "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")   # what Prometheus 2.x/3.x sends
 BROWSER_ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
 
 
-def body(tenant="tenant_a", prompt="Hello world", tokens=50, bid=5):
-    return {"tenant_id": tenant, "prompt": prompt, "tokens_requested": tokens, "priority_bid": bid}
+#: An ``/infer`` body of 50 tokens (``body("trickle", prompt="", tokens=60)``: another).
+body = functools.partial(infer_body, tokens=50)
 
 
 class Scrape:

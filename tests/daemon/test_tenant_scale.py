@@ -24,7 +24,7 @@ from apsd.core.config import QueueConfig, ServerConfig, TenantConfig
 from apsd.core.ledger import ChangeLog
 from apsd.pipeline import Pipeline
 
-from tests.helpers import FAST_GPU, LiveDaemon, make_config, start_daemon
+from tests.helpers import FAST_GPU, LiveDaemon, infer_body, make_config, start_daemon
 
 MANY = 10_000
 APSD_DIR = str(Path(apsd.__file__).parent)
@@ -44,7 +44,7 @@ def tenant(index: int, count: int) -> str:
 
 
 def infer(index: int, count: int) -> dict[str, Any]:
-    return {"tenant_id": tenant(index, count), "prompt": "Hello world", "tokens_requested": 8, "priority_bid": 5}
+    return infer_body(tenant(index, count), tokens=8)
 
 
 @contextmanager

@@ -6,10 +6,7 @@ lengths) and compares the figures issue 14 sets, the way ``apsd simulate`` compu
 
 from __future__ import annotations
 
-import itertools
-
 import httpx
-import numpy as np
 import pytest
 import trio
 
@@ -17,31 +14,11 @@ from apsd.core.config import Config, parse_config
 from apsd.sim.runner import parse_policy_choice, run_policy
 from apsd.sim.workloads import build_workload
 
-from tests.helpers import make_config, start_daemon
+from tests.helpers import (CONTINUOUS_FLOOD, ISOLATING_ENGINE, infer_body, make_config,
+                           max_backlogged_service_gap, p99, start_daemon, steady, ttft)
 
-#: The continuous engine of the isolation figures: one A100-80GB serving Llama-3-8B, with a small step
-#: budget so that the step a light tenant's request arrives in is short (docs/architecture.md: the trade).
-ISOLATING_ENGINE = {"kind": "continuous", "gpu": "a100-80gb", "model": "llama-3-8b", "max_batched_tokens": 256}
 #: The entropy governor's longest window (``[policy.entropy] base_window_ms``, default 10 ms).
 WINDOW_S = 0.010
-#: ~10x what that engine serves of the neighbour's 64/128-token requests (about 45 req/s).
-CONTINUOUS_FLOOD = 500.0
-
-
-def steady(run, measure):
-    return [measure(r) for r in run.requests if r.tenant == "steady" and r.outcome == "completed"]
-
-
-def p99(values):
-    return float(np.percentile(values, 99))
-
-
-def ttft(r):
-    return r.started_at - r.arrival
-
-
-def latency(r):
-    return r.finished_at - r.arrival
 
 
 def noisy_neighbor(config: Config, preset: str, **params):
@@ -85,30 +62,6 @@ def test_vtc_overload_service_difference_is_bounded_and_does_not_grow_with_run_l
     assert gaps[1] <= gaps[0] + largest_request
 
 
-def max_backlogged_service_gap(run):
-    """The largest difference, after any dispatch while both tenants have requests queued, between the
-    service (prompt + 2 x output tokens) dispatched to each since both last became backlogged. The
-    requests of one dispatch leave at one instant: the gap is read once they all have."""
-    events = sorted([(r.arrival, 0, i) for i, r in enumerate(run.requests)]
-                    + [(r.dispatched_at, 1, i) for i, r in enumerate(run.requests) if r.dispatched_at is not None])
-    queued = {"tenant_a": 0, "tenant_b": 0}
-    served = {"tenant_a": 0.0, "tenant_b": 0.0}
-    gap = 0.0
-    for at, group in itertools.groupby(events, key=lambda e: (e[0], e[1])):
-        for _, kind, i in group:
-            r = run.requests[i]
-            if kind == 0:
-                queued[r.tenant] += 1
-                if queued[r.tenant] == 1:  # a new continuously backlogged period may start
-                    served = {t: 0.0 for t in served}
-            else:
-                queued[r.tenant] -= 1
-                served[r.tenant] += r.prompt_tokens + 2 * r.output_tokens
-        if at[1] == 1 and all(queued.values()):
-            gap = max(gap, abs(served["tenant_a"] - served["tenant_b"]))
-    return gap
-
-
 def test_vip_flood_lowest_bidder_waits_at_most_the_batch_in_progress_and_the_window():
     """The free tenant's requests (bid 1) leave in the next dispatch whatever the VIP (bid 10) sends
     (docs/architecture.md: a returning tenant is next), so their wait is bounded by the batch running
@@ -145,9 +98,8 @@ async def steady_ttfts(flood_per_model_s: float, model_seconds: float = 3.0) -> 
         limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
         async with httpx.AsyncClient(base_url=running.url, timeout=60, limits=limits) as client:
             async def send(tenant: str, tokens: int, keep: bool) -> None:
-                body = {"tenant_id": tenant, "prompt": prompt, "tokens_requested": tokens, "priority_bid": 5,
-                        **({} if keep else {"timeout_s": 1.0})}
-                response = await client.post("/infer", json=body)
+                response = await client.post("/infer", json=infer_body(
+                    tenant, prompt, tokens, **({} if keep else {"timeout_s": 1.0})))
                 if keep:
                     assert response.status_code == 200, response.text
                     ttfts.append(response.json()["ttft_ms"])

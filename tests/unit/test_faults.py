@@ -22,7 +22,7 @@ from apsd.core.models import Completion, InferenceRequest, Refusal
 from apsd.pipeline import Pipeline, open_pipeline
 
 from tests import helpers
-from tests.helpers import build_policies, make_config, submit
+from tests.helpers import build_policies, infer_body, make_config, submit
 
 #: Burst 100 000 and a rate so low that the buckets do not refill during a test: what is missing
 #: from a bucket at the end is exactly what the requests that were served took.
@@ -296,15 +296,11 @@ def test_fault_config_ranges():
 
 # -- HTTP ------------------------------------------------------------------------------------------
 
-def infer_body(**extra):
-    return {"tenant_id": "tenant_a", "prompt": "hi", "tokens_requested": 10, "priority_bid": 5, **extra}
-
-
 @pytest.mark.parametrize("value", [1e999, float("nan")])
 async def test_infinity_and_nan_are_not_json(live, value):
     # (json.dumps writes them as the tokens Infinity and NaN, which Python's parser accepts by default)
-    response = await live.client.post("/infer", content=json.dumps(infer_body(timeout_s=value)),
-                                      headers={"Content-Type": "application/json"})
+    body = json.dumps(infer_body(prompt="hi", tokens=10, timeout_s=value))
+    response = await live.client.post("/infer", content=body, headers={"Content-Type": "application/json"})
     assert response.status_code == 400, response.text
     assert response.json()["error"] == "invalid_json"
     assert "finite" in response.json()["message"]
@@ -312,8 +308,8 @@ async def test_infinity_and_nan_are_not_json(live, value):
 
 @pytest.mark.parametrize("value", [-1, 0, -0.5, "5", True, None, [], {"s": 1}])
 async def test_timeout_s_must_be_a_positive_number(live, value):
-    response = await live.client.post("/infer", content=json.dumps(infer_body(timeout_s=value)),
-                                      headers={"Content-Type": "application/json"})
+    body = json.dumps(infer_body(prompt="hi", tokens=10, timeout_s=value))
+    response = await live.client.post("/infer", content=body, headers={"Content-Type": "application/json"})
     assert response.status_code == 422, response.text
     assert response.json()["field"] == "timeout_s"
     assert response.json()["error"] == "invalid_field"
@@ -322,5 +318,5 @@ async def test_timeout_s_must_be_a_positive_number(live, value):
 
 @pytest.mark.parametrize("value", [30, 0.5, 10**400])
 async def test_a_valid_timeout_s_is_accepted(live, value):
-    response = await live.client.post("/infer", json=infer_body(timeout_s=value))
+    response = await live.client.post("/infer", json=infer_body(prompt="hi", tokens=10, timeout_s=value))
     assert response.status_code == 200, response.text
