@@ -107,11 +107,11 @@ async def test_bad_fields_get_422_naming_the_field(live, payload, field):
 
 
 async def test_the_readme_example_error_is_what_the_daemon_says(live):
-    """README's error example, word for word (it had drifted)."""
+    """The error example of the HTTP API reference (docs/reference/http-api.md), word for word (it had drifted)."""
     response = await live.client.post("/infer", json=infer_body(bid=11))
     assert response.json() == {"error": "invalid_field", "message": "priority_bid must be 1-10, got 11",
                                "field": "priority_bid"}
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "http-api.md").read_text()
     assert '{"error": "invalid_field", "message": "priority_bid must be 1-10, got 11", "field": "priority_bid"}' in readme
     huge = await live.client.post("/infer", content=b'{"tenant_id": "tenant_a", "prompt": "", "tokens_requested": '
                                   + b"9" * 100 + b', "priority_bid": 5}')
