@@ -348,7 +348,7 @@ def research_main(argv: Sequence[str]) -> int:
         description="Regenerate the research report: policies "
                     f"{', '.join(POLICIES)}, then the presets of installed plugins (APSD_PLUGINS applies), "
                     f"on workloads {', '.join(WORKLOADS)} and the isolation workloads "
-                    f"{', '.join(ISOLATION_WORKLOADS)}, in virtual time, on the seed engine (micro) and on "
+                    f"{', '.join(ISOLATION_WORKLOADS)}, in virtual time, on the batch engine and on "
                     f"the continuous engine ({engine['gpu']}, {engine['model']}), plus "
                     f"{', '.join(s.name for s in (*SCALED, *ISOLATION_SCALED))} on the continuous engine only.")
     parser.add_argument("--out", default="docs", metavar="DIR", help="where research.md and research/ go "
