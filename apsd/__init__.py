@@ -1,7 +1,7 @@
 """apsd: a multi-tenant inference scheduler daemon with Adaptive Priority Scheduling.
 
 The names below are the public API for plugin authors and embedders (see
-``docs/plugins.md``); everything else is internal and may change.
+``docs/how-to/write-a-plugin.md``); everything else is internal and may change.
 """
 
 from apsd.core.config import Config as Config

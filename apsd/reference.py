@@ -203,30 +203,16 @@ def default_of(field: attrs.Attribute) -> str:
     return code(toml_value(default))
 
 
-#: Descriptions of policy parameters whose field has no ``#:`` comment yet (the policy modules
-#: are the place for them: a comment there replaces the entry here).
-_POLICY_PARAMETERS_WITHOUT_COMMENT = {
-    ("micro", "max_batch_size"): "Most requests in one dispatch (for the `batch` engine, one batch).",
-    ("fixed", "window_ms"): "The batch window, in model milliseconds.",
-    ("entropy", "base_window_ms"): "The window at `H = 0`: `w = base_window_ms * exp(-H / temperature)`.",
-    ("entropy", "history"): "How many of the most recent inter-arrival gaps `H` is measured over.",
-    ("entropy", "bin_ms"): "Width of the histogram bins the gaps are sorted into.",
-    ("entropy", "temperature"): "The divisor of `H` in the window formula.",
-    ("entropy", "stable_below_bits"): "The state is `STABLE` while `H` is below this.",
-    ("entropy", "burst_above_bits"): "The state is `CRITICAL_BURST` while `H` is above this (at least "
-                                     "`stable_below_bits`), `TRANSITIONAL` in between.",
-}
 
 
-def key_rows(cls: type, section: str, fallback: dict[str, str] | None = None,
-             skip: Sequence[str] = ()) -> list[list[str]]:
+def key_rows(cls: type, section: str, skip: Sequence[str] = ()) -> list[list[str]]:
     """One table row per TOML key of attrs class ``cls`` (but those in ``skip``)."""
     comments = field_comments(cls)
     rows = []
     for field in attrs.fields(attrs.resolve_types(cls)):
         if not field.metadata.get("toml", True) or attrs.has(field.type) or field.name in skip:
             continue
-        description = comments.get(field.name) or (fallback or {}).get(field.name)
+        description = comments.get(field.name)
         if not description:
             raise ValueError(f"apsd.reference: {section}.{field.name} has no `#:` comment in "
                              f"{cls.__module__}: document it there")
@@ -288,9 +274,7 @@ def _policy_sections() -> str:
         if found is None or not attrs.fields(found[1]):
             continue
         table_name, cls = found
-        fallback = {key: text for (policy, key), text in _POLICY_PARAMETERS_WITHOUT_COMMENT.items()
-                    if policy == name}
-        rows = key_rows(cls, table_name, fallback)
+        rows = key_rows(cls, table_name)
         intro = f"Parameters of the `{name}` {kind} policy ({markdown(entry.summary)})."
         out.append(f"### `[{table_name}]`\n\n{intro}\n\n{table(_KEY_HEADER, rows)}\n")
     return "\n".join(out)

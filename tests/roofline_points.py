@@ -1,7 +1,7 @@
 """Published inference measurements the roofline model (apsd/engines/roofline.py) is checked against.
 
 A helpers module, not a test file: ``tests/unit/test_roofline.py`` asserts every point, and
-``python -m tests.roofline_points`` prints the Markdown table of docs/engines.md ("Validation")
+``python -m tests.roofline_points`` prints the Markdown table of docs/explanation/engines.md ("Validation")
 from the same data, so the table is always what the code computes.
 
 Each :class:`Point` quotes one published figure exactly as its source prints it, says how apsd
@@ -237,7 +237,7 @@ POINTS: tuple[Point, ...] = (
 
 
 def table() -> str:
-    """The Markdown table of docs/engines.md, computed now."""
+    """The Markdown table of docs/explanation/engines.md, computed now."""
     lines = ["| # | Configuration | Source: published figure | Published | apsd | Error | Role |",
              "|---|---|---|---|---|---|---|"]
     for i, p in enumerate(POINTS, 1):

@@ -57,7 +57,7 @@ def register_policies(registry: PolicyRegistry) -> None:
     ``registry.batching(...)`` and ``registry.preset(name, aging=...,
     governor=..., batching=...)``. Each ``factory(params, config)`` receives the
     ``[policy.<name>]`` table as a dict and the whole :class:`apsd.Config`, and
-    returns a new policy object (see ``docs/plugins.md`` for the three
+    returns a new policy object (see ``docs/how-to/write-a-plugin.md`` for the three
     interfaces); it raises :class:`apsd.ConfigError` for a bad parameter.
 
     May raise: any exception stops the daemon at start-up with one message

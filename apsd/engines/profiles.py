@@ -64,7 +64,7 @@ def _name(_inst: object, attribute: attrs.Attribute, value: str) -> None:
 
 @attrs.frozen
 class GpuProfile:
-    """One GPU, as the roofline model sees it (see docs/engines.md, "The roofline model").
+    """One GPU, as the roofline model sees it (see docs/explanation/engines.md, "The roofline model").
 
     The peak figures are the datasheet's; the efficiencies say how much of them an inference
     engine actually gets, so ``bf16_tflops * mfu`` is the sustained matmul rate and
@@ -168,7 +168,7 @@ class ModelProfile:
 # (≈ $2-3 an H100-hour); override the price in your own profile if that is your market.
 #
 # Efficiencies: A100 MFU 0.70 / MBU 0.77 reproduce LMDeploy's published A100 figures
-# (docs/engines.md, "Validation"). Hopper keeps MBU 0.77 (same HBM controller class, and the
+# (docs/explanation/engines.md, "Validation"). Hopper keeps MBU 0.77 (same HBM controller class, and the
 # vLLM H100 decode point agrees within 7%) but gets MFU 0.60: the 989 TFLOP/s peak is rarely
 # sustained at 700 W, and large bf16 GEMMs measure ~600-700 TFLOP/s; no published bf16 Hopper
 # prefill figure was found to check it (the TensorRT-LLM ones are FP8). L40S: Ada GEMMs at

@@ -5,7 +5,7 @@ Pure and synchronous: functions of numbers, no trio, no I/O, no clock. A :class:
 built and precomputes its coefficients, so :meth:`Deployment.step_s`, which the ``continuous``
 engine calls once per simulated iteration, is a handful of float operations.
 
-The model and the reasoning behind each term are in docs/engines.md ("The roofline model");
+The model and the reasoning behind each term are in docs/explanation/engines.md ("The roofline model");
 the published figures it is checked against are in the same file ("Validation").
 
 Units, everywhere: seconds, tokens, bytes, FLOPs. Every figure of a :class:`Deployment` is for

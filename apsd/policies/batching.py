@@ -28,6 +28,7 @@ __all__ = ["MicroBatching"]
 
 @attrs.frozen
 class MicroParams:
+    #: Most requests in one dispatch (for the ``batch`` engine, one batch).
     max_batch_size: int = attrs.field(default=16, validator=between(1, 1_000_000))
     #: A cap on each dispatch's KV tokens below the engine's own (0: only the engine's).
     kv_cap_tokens: int = attrs.field(default=0, validator=between(0, 10**12))

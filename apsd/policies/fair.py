@@ -18,7 +18,7 @@ tenants and N queued requests:
   Bids are the tenant's own (admission clamps them to its ``max_bid``), so a bid reorders
   that tenant's requests and never takes another tenant's share.
 
-What a tenant is promised (``docs/architecture.md`` derives and measures it):
+What a tenant is promised (``docs/explanation/architecture.md`` derives and measures it):
 
 1. *Share.* While tenants stay backlogged, every dispatch goes to the one whose counter is
    smallest, so their counters stay within one request's charge of each other, plus the

@@ -44,6 +44,7 @@ def shannon_entropy_bits(gaps_s: Any, bin_s: float) -> float:
 
 @attrs.frozen
 class FixedParams:
+    #: The batch window, in model milliseconds.
     window_ms: float = attrs.field(default=10.0, validator=between(0, 3_600_000))
 
 
@@ -64,11 +65,18 @@ class FixedGovernor:
 
 @attrs.frozen
 class EntropyParams:
+    #: The window at ``H = 0``: ``w = base_window_ms * exp(-H / temperature)``.
     base_window_ms: float = attrs.field(default=10.0, validator=between(0, 3_600_000))
+    #: How many of the most recent inter-arrival gaps ``H`` is measured over.
     history: int = attrs.field(default=50, validator=between(2, 1_000_000))
+    #: Width of the histogram bins the gaps are sorted into.
     bin_ms: float = attrs.field(default=1.0, validator=between(1e-6, 1e9))
+    #: The divisor of ``H`` in the window formula.
     temperature: float = attrs.field(default=5.0, validator=between(1e-6, 1e6))
+    #: The state is ``STABLE`` while ``H`` is below this.
     stable_below_bits: float = attrs.field(default=1.5, validator=between(0, 64))
+    #: The state is ``CRITICAL_BURST`` while ``H`` is above this (at least ``stable_below_bits``),
+    #: ``TRANSITIONAL`` in between.
     burst_above_bits: float = attrs.field(default=2.5, validator=between(0, 64))
     #: Model seconds after which a gap no longer counts (0: never forgotten).
     forget_after_s: float = attrs.field(default=10.0, validator=between(0, 86_400))

@@ -6,7 +6,7 @@ the HTTP layer keeps the one built from the pipeline's current config (rebuilt w
 reload replaces the config: :mod:`apsd.serve.http.common`) and asks :meth:`KeyRing.identify`
 before it reads a request's body.
 
-The rules (the README's "API keys" section says them for operators):
+The rules (docs/how-to/api-keys.md says them for operators):
 
 * The config stores only ``sha256:<hex>`` hashes of keys. Keys are random
   (``apsd hash-key --new`` makes one with 256 bits of entropy), so one unsalted

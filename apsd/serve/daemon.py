@@ -263,7 +263,7 @@ class Daemon:
         """Say whether API keys are required, and which tenants no key can reach (never a key or hash)."""
         if not KeyRing.from_config(config).enabled:
             log.warning("no API keys configured: anyone who can reach %s may act as any tenant (fine on "
-                        "loopback; see the README's API keys section)", config.server.host)
+                        "loopback; see docs/how-to/api-keys.md)", config.server.host)
             return
         keyless = sorted(name for name, tenant in config.tenants.items() if not tenant.api_key_hashes)
         if keyless:

@@ -12,7 +12,7 @@ that is local to this process; a store decides what that local state is and how 
   delay (:mod:`apsd.store.simulated`).
 
 The interfaces (:class:`Store`, :class:`Bucket`, :class:`BucketView`, :class:`SharedService`) are
-public for plugins and embedders: ``docs/architecture.md`` ("Many replicas") tells the story.
+public for plugins and embedders: ``docs/explanation/architecture.md`` ("Many replicas") tells the story.
 """
 
 from __future__ import annotations

@@ -350,7 +350,7 @@ def test_hash_key_command():
 
 
 async def test_an_operator_sets_up_keys_with_the_command(tmp_path):
-    """The README's steps: hash a key, put the hash in the config, start apsd, call it with the key."""
+    """docs/how-to/api-keys.md's steps: hash a key, put the hash in the config, start apsd, call it with the key."""
     key = run_cli("hash-key", "--new").stdout.split("key:")[1].split()[0]
     hashed = subprocess.run([APSD, "hash-key"], input=key, capture_output=True, text=True, timeout=60).stdout.strip()
     path = tmp_path / "apsd.toml"

@@ -13,7 +13,7 @@ for ``/metrics``. What must hold for every answer:
 * never a 500, and the status is one of 200, 400, 404, 405, 413, 422, 429, 503, 504;
 * the body never holds a traceback or HTML; every non-empty body is JSON, with string ``error``
   and ``message`` on errors (except the Prometheus text of ``GET /metrics``);
-* ``POST /infer`` answers exactly what the README's rules say (an oracle below recomputes the
+* ``POST /infer`` answers exactly what the rules in docs/reference/http-api.md say (an oracle below recomputes the
   expected status and error code from the body sent);
 * ``POST /v1/chat/completions`` and ``/v1/completions`` (OpenAI-shaped bodies, valid or with one
   field or header wrong) answer either OpenAI's error object (string ``message``, ``type`` and
@@ -254,7 +254,7 @@ queries = st.dictionaries(st.sampled_from(["format", "tenant", "q", ""]) | any_t
 # -- the oracle ---------------------------------------------------------------------------------
 
 def expected_infer(raw: bytes) -> tuple[set[int], dict[str, str] | None]:
-    """What the README's rules say ``POST /infer`` answers for body ``raw``.
+    """What docs/reference/http-api.md's rules say ``POST /infer`` answers for body ``raw``.
 
     Returns the acceptable statuses, and for a 422 the faulty fields with the error each
     would produce (the daemon names one of them; which one is not specified).

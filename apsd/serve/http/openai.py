@@ -1,8 +1,8 @@
 """The OpenAI-compatible API: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``.
 
 Requests go through the same pipeline as ``POST /infer`` (admission, queue, engines, ledger,
-Prometheus counters); this module only translates. The README's "OpenAI-compatible API"
-section states the rules for clients; the contract with engines is:
+Prometheus counters); this module only translates. docs/reference/http-api.md ("OpenAI-compatible
+API") states the rules for clients; the contract with engines is:
 
 * A request carries ``model``, ``api`` (``"chat.completions"`` or ``"completions"``) and
   ``payload``: the client's body as sent, minus ``priority`` (apsd's to interpret: a backend

@@ -24,7 +24,7 @@ public :class:`apsd.FairShareQueue` (a heap of tenants keyed on their counters),
 with first-come-first-served order inside each tenant.
 The built-in ``fair`` policy is the same fair share with APS order inside a tenant.
 
-Uses only apsd's public API (``docs/plugins.md``).
+Uses only apsd's public API (``docs/how-to/write-a-plugin.md``).
 """
 
 from __future__ import annotations
