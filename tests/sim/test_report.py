@@ -10,11 +10,14 @@ import numpy as np
 import pytest
 
 from apsd.core.config import Config, EngineConfig, TenantConfig
+from apsd.core.ledger import FAIRNESS_DEFINITION
 from apsd.plugins import make_plugin_manager
+from apsd.policies.fair import ChargeWeights
 from apsd.sim.records import Arrival, BatchRecord, EngineRecord, GovernorSample, PolicyRun, RequestRecord, Workload
-from apsd.sim.report import (FAIRNESS_DEFINITION, PLOT_FILES, SERVICE_DIFFERENCE_DEFINITION, _busy_cumulative,
-                             build_figure, format_summary_table, service_difference_over_time, summarize,
-                             write_report)
+from apsd.sim.report import (PLOT_FILES, SERVICE_DIFFERENCE_DEFINITION, SERVICE_WEIGHTS, BatchSizes, LowestBidder,
+                             Percentiles, RunSummary, TimeInState, WorkloadSummary, build_figure,
+                             format_summary_table, service_difference_over_time, summarize, write_report)
+from apsd.sim.report.timeline import busy_cumulative
 from apsd.sim.runner import parse_policy_choice, run_policy
 from apsd.sim.workloads import UNTHROTTLED
 
@@ -38,7 +41,7 @@ def tiny_workload(name="tiny", seed=7):
 
 
 def tiny_run(label="aps", workload=None, **changes):
-    """2 tenants, 4 requests (3 completed, 1 rejected), 2 batches on 2 GPUs (micro engines), 4 s.
+    """2 tenants, 4 requests (3 completed, 1 rejected), 2 batches on 2 GPUs (batch engines), 4 s.
 
     First tokens: a's at 0.6 and 2.55 s (TTFT 0.6, 1.55 s), b's at 0.55 s (TTFT 0.35 s); time per
     output token after the first: (1.5 - 0.6) / 9 = 100 ms, (1.5 - 0.55) / 19 = 50 ms,
@@ -115,57 +118,57 @@ def empty_run(label="empty"):
 
 def test_summary_top_level_and_workload():
     s = summarize(tiny_run())
-    assert set(s) == {"label", "policy", "workload", "gpus", "engine", "duration_s", "tenants", "overall"}
-    assert s["label"] == "aps"
-    assert s["policy"]["governor"] == "entropy"
-    assert s["workload"] == {"name": "tiny", "description": "Two tenants, four requests",
-                             "params": {"rps": 3.5, "tenants": 2}, "seed": 7, "arrivals": 4, "tenants": 2}
-    assert s["gpus"] == 2 and s["duration_s"] == 4.0
-    assert list(s["tenants"]) == ["a", "b"]
+    assert set(s.as_dict()) == {"label", "policy", "workload", "gpus", "engine", "duration_s", "tenants", "overall"}
+    assert s.label == "aps"
+    assert s.policy["governor"] == "entropy"
+    assert s.workload == WorkloadSummary(name="tiny", description="Two tenants, four requests",
+                                         params={"rps": 3.5, "tenants": 2}, seed=7, arrivals=4, tenants=2)
+    assert s.gpus == 2 and s.duration_s == 4.0
+    assert list(s.tenants) == ["a", "b"]
 
 
 def test_overall_figures_match_hand_computation():
-    o = summarize(tiny_run())["overall"]
-    assert (o["sent"], o["completed"], o["rejected"], o["failed"], o["cancelled"]) == (4, 3, 1, 0, 0)
-    assert o["rejected_by_error"] == {"rate_limited": 1}
-    assert o["output_tokens"] == 60
-    assert o["throughput_tokens_per_s"] == 15.0            # 60 tokens / 4 s
-    assert o["gpu_busy_s"] == 3.0
-    assert o["gpu_utilization"] == 0.375                   # 3 s busy / (2 GPUs * 4 s)
-    assert o["cost_usd"] == 0.005
-    assert o["cost_per_1m_tokens_usd"] == pytest.approx(0.005 / 60 * 1e6, rel=1e-6)  # 83.3333
-    assert o["batches"] == 2
+    o = summarize(tiny_run()).overall
+    assert (o.sent, o.completed, o.rejected, o.failed, o.cancelled) == (4, 3, 1, 0, 0)
+    assert o.rejected_by_error == {"rate_limited": 1}
+    assert o.output_tokens == 60
+    assert o.throughput_tokens_per_s == 15.0            # 60 tokens / 4 s
+    assert o.gpu_busy_s == 3.0
+    assert o.gpu_utilization == 0.375                   # 3 s busy / (2 GPUs * 4 s)
+    assert o.cost_usd == 0.005
+    assert o.cost_per_1m_tokens_usd == pytest.approx(0.005 / 60 * 1e6, rel=1e-6)  # 83.3333
+    assert o.batches == 2
     # Overall waits 0.5, 0.3, 1.0 s; latencies 1.5, 1.3, 3.0 s (the rejected request has neither).
-    assert o["queue_wait_ms"] == {"p50": 500.0, "p95": 950.0, "p99": 990.0, "max": 1000.0}
-    assert o["latency_ms"]["p50"] == 1500.0
-    assert o["latency_ms"]["p99"] == pytest.approx(2970.0)
-    assert o["latency_ms"]["max"] == 3000.0
+    assert o.queue_wait_ms == Percentiles(500.0, 950.0, 990.0, 1000.0)
+    assert o.latency_ms.p50 == 1500.0
+    assert o.latency_ms.p99 == pytest.approx(2970.0)
+    assert o.latency_ms.max == 3000.0
     # TTFTs 0.35, 0.6, 1.55 s: p95 at rank 1.9 is 600 + 0.9 * 950 ms, p99 at rank 1.98 is 600 + 0.98 * 950 ms.
-    assert o["ttft_ms"] == {"p50": 600.0, "p95": 1455.0, "p99": 1531.0, "max": 1550.0}
+    assert o.ttft_ms == Percentiles(600.0, 1455.0, 1531.0, 1550.0)
     # TPOTs 50, 50, 100 ms.
-    assert o["tpot_ms"] == {"p50": 50.0, "p95": 95.0, "p99": 99.0, "max": 100.0}
+    assert o.tpot_ms == Percentiles(50.0, 95.0, 99.0, 100.0)
 
 
 def test_per_tenant_figures():
-    t = summarize(tiny_run())["tenants"]
+    t = summarize(tiny_run()).tenants
     a, b = t["a"], t["b"]
-    assert (a["sent"], a["completed"], a["rejected"], a["admitted"]) == (2, 2, 0, 2)
-    assert (b["sent"], b["completed"], b["rejected"], b["admitted"]) == (2, 1, 1, 1)
-    assert b["rejected_by_error"] == {"rate_limited": 1} and a["rejected_by_error"] == {}
-    assert a["bids"] == [1] and b["bids"] == [5]
-    assert a["output_tokens"] == 40 and b["output_tokens"] == 20
+    assert (a.sent, a.completed, a.rejected, a.admitted) == (2, 2, 0, 2)
+    assert (b.sent, b.completed, b.rejected, b.admitted) == (2, 1, 1, 1)
+    assert b.rejected_by_error == {"rate_limited": 1} and a.rejected_by_error == {}
+    assert a.bids == (1,) and b.bids == (5,)
+    assert a.output_tokens == 40 and b.output_tokens == 20
     # a waited 0.5 and 1.0 s: linear percentiles between the two.
-    assert a["queue_wait_ms"] == {"p50": 750.0, "p95": 975.0, "p99": 995.0, "max": 1000.0}
-    assert a["latency_ms"] == {"p50": 2250.0, "p95": 2925.0, "p99": 2985.0, "max": 3000.0}
+    assert a.queue_wait_ms == Percentiles(750.0, 975.0, 995.0, 1000.0)
+    assert a.latency_ms == Percentiles(2250.0, 2925.0, 2985.0, 3000.0)
     # b's only completed request waited 0.3 s; its rejected one does not count.
-    assert b["queue_wait_ms"] == {"p50": 300.0, "p95": 300.0, "p99": 300.0, "max": 300.0}
-    assert b["latency_ms"]["max"] == 1300.0
-    assert a["service_per_rate"] == 4.0 and b["service_per_rate"] == 1.0
+    assert b.queue_wait_ms == Percentiles(300.0, 300.0, 300.0, 300.0)
+    assert b.latency_ms.max == 1300.0
+    assert a.service_per_rate == 4.0 and b.service_per_rate == 1.0
     # a's first tokens came 0.6 and 1.55 s after arrival, at 100 and 50 ms per later token.
-    assert a["ttft_ms"] == {"p50": 1075.0, "p95": 1502.5, "p99": 1540.5, "max": 1550.0}
-    assert a["tpot_ms"] == {"p50": 75.0, "p95": 97.5, "p99": 99.5, "max": 100.0}
-    assert b["ttft_ms"] == {"p50": 350.0, "p95": 350.0, "p99": 350.0, "max": 350.0}
-    assert b["tpot_ms"]["max"] == 50.0
+    assert a.ttft_ms == Percentiles(1075.0, 1502.5, 1540.5, 1550.0)
+    assert a.tpot_ms == Percentiles(75.0, 97.5, 99.5, 100.0)
+    assert b.ttft_ms == Percentiles(350.0, 350.0, 350.0, 350.0)
+    assert b.tpot_ms.max == 50.0
 
 
 def test_ttft_and_tpot_skip_requests_without_them():
@@ -174,35 +177,35 @@ def test_ttft_and_tpot_skip_requests_without_them():
     one_token = attrs.evolve(run.requests[0], output_tokens=1, tpot=None)
     unstamped = attrs.evolve(run.requests[2], started_at=None)
     s = summarize(attrs.evolve(run, requests=(one_token, run.requests[1], unstamped, run.requests[3])))
-    assert s["tenants"]["a"]["ttft_ms"] == {"p50": 600.0, "p95": 600.0, "p99": 600.0, "max": 600.0}
-    assert s["tenants"]["a"]["tpot_ms"] == {"p50": 50.0, "p95": 50.0, "p99": 50.0, "max": 50.0}
-    assert s["tenants"]["a"]["latency_ms"]["max"] == 3000.0  # latency still counts both
+    assert s.tenants["a"].ttft_ms == Percentiles(600.0, 600.0, 600.0, 600.0)
+    assert s.tenants["a"].tpot_ms == Percentiles(50.0, 50.0, 50.0, 50.0)
+    assert s.tenants["a"].latency_ms.max == 3000.0  # latency still counts both
 
 
-def test_micro_engine_block():
-    assert summarize(tiny_run())["engine"] == {"kind": "batch", "count": 2, "preemptions": 0, "mfu": None,
+def test_batch_engine_block():
+    assert summarize(tiny_run()).engine.as_dict() == {"kind": "batch", "count": 2, "preemptions": 0, "mfu": None,
                                                "mbu": None}
 
 
 def test_continuous_engine_busy_time_and_cost_come_from_the_engines():
     s = summarize(continuous_run())
-    o = s["overall"]
-    assert o["batches"] == 0
-    assert o["gpu_busy_s"] == 4.0                          # 3 s + 1 s
-    assert o["gpu_utilization"] == 0.5                     # 4 s busy / (2 engines * 4 s)
-    assert o["cost_usd"] == 0.008
-    assert o["cost_per_1m_tokens_usd"] == 133.333          # 0.008 / 60 * 1e6, to 6 significant digits
-    assert o["batch_sizes"] == {"count": 0, "distribution": {}, "mean": None}
+    o = s.overall
+    assert o.batches == 0
+    assert o.gpu_busy_s == 4.0                          # 3 s + 1 s
+    assert o.gpu_utilization == 0.5                     # 4 s busy / (2 engines * 4 s)
+    assert o.cost_usd == 0.008
+    assert o.cost_per_1m_tokens_usd == 133.333          # 0.008 / 60 * 1e6, to 6 significant digits
+    assert o.batch_sizes == BatchSizes(count=0, distribution={}, mean=None)
     # MFU and MBU over the engines' busy time: (0.3 * 3 + 0.1 * 1) / 4 and (0.7 * 3 + 0.5 * 1) / 4.
-    assert s["engine"] == {**CONTINUOUS, "preemptions": 3, "mfu": 0.25, "mbu": 0.65}
+    assert s.engine.as_dict() == {**CONTINUOUS, "preemptions": 3, "mfu": 0.25, "mbu": 0.65}
     # The request figures do not depend on the engine kind.
-    assert o["ttft_ms"] == summarize(tiny_run())["overall"]["ttft_ms"]
+    assert o.ttft_ms == summarize(tiny_run()).overall.ttft_ms
 
 
 def test_engine_mfu_is_a_plain_mean_when_no_engine_was_busy():
     run = continuous_run()
     idle = tuple(attrs.evolve(e, busy_s=0.0) for e in run.engines)
-    assert summarize(attrs.evolve(run, engines=idle))["engine"]["mfu"] == 0.2
+    assert summarize(attrs.evolve(run, engines=idle)).engine.mfu == 0.2
 
 
 def test_a_continuous_engine_run_has_utilization_cost_and_token_times():
@@ -212,27 +215,27 @@ def test_a_continuous_engine_run_has_utilization_cost_and_token_times():
     run = run_policy(workload, parse_policy_choice("fifo"), base_config=config,
                      plugin_manager=make_plugin_manager(load_entry_points=False))
     s = summarize(run)
-    o = s["overall"]
-    assert run.batches == () and o["completed"] == 2
-    assert 0 < o["gpu_utilization"] <= 1 and o["gpu_busy_s"] == pytest.approx(run.engines[0].busy_s, rel=1e-5)
-    assert o["gpu_utilization"] == pytest.approx(run.engines[0].busy_s / run.duration_s, rel=1e-5)
-    assert o["cost_usd"] > 0 and o["cost_usd"] == pytest.approx(run.engines[0].cost_usd, rel=1e-5)
-    assert o["cost_per_1m_tokens_usd"] == pytest.approx(run.engines[0].cost_usd / 96 * 1e6, rel=1e-5)
-    assert s["engine"]["kind"] == "continuous" and 0 < s["engine"]["mfu"] < s["engine"]["mbu"] < 1
+    o = s.overall
+    assert run.batches == () and o.completed == 2
+    assert 0 < o.gpu_utilization <= 1 and o.gpu_busy_s == pytest.approx(run.engines[0].busy_s, rel=1e-5)
+    assert o.gpu_utilization == pytest.approx(run.engines[0].busy_s / run.duration_s, rel=1e-5)
+    assert o.cost_usd > 0 and o.cost_usd == pytest.approx(run.engines[0].cost_usd, rel=1e-5)
+    assert o.cost_per_1m_tokens_usd == pytest.approx(run.engines[0].cost_usd / 96 * 1e6, rel=1e-5)
+    assert s.engine.kind == "continuous" and 0 < s.engine.mfu < s.engine.mbu < 1
     first = run.requests[0]
-    assert o["ttft_ms"]["max"] >= 1000 * first.ttft > 0 and 0 < o["tpot_ms"]["p50"] < 100
+    assert o.ttft_ms.max >= 1000 * first.ttft > 0 and 0 < o.tpot_ms.p50 < 100
     # gpu_busy.png's curve (busy while a sequence is in the engine) adds up to the engine's busy time.
-    total = _busy_cumulative(run, np.array([0.0, run.duration_s]))[-1]
+    total = busy_cumulative(run, np.array([0.0, run.duration_s]))[-1]
     assert total == pytest.approx(run.engines[0].busy_s, rel=1e-6)
 
 
 def test_jain_index_uses_tokens_over_rate():
-    f = summarize(tiny_run())["overall"]["fairness"]
+    f = summarize(tiny_run()).overall.fairness
     # x_a = 40 / 10 = 4, x_b = 20 / 20 = 1: (4 + 1)^2 / (2 * (16 + 1)) = 25 / 34.
-    assert f["jain_index"] == pytest.approx(25 / 34, rel=1e-6)
-    assert f["tenants_counted"] == 2
-    assert f["fairness_definition"] == FAIRNESS_DEFINITION
-    assert "divided by its configured rate" in f["fairness_definition"]
+    assert f.jain_index == pytest.approx(25 / 34, rel=1e-6)
+    assert f.tenants_counted == 2
+    assert f.fairness_definition == FAIRNESS_DEFINITION
+    assert "divided by its configured rate" in f.fairness_definition
 
 
 def test_jain_index_skips_tenants_with_nothing_admitted():
@@ -241,33 +244,33 @@ def test_jain_index_skips_tenants_with_nothing_admitted():
     run = attrs.evolve(run, requests=run.requests + (only_rejected,),
                        tenant_rates={**run.tenant_rates, "c": 10.0})
     s = summarize(run)
-    assert s["tenants"]["c"]["rejected"] == 1
-    assert s["overall"]["fairness"]["tenants_counted"] == 2
-    assert s["overall"]["fairness"]["jain_index"] == pytest.approx(25 / 34, rel=1e-6)
+    assert s.tenants["c"].rejected == 1
+    assert s.overall.fairness.tenants_counted == 2
+    assert s.overall.fairness.jain_index == pytest.approx(25 / 34, rel=1e-6)
 
 
 def test_lowest_bidder():
-    lb = summarize(tiny_run())["overall"]["lowest_bidder"]
-    assert lb == {"bid": 1, "tenants": ["a"], "requests": 2, "completed": 2,
-                  "max_queue_wait_ms": 1000.0, "p99_queue_wait_ms": 995.0}
+    lb = summarize(tiny_run()).overall.lowest_bidder
+    assert lb == LowestBidder(bid=1, tenants=("a",), requests=2, completed=2, max_queue_wait_ms=1000.0,
+                              p99_queue_wait_ms=995.0)
 
 
 def test_governor_time_in_state():
-    g = summarize(tiny_run())["overall"]["governor"]
-    assert g["samples"] == 8 and g["sample_interval_s"] == 0.5
-    assert g["time_in_state"] == {
-        "CRITICAL_BURST": {"seconds": 1.0, "fraction": 0.25},
-        "STABLE": {"seconds": 2.5, "fraction": 0.625},
-        "TRANSITIONAL": {"seconds": 0.5, "fraction": 0.125},
+    g = summarize(tiny_run()).overall.governor
+    assert g.samples == 8 and g.sample_interval_s == 0.5
+    assert g.time_in_state == {
+        "CRITICAL_BURST": TimeInState(seconds=1.0, fraction=0.25),
+        "STABLE": TimeInState(seconds=2.5, fraction=0.625),
+        "TRANSITIONAL": TimeInState(seconds=0.5, fraction=0.125),
     }
     # windows 10, 9, ..., 3 ms -> mean 6.5 ms; entropies 0.25..1.75 (the first sample has none) -> mean 1.0
-    assert g["mean_window_ms"] == 6.5
-    assert g["mean_entropy_bits"] == 1.0
+    assert g.mean_window_ms == 6.5
+    assert g.mean_entropy_bits == 1.0
 
 
 def test_batch_size_distribution():
-    b = summarize(tiny_run())["overall"]["batch_sizes"]
-    assert b == {"count": 2, "distribution": {"1": 1, "2": 1}, "mean": 1.5}
+    b = summarize(tiny_run()).overall.batch_sizes
+    assert b == BatchSizes(count=2, distribution={"1": 1, "2": 1}, mean=1.5)
 
 
 def test_failed_and_cancelled_are_counted_but_not_timed():
@@ -276,15 +279,15 @@ def test_failed_and_cancelled_are_counted_but_not_timed():
                            dispatched_at=3.0, finished_at=3.9, batch_id=9, batch_size=1)
     cancelled = RequestRecord("b", 5, 5, 99, arrival=0.3, outcome="cancelled", error="client_disconnected")
     s = summarize(attrs.evolve(run, requests=run.requests + (failed, cancelled)))
-    o = s["overall"]
-    assert (o["sent"], o["completed"], o["rejected"], o["failed"], o["cancelled"]) == (6, 3, 1, 1, 1)
-    assert o["rejected_by_error"] == {"rate_limited": 1}
-    assert s["tenants"]["a"]["failed"] == 1 and s["tenants"]["b"]["cancelled"] == 1
+    o = s.overall
+    assert (o.sent, o.completed, o.rejected, o.failed, o.cancelled) == (6, 3, 1, 1, 1)
+    assert o.rejected_by_error == {"rate_limited": 1}
+    assert s.tenants["a"].failed == 1 and s.tenants["b"].cancelled == 1
     # The failed request's 2.9 s wait and 3.8 s latency are in no percentile, and its tokens are not served.
-    assert s["tenants"]["a"]["queue_wait_ms"]["max"] == 1000.0
-    assert o["latency_ms"]["max"] == 3000.0
-    assert o["output_tokens"] == 60
-    assert o["lowest_bidder"]["requests"] == 3 and o["lowest_bidder"]["completed"] == 2
+    assert s.tenants["a"].queue_wait_ms.max == 1000.0
+    assert o.latency_ms.max == 3000.0
+    assert o.output_tokens == 60
+    assert o.lowest_bidder.requests == 3 and o.lowest_bidder.completed == 2
 
 
 def test_no_completions_gives_nulls():
@@ -293,37 +296,69 @@ def test_no_completions_gives_nulls():
                                   finished_at=None, batch_id=None, batch_size=None, cost_usd=0.0)
                      for r in run.requests)
     s = summarize(attrs.evolve(run, requests=rejected, batches=(), samples=()))
-    o = s["overall"]
-    assert o["completed"] == 0 and o["rejected"] == 4
-    assert o["throughput_tokens_per_s"] == 0.0
-    assert o["gpu_utilization"] == 0.0
-    assert o["cost_per_1m_tokens_usd"] is None
-    assert o["fairness"]["jain_index"] is None
-    assert o["queue_wait_ms"] == {"p50": None, "p95": None, "p99": None, "max": None}
-    assert o["lowest_bidder"]["max_queue_wait_ms"] is None
-    assert o["batch_sizes"] == {"count": 0, "distribution": {}, "mean": None}
-    assert o["governor"]["time_in_state"] == {}
+    o = s.overall
+    assert o.completed == 0 and o.rejected == 4
+    assert o.throughput_tokens_per_s == 0.0
+    assert o.gpu_utilization == 0.0
+    assert o.cost_per_1m_tokens_usd is None
+    assert o.fairness.jain_index is None
+    assert o.queue_wait_ms == Percentiles(None, None, None, None)
+    assert o.lowest_bidder.max_queue_wait_ms is None
+    assert o.batch_sizes == BatchSizes(count=0, distribution={}, mean=None)
+    assert o.governor.time_in_state == {}
 
 
 def test_empty_run_does_not_crash(tmp_path):
     s = summarize(empty_run())
-    o = s["overall"]
-    assert o["sent"] == 0 and s["tenants"] == {}
-    assert o["throughput_tokens_per_s"] is None and o["gpu_utilization"] is None
-    assert o["ttft_ms"]["p99"] is None and o["tpot_ms"]["p99"] is None
-    assert o["lowest_bidder"]["bid"] is None
+    o = s.overall
+    assert o.sent == 0 and s.tenants == {}
+    assert o.throughput_tokens_per_s is None and o.gpu_utilization is None
+    assert o.ttft_ms.p99 is None and o.tpot_ms.p99 is None
+    assert o.lowest_bidder.bid is None
     paths = write_report([empty_run()], tmp_path)
     assert {p.name for p in paths} == {"summary.json", "report.md", *PLOT_FILES}
     data = json.loads((tmp_path / "summary.json").read_text())
     assert data["runs"][0]["overall"]["latency_ms"]["p99"] is None
-    assert "| `empty` | 0 | 0 | — |" in (tmp_path / "report.md").read_text()
+    md = (tmp_path / "report.md").read_text()
+    assert "| `empty` | 0 | 0 | — |" in md and "No batches ran." in md
 
 
 def test_floats_are_rounded_and_wall_time_is_not_reported():
     s = summarize(tiny_run())
-    assert s["overall"]["cost_per_1m_tokens_usd"] == 83.3333
-    assert "wall" not in json.dumps(s)
+    assert s.overall.cost_per_1m_tokens_usd == 83.3333
+    assert "wall" not in s.to_json()
     assert summarize(tiny_run(wall_s=99.0)) == s
+
+
+def test_a_summary_is_typed_and_as_dict_is_what_summary_json_holds():
+    s = summarize(tiny_run())
+    assert isinstance(s, RunSummary) and s.tenants["a"].bids == (1,) and s.overall.lowest_bidder.tenants == ("a",)
+    d = s.as_dict()
+    # The counts and the engine's details sit beside the other keys, tuples become lists.
+    assert list(d["overall"])[:7] == ["sent", "completed", "rejected", "failed", "cancelled", "rejected_by_error",
+                                      "output_tokens"]
+    assert list(d["tenants"]["a"])[:7] == ["sent", "completed", "rejected", "failed", "cancelled",
+                                           "rejected_by_error", "admitted"]
+    assert d["engine"] == {"count": 2, "kind": "batch", "preemptions": 0, "mfu": None, "mbu": None}
+    assert summarize(continuous_run()).as_dict()["engine"] == {**CONTINUOUS, "preemptions": 3, "mfu": 0.25,
+                                                               "mbu": 0.65}
+    assert d["tenants"]["a"]["bids"] == [1] and d["overall"]["lowest_bidder"]["tenants"] == ["a"]
+    assert d["overall"]["governor"]["time_in_state"]["STABLE"] == {"seconds": 2.5, "fraction": 0.625}
+    assert json.loads(s.to_json()) == d
+    # Numbers are rounded as a value is made; integers stay integers, a non-finite float is None.
+    assert Percentiles(1 / 3, 2 / 3, float("inf"), 2).as_dict() == {"p50": 0.333333, "p95": 0.666667, "p99": None,
+                                                                    "max": 2}
+    assert '"cost_usd": 0,' in summarize(empty_run()).to_json()  # no engine ran: an integer 0, as summed
+
+
+def test_the_report_restates_neither_fairness_nor_the_service_weights():
+    assert summarize(tiny_run()).overall.fairness.fairness_definition is FAIRNESS_DEFINITION
+    assert SERVICE_WEIGHTS == ChargeWeights()  # the fair-share policy's charge: VTC's 1 and 2
+    d = summarize(backlog_run()).overall.service_difference
+    assert (d.input_weight, d.output_weight) == (SERVICE_WEIGHTS.input_weight, SERVICE_WEIGHTS.output_weight)
+    assert SERVICE_DIFFERENCE_DEFINITION.startswith(
+        f"service = {SERVICE_WEIGHTS.input_weight:g} × prompt tokens + {SERVICE_WEIGHTS.output_weight:g} × output "
+        "tokens")
 
 
 # -- the GPU busy curve behind gpu_busy.png ---------------------------------------------
@@ -331,20 +366,20 @@ def test_floats_are_rounded_and_wall_time_is_not_reported():
 def test_busy_curve_spreads_busy_time_over_each_batch():
     edges = np.array([0.0, 1.0, 2.0, 3.0, 4.0])
     # Batch 0 is busy 1 s over [0.5, 1.5]; batch 1 is busy 2 s over [2, 4].
-    assert _busy_cumulative(tiny_run(), edges).tolist() == [0.0, 0.5, 1.0, 2.0, 3.0]
+    assert busy_cumulative(tiny_run(), edges).tolist() == [0.0, 0.5, 1.0, 2.0, 3.0]
     instant = attrs.evolve(tiny_run(), batches=(BatchRecord(0, 0, 1, 1, 1.0, 1.0, 1.0, 0.25, 0.0, 0.0),))
-    assert _busy_cumulative(instant, edges).tolist() == [0.0, 0.25, 0.25, 0.25, 0.25]
+    assert busy_cumulative(instant, edges).tolist() == [0.0, 0.25, 0.25, 0.25, 0.25]
 
 
 def test_busy_curve_without_batches_is_each_engines_time_with_a_sequence():
     edges = np.array([0.0, 1.0, 2.0, 3.0, 4.0])
     # Engine 0 holds a sequence over [0.5, 1.5] and [2, 4], engine 1 over [0.5, 1.5].
-    assert _busy_cumulative(continuous_run(), edges).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert busy_cumulative(continuous_run(), edges).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
     # Overlapping sequences on one engine count once: b's [0.5, 1.5] moved to engine 0 adds nothing.
     run = continuous_run()
     moved = attrs.evolve(run, requests=(run.requests[0], attrs.evolve(run.requests[1], engine_id=0),
                                         *run.requests[2:]))
-    assert _busy_cumulative(moved, edges).tolist() == [0.0, 0.5, 1.0, 2.0, 3.0]
+    assert busy_cumulative(moved, edges).tolist() == [0.0, 0.5, 1.0, 2.0, 3.0]
 
 
 # -- the service difference between backlogged tenants -----------------------------------
@@ -378,10 +413,10 @@ def test_service_difference_is_measured_among_tenants_backlogged_throughout_a_wi
     assert starts.tolist() == list(range(11))  # 10 s windows from 0, 1, ..., 10 s: all end by 20 s
     assert difference[:3].tolist() == pytest.approx([30.0, 45.0, 60.0])
     assert np.isnan(difference[3:]).all()  # b's queue is empty from 12 s: only a is backlogged
-    d = summarize(backlog_run())["overall"]["service_difference"]
-    assert d == {"window_s": 10.0, "step_s": 1.0, "input_weight": 1.0, "output_weight": 2.0,
-                 "windows": 3, "max": 60.0, "max_window_start_s": 2.0, "mean": 45.0,
-                 "first_half_windows": 1, "first_half_max": 30.0, "first_half_max_window_start_s": 0.0}
+    d = summarize(backlog_run()).overall.service_difference
+    assert d.as_dict() == {"window_s": 10.0, "step_s": 1.0, "input_weight": 1.0, "output_weight": 2.0,
+                           "windows": 3, "max": 60.0, "max_window_start_s": 2.0, "mean": 45.0,
+                           "first_half_windows": 1, "first_half_max": 30.0, "first_half_max_window_start_s": 0.0}
 
 
 def test_service_difference_divides_service_by_the_tenants_weight():
@@ -393,9 +428,9 @@ def test_service_difference_divides_service_by_the_tenants_weight():
 def test_no_service_difference_without_two_tenants_waiting_for_a_whole_window():
     run = backlog_run()
     never_waits = tuple(attrs.evolve(r, dispatched_at=r.arrival) if r.tenant == "b" else r for r in run.requests)
-    d = summarize(attrs.evolve(run, requests=never_waits))["overall"]["service_difference"]
-    assert (d["windows"], d["max"], d["first_half_max"], d["mean"]) == (0, None, None, None)
-    assert summarize(tiny_run())["overall"]["service_difference"]["windows"] == 0  # 4 s: shorter than a window
+    d = summarize(attrs.evolve(run, requests=never_waits)).overall.service_difference
+    assert (d.windows, d.max, d.first_half_max, d.mean) == (0, None, None, None)
+    assert summarize(tiny_run()).overall.service_difference.windows == 0  # 4 s: shorter than a window
 
 
 def test_report_and_plot_show_the_service_difference(tmp_path):
@@ -422,7 +457,7 @@ def test_summary_json_is_byte_identical_and_sensitive(tmp_path):
     assert one.endswith(b"}\n")
     data = json.loads(one)
     assert data["title"] == "T" and [r["label"] for r in data["runs"]] == ["aps", "fifo"]
-    assert data["runs"][0] == summarize(tiny_run())
+    assert data["runs"][0] == summarize(tiny_run()).as_dict() == json.loads(summarize(tiny_run()).to_json())
 
     changed = tiny_run()
     later = attrs.evolve(changed.requests[2], finished_at=4.5)
@@ -469,8 +504,8 @@ def test_report_markdown_holds_the_measured_numbers(tmp_path):
     # Per-tenant table: a's waits, TTFT and latencies in s, TPOT in ms, and b's rejection by error code.
     assert ("| `a` | 1 | 2 | 2 | 0 | 0 | 0 | 0.750 / 0.975 / 0.995 / 1.000 | 1.075 / 1.502 / 1.540 / 1.550 | "
             "75.00 / 97.50 / 99.50 / 100.00 | 2.250 / 2.925 / 2.985 / 3.000 | 40 | — |") in md
-    # The engine it ran on; the micro engine has no MFU to report.
-    assert "run on 2 `micro` engines (the seeds' simulated A100, `[gpu]`);" in md
+    # The engine it ran on; the batch engine has no MFU to report.
+    assert "run on 2 `batch` engines (a simulated GPU, `[gpu]`);" in md
     assert "Engine: MFU" not in md
     assert "rate_limited: 1" in md
     assert "| `STABLE` | 2.500 | 62.5 |" in md
@@ -495,11 +530,11 @@ def test_summary_table_follows_the_summaries():
     s = summarize(tiny_run("x"))
     table = format_summary_table([s])
     assert table.count("\n") == 2  # header, rule, one row
-    o = s["overall"]
-    assert f"{o['throughput_tokens_per_s']:.1f}" in table
-    assert f"{o['fairness']['jain_index']:.3f}" in table
-    s["overall"]["throughput_tokens_per_s"] = 1234.5678
-    assert "1234.6" in format_summary_table([s])
+    o = s.overall
+    assert f"{o.throughput_tokens_per_s:.1f}" in table
+    assert f"{o.fairness.jain_index:.3f}" in table
+    faster = attrs.evolve(s, overall=attrs.evolve(o, throughput_tokens_per_s=1234.5678))
+    assert "1234.6" in format_summary_table([faster])
 
 
 def test_runs_on_several_workloads_are_grouped(tmp_path):

@@ -3,8 +3,13 @@
 `apsd research` loads installed plugins as the daemon does, so docs/research.md is generated with the
 plugins the README's test command installs (`pip install -e ".[test]" -e plugins/apsd-vtc`).
 
-The suite runs on two engines (about 25 s without plots): the tests that use the default plugins share
-one run (``default_research``).
+The suite runs on two engines (about a minute without plots on a quiet machine). It is run once per
+session with the default plugins (``default_research``), into a temporary directory that every test
+reading its output shares. Two tests write research.md with other plugins (none; a test plugin's
+presets): they run the whole suite too, but reuse the simulations they share with the default run
+(``shared_runs``): a run is a function of its workload, its policies and its config, whichever other
+presets are registered beside them, and the default run's summaries are compared with the committed
+ones byte for byte.
 """
 
 import importlib.metadata
@@ -17,10 +22,13 @@ import pytest
 from apsd import cli
 from apsd.core.hookspecs import hookimpl
 from apsd.plugins import load_policy_registry, make_plugin_manager
+import apsd.sim.research.run
 from apsd.sim import research
 from apsd.sim.report import summarize, write_report
-from apsd.sim.research import (ALONE, CONTINUOUS_ENGINE, ISOLATION_SCALED, ISOLATION_WORKLOADS, NOISY, POLICIES, SCALED,
-                                WORKLOADS, open_report_writer, plugin_presets, report_dir, write_research)
+from apsd.sim.research import (ALONE, CLAIMED_COST_PER_1M_TOKENS_USD, CLAIMED_GPU_UTILIZATION, CLAIMED_JAIN,
+                               CLAIMED_JAIN_ELSEWHERE, CONTINUOUS_ENGINE, ISOLATION_SCALED, ISOLATION_WORKLOADS,
+                               NOISY, POLICIES, SCALED, WORKLOADS, open_report_writer, plugin_presets, report_dir,
+                               write_research)
 from apsd.sim.runner import parse_policy_choice, run_policy
 from apsd.sim.workloads import build_workload
 
@@ -50,15 +58,44 @@ def table_row(md, start):
     return [c.strip() for c in row.strip("|").split("|")][1:]
 
 
-@pytest.fixture(scope="module")
-def default_research(tmp_path_factory):
-    """``apsd research`` as it runs by default (installed plugins, no APSD_PLUGINS), without plots."""
+def remembering(runs):
+    """``run_policy`` that runs each simulation once: keyed on the workload, the policies the preset
+    names (as the plugin manager's registry defines them), the overrides and the config."""
+    def run(workload, choice, *, base_config=None, plugin_manager=None, progress=None, **kwargs):
+        preset = load_policy_registry(plugin_manager).presets.get(choice.preset)
+        key = (workload.name, workload.seed, json.dumps(workload.params, sort_keys=True), len(workload.arrivals),
+               choice.label, repr(preset), sorted(choice.overrides.items()), repr(base_config), sorted(kwargs.items()))
+        key = repr(key)
+        if key not in runs:
+            runs[key] = run_policy(workload, choice, base_config=base_config, plugin_manager=plugin_manager,
+                                   progress=progress, **kwargs)
+        return runs[key]
+    return run
+
+
+@pytest.fixture(scope="session")
+def shared_runs():
+    """The simulations of this session's research suites, by what they simulate."""
+    return {}
+
+
+@pytest.fixture(scope="session")
+def default_research(tmp_path_factory, shared_runs):
+    """``apsd research`` as it runs by default (installed plugins, no APSD_PLUGINS), without plots: once
+    per session, into a temporary directory."""
     vtc_version()
     out = tmp_path_factory.mktemp("research")
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("APSD_PLUGINS", raising=False)  # what `apsd research` loads by default
+        mp.setattr(apsd.sim.research.run, "run_policy", remembering(shared_runs))
         path = write_research(out, plots=False)
     return out, path.read_text()
+
+
+@pytest.fixture
+def reuse_runs(default_research, shared_runs, monkeypatch):
+    """write_research reuses the default suite's simulations (see the module docstring)."""
+    monkeypatch.setattr(apsd.sim.research.run, "run_policy", remembering(shared_runs))
 
 
 def all_directories():
@@ -140,6 +177,19 @@ def test_continuous_section_states_what_changes_from_the_runs(default_research):
     assert bursty[4].startswith(f"{entropy / 1000:.3f} vs {fixed / 1000:.3f}")
 
 
+def test_the_design_claims_are_stated_once_and_printed_from_there(default_research):
+    _, md = default_research
+    claims = md[md.index("## What the design claims, and what apsd measures on the batch engine"):
+                md.index("## On a continuous engine")]
+    assert f'**"{CLAIMED_GPU_UTILIZATION * 100:g}% GPU utilization"** (the design\'s claim).' in claims
+    assert f'**"${CLAIMED_COST_PER_1M_TOKENS_USD:.2f} per 1M tokens"** (the design\'s claim).' in claims
+    assert (f"**\"Jain's fairness {CLAIMED_JAIN:g}\"** (the design's claim; one of its documents gives "
+            f"{CLAIMED_JAIN_ELSEWHERE:g}).") in claims
+    assert f"The design's claimed {CLAIMED_JAIN:g} is not reproduced as a property of APS." in claims
+    # The design documents are not in the repository: research.md says what they claim, not which one.
+    assert not re.search(r"\bseeds\b|\bseed (engine|model|GPU|\d{3})|seeds' ", md)
+
+
 class EvenPlugin:
     """A third-party plugin with two presets built from built-in policies."""
 
@@ -177,7 +227,7 @@ def test_apsd_research_loads_installed_plugins_as_the_daemon_does(tmp_path, monk
     assert exc.value.code == 1
 
 
-def test_fairness_verdict_is_measured_with_and_without_vtc(tmp_path, default_research):
+def test_fairness_verdict_is_measured_with_and_without_vtc(tmp_path, default_research, reuse_runs):
     _, md = default_research
     # While the overload lasts, fair share and VTC serve the two tenants evenly; the others by demand.
     during = [float(x) for x in table_row(md, "| `vtc-overload`, served by t = ")]
@@ -201,12 +251,12 @@ def test_fairness_verdict_is_measured_with_and_without_vtc(tmp_path, default_res
     assert "Of the 5 policies run, `fair` gives the lowest bidder the shortest worst wait." in md
 
 
-def test_research_md_names_the_policies_and_plugins_that_ran(tmp_path):
+def test_research_md_names_the_policies_and_plugins_that_ran(tmp_path, reuse_runs):
     pm = make_plugin_manager(allow="")
     pm.register(EvenPlugin(), name="an-even-plugin")
     md = write_research(tmp_path, plots=False, plugin_manager=pm).read_text()
-    assert md.startswith("# apsd research: FIFO, static priority, APS, fair share and `even`, `zz-even` on the seeds' "
-                         "workloads and tenant isolation\n")
+    assert md.startswith("# apsd research: FIFO, static priority, APS, fair share and `even`, `zz-even` on the "
+                         "design's workloads and tenant isolation\n")
     assert ("then the installed plugins' presets: `even` (plugin `an-even-plugin`, no installed distribution), "
             "`zz-even` (plugin `an-even-plugin`, no installed distribution).") in md
     assert "plugins loaded for this file: plugin `an-even-plugin` from no installed distribution " \
@@ -216,11 +266,11 @@ def test_research_md_names_the_policies_and_plugins_that_ran(tmp_path):
 
 def test_isolation_compares_the_steady_tenant_with_its_neighbour_and_alone(default_research):
     out, md = default_research
-    section = md[md.index("## Tenant isolation"):md.index("## The workloads on the seed engine")]
+    section = md[md.index("## Tenant isolation"):md.index("## The workloads on the batch engine")]
     assert "`neighbor_rate = 0`" in section
     for engine, name in (("batch", NOISY), ("continuous", next(s.name for s in ISOLATION_SCALED
                                                                  if s.workload == NOISY))):
-        row = table_row(section, f"| `fifo` | {'seed' if engine == 'micro' else engine} |")
+        row = table_row(section, f"| `fifo` | {engine} |")
         steady = summary(out, report_dir(engine, name), "fifo")["tenants"]["steady"]
         assert row[1] == f"{steady['latency_ms']['p99'] / 1000:.3f}"
         assert row[4] == f"{steady['ttft_ms']['p99'] / 1000:.3f}"
@@ -229,11 +279,11 @@ def test_isolation_compares_the_steady_tenant_with_its_neighbour_and_alone(defau
     workload = build_workload(NOISY, ALONE, seed=1)
     assert {a.tenant for a in workload.arrivals} == {"steady"}
     alone = summarize(run_policy(workload, parse_policy_choice("fifo"), plugin_manager=make_plugin_manager(allow="")))
-    row = table_row(section, "| `fifo` | seed |")
-    assert row[2] == f"{alone['tenants']['steady']['latency_ms']['p99'] / 1000:.3f}"
-    assert row[5] == f"{alone['tenants']['steady']['ttft_ms']['p99'] / 1000:.3f}"
+    row = table_row(section, "| `fifo` | batch |")
+    assert row[2] == f"{alone.tenants['steady'].latency_ms.p99 / 1000:.3f}"
+    assert row[5] == f"{alone.tenants['steady'].ttft_ms.p99 / 1000:.3f}"
     # Fair share keeps the steady tenant far closer to its latency alone than FIFO does.
-    fair = table_row(section, "| `fair` | seed |")
+    fair = table_row(section, "| `fair` | batch |")
     assert float(fair[1]) < float(row[1]) / 10
     assert "beside the flood, `fifo` makes it" in section
 
@@ -241,9 +291,9 @@ def test_isolation_compares_the_steady_tenant_with_its_neighbour_and_alone(defau
 def test_isolation_reports_the_service_difference_of_every_backlogged_workload(default_research):
     out, md = default_research
     section = md[md.index("**The service difference between backlogged tenants**"):
-                 md.index("## The workloads on the seed engine")]
+                 md.index("## The workloads on the batch engine")]
     for name in ISOLATION_WORKLOADS:
-        row = table_row(section, f"| `{name}` | seed |")
+        row = table_row(section, f"| `{name}` | batch |")
         d = summary(out, report_dir("batch", name), "fifo")["overall"]["service_difference"]
         assert row[1] == f"{d['max']:,.0f} ({d['first_half_max']:,.0f}) / {d['mean']:,.0f}"
     for scaled in ISOLATION_SCALED:

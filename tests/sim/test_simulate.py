@@ -70,11 +70,11 @@ def test_tiny_workload_numbers_match_the_seed_model_by_hand():
     run = run_policy(workload, parse_policy_choice("fifo"), plugin_manager=BUILTIN_PM)
     (record,) = run.requests
     assert (record.queue_wait, record.latency) == (pytest.approx(0.010), pytest.approx(2.010))
-    s = summarize(run)["overall"]
-    assert s["gpu_utilization"] == pytest.approx(2.0 / 2.01, rel=1e-5)
-    assert s["throughput_tokens_per_s"] == pytest.approx(128 / 2.01, rel=1e-5)
-    assert s["cost_per_1m_tokens_usd"] == pytest.approx(2.0 * 3.0 / 3600 / 128 * 1e6, rel=1e-5)
-    assert s["batch_sizes"]["distribution"] == {"1": 1}
+    s = summarize(run).overall
+    assert s.gpu_utilization == pytest.approx(2.0 / 2.01, rel=1e-5)
+    assert s.throughput_tokens_per_s == pytest.approx(128 / 2.01, rel=1e-5)
+    assert s.cost_per_1m_tokens_usd == pytest.approx(2.0 * 3.0 / 3600 / 128 * 1e6, rel=1e-5)
+    assert s.batch_sizes.distribution == {"1": 1}
 
 
 def test_two_batches_under_static_and_aps():

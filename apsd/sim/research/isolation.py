@@ -1,0 +1,126 @@
+"""Tenant isolation: a noisy neighbour's effect on a steady tenant, and the service difference
+between backlogged tenants on every workload that has one (a section of research.md)."""
+
+from __future__ import annotations
+
+import math
+
+from apsd.sim.report import SERVICE_DIFFERENCE_DEFINITION, RunSummary
+from apsd.sim.research.claims import GROWTH_RATIO, TIE_RATIO, percent
+from apsd.sim.research.measured import Comparison, Measured
+from apsd.sim.research.prose import listing, ratio, sec_cell, seconds, whole
+from apsd.sim.research.suite import (BATCH, CONTINUOUS, ENGINES, ISOLATION_SCALED, ISOLATION_WORKLOADS, WORKLOADS,
+                                     continuous_names, isolation_names, noisy_name)
+
+__all__ = ["isolation_section"]
+
+
+def _steady(summary: RunSummary) -> tuple[float | None, float | None]:
+    """The steady tenant's p99 latency and p99 TTFT, in ms."""
+    steady = summary.tenants["steady"]
+    return steady.latency_ms.p99, steady.ttft_ms.p99
+
+
+def _noisy_neighbor(m: Measured) -> str:
+    rows, verdicts = [], []
+    for engine in ENGINES:
+        summaries = m.results[engine][noisy_name(engine)]
+        for s in summaries:
+            (latency, ttft), (alone_latency, alone_ttft) = _steady(s), _steady(m.alone[engine][s.label])
+            rows.append(f"| `{s.label}` | {engine} | {sec_cell(latency)} | {sec_cell(alone_latency)} | "
+                        f"{ratio(latency, alone_latency)} | {sec_cell(ttft)} | {sec_cell(alone_ttft)} | "
+                        f"{ratio(ttft, alone_ttft)} |")
+        verdicts.append(_noisy_verdict(m, engine, summaries))
+    return "\n".join([
+        "**A noisy neighbour** (`noisy-neighbor`; on the continuous engine `" + noisy_name(CONTINUOUS) + "`). The "
+        "steady tenant's p99 latency and p99 time to first token beside the neighbour's flood, and alone: the same "
+        "workload with `neighbor_rate = 0`, so the very same steady arrivals (run for this table only).",
+        "",
+        "| policy | engine | steady p99 latency (s) | alone (s) | ratio | steady p99 TTFT (s) | alone (s) | ratio |",
+        "|:---|:---|---:|---:|---:|---:|---:|---:|", *rows, "",
+        " ".join(verdicts),
+    ])
+
+
+def _noisy_verdict(m: Measured, engine: str, summaries: Comparison) -> str:
+    """Which policy kept the steady tenant closest to its latency alone, against FIFO."""
+    def latency(s: RunSummary) -> float:
+        return _steady(s)[0] or math.inf
+
+    best = min(summaries, key=latency)
+    tied = [f"`{s.label}`" for s in summaries if latency(s) <= latency(best) * TIE_RATIO]
+    fifo = summaries["fifo"]
+    alone = [_steady(a)[0] for a in m.alone[engine]]
+    return (f"On the {engine} engine the steady tenant alone has a p99 latency of "
+            f"{seconds(min(alone))}" + (f" to {seconds(max(alone))}" if max(alone) > min(alone) else "")
+            + f"; beside the flood, `fifo` makes it {seconds(_steady(fifo)[0])} and {listing(tied)} "
+            f"{seconds(latency(best))}, {ratio(latency(best), _steady(m.alone[engine][best.label])[0])} its latency "
+            "alone, the lowest of the policies.")
+
+
+def _service_difference_cell(summary: RunSummary) -> str:
+    d = summary.overall.service_difference
+    if d.max is None:
+        return "—"
+    return f"{d.max:,.0f} ({whole(d.first_half_max)}) / {d.mean:,.0f}"
+
+
+def _backlogged_rows(m: Measured) -> list[tuple[str, str, Comparison]]:
+    """(engine, workload, comparison) of every workload with two tenants backlogged in some window."""
+    names = {BATCH: [*WORKLOADS, *isolation_names(BATCH)],
+             CONTINUOUS: [*continuous_names(), *isolation_names(CONTINUOUS)]}
+    return [(engine, name, m.results[engine][name]) for engine in ENGINES for name in names[engine]
+            if any(s.overall.service_difference.windows for s in m.results[engine][name])]
+
+
+def _service_differences(m: Measured) -> str:
+    rows = _backlogged_rows(m)
+    labels = rows[0][2].labels
+    lowest = {label: 0 for label in labels}
+    grew = {label: 0 for label in labels}
+    lines = []
+    for engine, name, summaries in rows:
+        lines.append(f"| `{name}` | {engine} | " + " | ".join(_service_difference_cell(s) for s in summaries) + " |")
+        d = {s.label: s.overall.service_difference for s in summaries}
+        low = min(x.mean or 0.0 for x in d.values())
+        for label, x in d.items():
+            lowest[label] += (x.mean or 0.0) <= low * TIE_RATIO
+            grew[label] += x.max is not None and x.first_half_max is not None \
+                and x.max > GROWTH_RATIO * x.first_half_max
+    best = max(labels, key=lambda label: lowest[label])
+    definition = SERVICE_DIFFERENCE_DEFINITION[0].upper() + SERVICE_DIFFERENCE_DEFINITION[1:]
+    return "\n".join([
+        "**The service difference between backlogged tenants** (VTC's fairness measure), on every workload where "
+        "two tenants were backlogged throughout some window under some policy: the whole run's maximum, in "
+        "brackets the first half's (windows that end by half the run's duration), then the mean over the run's "
+        "windows; — where no two tenants were backlogged throughout any window.",
+        "",
+        "| workload | engine | " + " | ".join(f"`{label}`" for label in labels) + " |",
+        "|:---|:---|" + "---:|" * len(labels), *lines, "",
+        f"{definition}. A policy with no difference on a workload (—) never kept two tenants waiting for a whole "
+        "window; one without a first-half figure (—) did only in the second half. The lowest mean (or none), "
+        "ties included: " + ", ".join(f"`{label}` on {lowest[label]}" for label in labels)
+        + f" of the {len(rows)} workloads, `{best}` most often. The whole run's maximum exceeds the first half's "
+        f"by more than {percent(GROWTH_RATIO - 1)} on " + ", ".join(f"{grew[label]} under `{label}`" for label in labels)
+        + ": a fair scheduler keeps the difference bounded however long the run lasts. Its maximum is often at "
+        "the start of a backlog, where the service still comes from requests dispatched before it: on the "
+        "continuous engine a request runs for seconds, hundreds at a time, so the maximum says less than the "
+        "mean there.",
+    ])
+
+
+def isolation_section(m: Measured) -> list[str]:
+    scaled = "; ".join(s.described() for s in ISOLATION_SCALED)
+    return [
+        "## Tenant isolation",
+        "",
+        "Five more workloads, where tenants compete for one engine: "
+        + ", ".join(f"`{name}`" for name in ISOLATION_WORKLOADS) + " (a noisy neighbour, then the shapes of VTC's "
+        "experiments, Sheng et al., \"Fairness in Serving Large Language Models\", OSDI '24, §5). They run with the "
+        "built-in defaults on the batch engine and scaled on the continuous engine: " + scaled + ".",
+        "",
+        _noisy_neighbor(m),
+        "",
+        _service_differences(m),
+        "",
+    ]
