@@ -1,8 +1,21 @@
 """Fixtures: a policy registry without third-party plugins, a live daemon on port 0, and pipelines
-in virtual time. Helpers are in ``tests/helpers.py``."""
+in virtual time. Helpers are in ``tests/helpers.py``.
+
+Also a real-time deadline for every trio test (:func:`pytest_collection_modifyitems`): pytest-timeout
+interrupts a test with a signal, and when the signal lands in trio's run loop (a test waiting on a
+hung process or socket, the usual case) the exception leaves ``trio.run`` without unwinding it: the
+test's processes are never stopped and the next test fails with "Attempted to call run() from inside
+a run()" (or pytest stops with an INTERNALERROR). So a trio test still running
+:data:`DEADLINE_MARGIN_S` before its pytest-timeout limit is cancelled from inside trio instead: it
+unwinds like any cancelled code (its ``finally`` blocks stop what it started) and fails, naming the
+deadline, and the next test starts clean. pytest-timeout stays the last resort for a test that does
+not heed cancellation.
+"""
 
 from __future__ import annotations
 
+import gc
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -15,6 +28,86 @@ from apsd.plugins import load_policy_registry, make_plugin_manager
 from apsd.core.policy import PolicyRegistry
 
 from .helpers import FAST_GPU, LiveDaemon, build_policies, make_config, start_daemon
+
+#: A trio test is cancelled this long (real seconds) before its pytest-timeout limit.
+DEADLINE_MARGIN_S = 10.0
+
+
+def _timeout_s(item: pytest.Item) -> float:
+    """The item's pytest-timeout limit in seconds (its marker, else ``--timeout``, else the ini's); 0: none."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None:
+        value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+        if value is not None:
+            return float(value)
+    option = item.config.getoption("timeout", None)
+    if option is not None:
+        return float(option)
+    return float(item.config.getini("timeout") or 0)
+
+
+def trio_run_with_deadline(limit_s: float) -> Callable[..., Any]:
+    """A ``trio.run`` for pytest-trio that cancels the whole test (fixtures included) after ``limit_s``
+    real seconds, whatever the test's clock (a thread's timer, not trio's), and then fails it."""
+    def run(async_fn: Callable[[], Awaitable[Any]], *, clock: Any = None, instruments: Any = ()) -> Any:
+        scope = trio.CancelScope()
+        fired = threading.Event()
+        timers: list[threading.Timer] = []
+
+        def fire(token: trio.lowlevel.TrioToken) -> None:
+            fired.set()
+            try:
+                token.run_sync_soon(scope.cancel)
+            except trio.RunFinishedError:
+                pass
+
+        async def guarded() -> Any:
+            timer = threading.Timer(limit_s, fire, args=(trio.lowlevel.current_trio_token(),))
+            timer.daemon = True
+            timers.append(timer)
+            timer.start()
+            with scope:
+                return await async_fn()
+
+        try:
+            result = trio.run(guarded, clock=clock, instruments=instruments)
+        except BaseException as exc:
+            if fired.is_set():
+                exc.add_note(f"(the test was cancelled after {limit_s:.0f} s of real time: its deadline, "
+                             f"{DEADLINE_MARGIN_S:.0f} s before pytest-timeout's)")
+            raise
+        finally:
+            for timer in timers:
+                timer.cancel()
+        if fired.is_set():
+            pytest.fail(f"still running after {limit_s:.0f} s of real time: cancelled inside trio "
+                        f"{DEADLINE_MARGIN_S:.0f} s before pytest-timeout's limit", pytrace=False)
+        return result
+
+    return run
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-trio has marked the async tests (trio_mode)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run every trio test under :func:`trio_run_with_deadline` (a ``trio`` marker naming its run,
+    first among the item's markers: pytest-trio takes the first that names one)."""
+    for item in items:
+        if item.get_closest_marker("trio") is None:
+            continue
+        timeout = _timeout_s(item)
+        if timeout > DEADLINE_MARGIN_S:
+            item.add_marker(pytest.mark.trio(run=trio_run_with_deadline(timeout - DEADLINE_MARGIN_S)), append=False)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A trio run left behind by a test that pytest-timeout interrupted anyway (one that ignored its
+    cancellation) is closed here, once nothing refers to it, rather than fail every later test."""
+    if trio.lowlevel.in_trio_run():
+        gc.collect()
+    if trio.lowlevel.in_trio_run():
+        pytest.fail("a trio run left behind by an earlier test (interrupted by pytest-timeout) is still "
+                    "open; see that test's failure", pytrace=False)
 
 
 @pytest.fixture
