@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from apsd.core.config import Config
+from apsd.core.config import Config, parse_section
 from apsd.engines import describe
 from apsd.policies.aging import ApsParams
 from apsd.sim.report import RunSummary, describe_engine
@@ -330,7 +330,7 @@ def _fairness(m: Measured) -> tuple[str, str]:
 def continuous_section(m: Measured, config: Config) -> list[str]:
     util_bullet, utilisation = _utilisation(m)
     cost_bullet, cost = _cost(m)
-    alpha = float(config.policy.params.get("aps", {}).get("alpha", ApsParams().alpha))
+    alpha = parse_section(ApsParams, config.policy.params.get("aps", {}), "policy.aps").alpha
     starvation_bullet, starvation = _starvation(m, alpha)
     governor_bullet, governor = _governor(m)
     fairness_bullet, fairness = _fairness(m)

@@ -3,8 +3,9 @@ the entropy governor and lazy aging (the first section of research.md)."""
 
 from __future__ import annotations
 
-from apsd.core.config import Config
+from apsd.core.config import Config, parse_section
 from apsd.engines.batch import GpuModel
+from apsd.policies.batching import MicroParams
 from apsd.sim.research.claims import (CLAIMED_COST_PER_1M_TOKENS_USD, CLAIMED_GOVERNOR, CLAIMED_GPU_UTILIZATION,
                                       CLAIMED_JAIN, CLAIMED_JAIN_ELSEWHERE, CLAIMED_STARVATION, JAIN_TIE,
                                       MATERIAL_CHANGE, SHARE_TOLERANCE_PCT, TIE_RATIO, percent)
@@ -19,8 +20,8 @@ Results = dict[str, Comparison]
 
 
 def max_batch_size(config: Config) -> int:
-    """The ``micro`` batching policy's cap on a batch, in requests."""
-    return int(config.policy.params.get("micro", {}).get("max_batch_size", 16))
+    """The ``micro`` batching policy's cap on a batch, in requests (``[policy.micro] max_batch_size``)."""
+    return parse_section(MicroParams, config.policy.params.get("micro", {}), "policy.micro").max_batch_size
 
 
 def claim_utilization(results: Results) -> str:
