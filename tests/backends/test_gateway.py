@@ -10,8 +10,8 @@ import trio
 
 from apsd.core.config import TenantConfig
 
-from tests.helpers import (backends_up, bucket_level, forwarding_config, infer_body, start_apsd, start_daemon,
-                           stop_apsd, wait_until)
+from tests.helpers import (WAIT_S, backends_up, bucket_level, forwarding_config, infer_body, start_apsd,
+                           start_daemon, stop_apsd, wait_until)
 from tests.llama_server import (  # noqa: F401  (fixtures)
     llama_server,
     llama_server_binary,
@@ -183,24 +183,26 @@ async def test_a_client_that_leaves_mid_stream_cancels_the_upstream_request(nurs
                     if received == 20:
                         break                    # the client leaves with ~1,980 tokens to go
         backend = pipeline.engines[0].backends[0]
-        await wait_until(lambda: backend.in_flight == 0, limit_s=5)
-        async with httpx.AsyncClient(base_url=server.url, timeout=10) as direct:
-            async def processing() -> float:
+        await wait_until(lambda: backend.in_flight == 0)
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as direct:
+            async def llama_metric(name: str) -> float:
                 text = (await direct.get("/metrics")).text
                 return float(next(line.split()[1] for line in text.splitlines()
-                                  if line.startswith("llamacpp:requests_processing ")))
+                                  if line.startswith(f"llamacpp:{name} ")))
 
-            with trio.fail_after(5):                # llama.cpp itself stopped generating
-                while await processing() != 0:
+            with trio.fail_after(WAIT_S):           # llama.cpp itself stopped generating...
+                while await llama_metric("requests_processing") != 0:
                     await trio.sleep(0.05)
-        status = pipeline.tenant_status("t")
-        assert status.cancelled == 1 and 20 <= status.generated_tokens < 300   # billed what had arrived
-        # the backend's slot is free again: the next request is served at once, not after 2,000 tokens
-        async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
-            with trio.fail_after(3):
+            decoded = await llama_metric("n_decode_total")
+            assert decoded < 1000, decoded          # ...long before the 2,000 tokens asked for
+            status = pipeline.tenant_status("t")
+            assert status.cancelled == 1 and 20 <= status.generated_tokens < 300   # billed what had arrived
+            # the backend's slot is free again: the next request is served at once, not after 2,000 tokens
+            async with httpx.AsyncClient(base_url=running.url, timeout=WAIT_S) as client:
                 answer = await client.post("/v1/completions", json={"model": "slow", "prompt": "x", "max_tokens": 3},
                                            headers={"X-Apsd-Tenant": "t"})
-        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
+            assert await llama_metric("n_decode_total") - decoded < 100   # not the 1,980 tokens left first
         running.daemon.request_shutdown()
 
 
@@ -212,7 +214,7 @@ async def test_the_daemons_log_has_no_line_per_forwarded_request(llama_server, t
     process, url, seen = await start_apsd(str(config), "--port", "0")
     try:
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-            with trio.fail_after(10):
+            with trio.fail_after(WAIT_S):
                 while not (await client.get("/v1/models")).json()["data"]:
                     await trio.sleep(0.05)
             for _ in range(3):

@@ -605,7 +605,7 @@ async def test_clients_that_give_up_at_random_moments_leave_the_books_balanced(a
 
 
 def wait_until_idle(apsd: Apsd) -> dict:
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + WAIT_S
     while True:
         metrics = apsd.client.get("/metrics.json").json()
         if metrics["requests"]["in_flight"] == 0 or time.monotonic() > deadline:
@@ -638,7 +638,7 @@ def test_a_tenant_id_cannot_forge_log_lines(apsd):
     response = apsd.client.post("/infer", json={"tenant_id": f"x\n{forged}", "prompt": "", "tokens_requested": 1,
                                                 "priority_bid": 1})
     assert response.status_code == 404
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + WAIT_S
     while "2099-01-01" not in (log := apsd.log()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert "2099-01-01" in log                                   # the rejection was logged...
@@ -776,11 +776,11 @@ def test_an_early_answer_leaves_the_connection_usable(apsd, head, status):
     (or the server closed the connection): never silence."""
     host, port = apsd.url.removeprefix("http://").rsplit(":", 1)
     length = int(re.search(rb"content-length: (\d+)", head).group(1))
-    with socket.create_connection((host, int(port)), timeout=5) as sock:
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(head)                                   # the head alone: apsd answers at once...
         time.sleep(0.1)
         sock.sendall(b"x" * length)                          # ...and the body follows
-        sock.settimeout(2)
+        sock.settimeout(10)
         answer = read_answer(sock)
         assert answer is not None and answer.startswith(b"HTTP/1.1 " + status), answer
         if b"connection: close" in answer.lower():
@@ -790,7 +790,7 @@ def test_an_early_answer_leaves_the_connection_usable(apsd, head, status):
         except (BrokenPipeError, ConnectionResetError):
             return                                           # closed: the client sees it at once
         second = read_answer(sock)
-        assert second is not None, "the connection stayed open and the server sent nothing for 2 s"
+        assert second is not None, "the connection stayed open and the server sent nothing for 10 s"
         assert second == b"" or second.startswith(b"HTTP/1.1 200"), second
 
 
@@ -808,7 +808,7 @@ def test_a_client_that_pipelines_after_a_413_leaves_no_traceback(apsd):
     (the fixture checks the whole log for tracebacks when the module ends)."""
     host, port = apsd.url.removeprefix("http://").rsplit(":", 1)
     for _ in range(30):
-        with socket.create_connection((host, int(port)), timeout=5) as sock:
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
             sock.sendall(b"POST /infer HTTP/1.1\r\nhost: apsd\r\ncontent-length: 2000000\r\n\r\n")
             head = b""
             while b"\r\n\r\n" not in head:                     # the head of the answer, no more...

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 import random
@@ -15,7 +16,7 @@ import trio
 from apsd.serve.http import metrics_document
 from apsd.core.config import AdmissionConfig, GpuConfig, ServerConfig, TenantConfig
 
-from tests.helpers import infer_body, make_config, start_daemon
+from tests.helpers import WAIT_S, infer_body, make_config, start_daemon, wait_until
 
 
 #: /metrics answers Prometheus text unless the client asks for JSON (tests/daemon/test_prometheus.py)
@@ -204,7 +205,7 @@ async def send_and_wait_in_flight(nursery: trio.Nursery, client: httpx.AsyncClie
 
     for _ in range(n):
         nursery.start_soon(one)
-    with trio.fail_after(60):
+    with trio.fail_after(WAIT_S):
         while (await client.get("/metrics", headers=JSON)).json()["requests"]["admitted"] < n:
             await trio.sleep(0.01)
 
@@ -216,7 +217,7 @@ async def test_shutdown_finishes_accepted_work_and_refuses_new(nursery):
         async with trio.open_nursery() as requests:
             await send_and_wait_in_flight(requests, client, 20, 400, answers)
             running.daemon.request_shutdown()
-            await trio.sleep(0.05)
+            await wait_until(lambda: not running.daemon.pipeline.accepting)   # the doors are closed
             late = await client.post("/infer", json=infer_body("t", prompt="", tokens=10))
             assert late.status_code == 503 and late.json()["error"] == "shutting_down"
             assert "Retry-After" in late.headers
@@ -273,11 +274,15 @@ async def test_client_that_disconnects_while_queued_cancels_and_is_refunded(nurs
         async with trio.open_nursery() as requests:
             answers: list[httpx.Response] = []
             await send_and_wait_in_flight(requests, client, 1, 2000, answers)    # ~0.8 s on the GPU
-            while (await client.get("/metrics", headers=JSON)).json()["requests"]["running"] < 1:
-                await trio.sleep(0.01)
-            with trio.move_on_after(0.2):                                     # gives up while queued
-                await client.post("/infer", json=infer_body("t", prompt="", tokens=5000))
-            with trio.fail_after(5):
+            with trio.fail_after(WAIT_S):
+                while (await client.get("/metrics", headers=JSON)).json()["requests"]["running"] < 1:
+                    await trio.sleep(0.01)
+                async with trio.open_nursery() as leaving:                     # gives up while queued
+                    leaving.start_soon(functools.partial(client.post, "/infer",
+                                                         json=infer_body("t", prompt="", tokens=5000)))
+                    while (await client.get("/tenants/t/status")).json()["queued"] < 1:
+                        await trio.sleep(0.01)
+                    leaving.cancel_scope.cancel()
                 while (await client.get("/tenants/t/status")).json()["cancelled"] < 1:
                     await trio.sleep(0.01)
         status = (await client.get("/tenants/t/status")).json()
@@ -414,21 +419,22 @@ async def test_idle_and_slow_connections_are_closed_and_the_backlog_is_configura
     running = await start_daemon(nursery, config)
     port = int(running.url.rsplit(":", 1)[1])
     # never sends a request: closed after the keep-alive timeout (hypercorn's default was 5 s)
+    # (bounds: 0.3 s as configured plus what a loaded machine adds, below apsd's defaults: 5 s and 10 s)
     idle = await trio.open_tcp_stream("127.0.0.1", port)
-    data, took = await read_until_closed(idle, 3.0)
-    assert data == b"" and 0.2 < took < 2.5
+    data, took = await read_until_closed(idle, 4.5)
+    assert data == b"" and 0.2 < took < 4.0
     # a body that never arrives in full: 408 request_timeout, connection closed (Quart's default was 60 s)
     slow = await trio.open_tcp_stream("127.0.0.1", port)
     await slow.send_all(b"POST /infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                         b"Content-Length: 100\r\n\r\n{")
-    data, took = await read_until_closed(slow, 3.0)
+    data, took = await read_until_closed(slow, 12.0)
     assert data.startswith(b"HTTP/1.1 408") and b"request_timeout" in data and b"body_timeout_s" in data
-    assert took < 2.5
+    assert took < 8.0
     # idle after an answered request: closed too
     used = await trio.open_tcp_stream("127.0.0.1", port)
     await used.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-    data, took = await read_until_closed(used, 3.0)
-    assert data.startswith(b"HTTP/1.1 200") and took < 2.5
+    data, took = await read_until_closed(used, 4.5)
+    assert data.startswith(b"HTTP/1.1 200") and took < 4.0
     listening = await trio.run_process(["ss", "-ltnH", f"sport = :{port}"], capture_stdout=True)
     assert listening.stdout.split()[2] == b"777"  # Send-Q of a listening socket: its backlog
     await running.client.aclose()

@@ -109,6 +109,15 @@ async def idle_connection(url: str) -> Client | None:
     return client
 
 
+async def some_idle_connection(url: str) -> Client:
+    """:func:`idle_connection`, tried up to ``TRIES`` times (a loaded machine may be too slow once)."""
+    for _ in range(TRIES):
+        client = await idle_connection(url)
+        if client is not None:
+            return client
+    raise AssertionError(f"the server closed each of {TRIES} connections before its idle timer could run")
+
+
 async def test_a_request_that_arrives_as_the_idle_timer_fires_is_answered(nursery):
     running = await keep_alive_daemon(nursery)
     answers = []
@@ -152,8 +161,7 @@ async def test_a_request_that_never_completes_is_closed_in_bounded_time(nursery)
     """The grace a begun request gets is bounded: a client that sends a few bytes and stops (slowloris)
     does not keep its connection."""
     running = await keep_alive_daemon(nursery)
-    client = await idle_connection(running.url)
-    assert client is not None
+    client = await some_idle_connection(running.url)
     client.send_now(client.request_bytes()[:10])
     assert await client.answer() is None          # (closed, not answered: 10 s is far beyond the bound)
     client.close()
@@ -165,8 +173,7 @@ async def test_a_request_that_never_completes_is_closed_in_bounded_time(nursery)
 
 async def test_an_idle_connection_is_still_closed_after_the_timeout(nursery):
     running = await keep_alive_daemon(nursery)
-    client = await idle_connection(running.url)
-    assert client is not None
+    client = await some_idle_connection(running.url)
     started = trio.current_time()
     assert await client.answer() is None
     assert trio.current_time() - started < KEEP_ALIVE_S + 5

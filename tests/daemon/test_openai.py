@@ -24,7 +24,7 @@ from apsd.core.hookspecs import hookimpl
 from apsd.serve.http.common import BodyError
 from apsd.serve.http.openai import CHAT, COMPLETIONS, parse_openai_body, placeholder_text, priority_bid
 
-from tests.helpers import FAST_GPU, LiveDaemon, make_config, start_daemon
+from tests.helpers import FAST_GPU, WAIT_S, LiveDaemon, make_config, start_daemon
 
 TENANT = {"X-Apsd-Tenant": "tenant_a"}
 MICRO_MODEL = "apsd-batch"
@@ -99,12 +99,12 @@ async def status(live: LiveDaemon, tenant: str = "tenant_a") -> dict[str, Any]:
     return (await live.client.get(f"/tenants/{tenant}/status")).json()
 
 
-async def wait_for(predicate: Any, what: str, seconds: float = 5.0) -> None:
-    """Poll ``predicate`` (async, no arguments) until true: at most ``seconds``, 100 polls."""
-    for _ in range(100):
-        if await predicate():
-            return
-        await trio.sleep(seconds / 100)
+async def wait_for(predicate: Any, what: str, seconds: float = WAIT_S) -> None:
+    """Poll ``predicate`` (async, no arguments) every 0.05 s until true: at most ``seconds``."""
+    with trio.move_on_after(seconds):
+        while not await predicate():
+            await trio.sleep(0.05)
+        return
     raise AssertionError(f"still not {what} after {seconds} s")
 
 
@@ -601,8 +601,10 @@ async def test_a_client_that_leaves_while_queued_cancels_its_request(nursery):
     async with live.client, trio.open_nursery() as clients:
         clients.start_soon(post, live, long)
         await wait_for(lambda: _running(live, 1), "running")
-        with trio.move_on_after(0.3):  # the stream waits in the queue for its first token, then gives up
-            await live.client.post("/v1/completions", json={**long, "stream": True}, headers=TENANT)
+        async with trio.open_nursery() as leaving:  # the stream waits in the queue for its first token...
+            leaving.start_soon(post, live, {**long, "stream": True})
+            await wait_for(lambda: _queued(live, 1), "queued")
+            leaving.cancel_scope.cancel()             # ...and gives up
         await wait_for(lambda: _cancelled(live), "cancelled")
         books = await status(live)
         assert (books["queued"], books["rejected_by_error"]) == (0, {})

@@ -14,7 +14,7 @@ from apsd.core.config import GpuConfig, ServerConfig, TenantConfig, parse_config
 from apsd.engines.backends import BackendStatistics
 from apsd.serve.readiness import decide_readiness
 
-from tests.helpers import FAST_GPU, make_config, start_daemon
+from tests.helpers import FAST_GPU, WAIT_S, infer_body, make_config, start_daemon, wait_until
 
 
 def backend(name: str, models: tuple[str, ...], healthy: bool) -> BackendStatistics:
@@ -64,7 +64,7 @@ def closed_port() -> socket.socket:
     return sock
 
 
-async def wait_for_status(client, status: str, limit_s: float = 20.0):
+async def wait_for_status(client, status: str, limit_s: float = WAIT_S):
     with trio.fail_after(limit_s):
         while (answer := await client.get("/ready")).json()["status"] != status:
             await trio.sleep(0.05)
@@ -130,14 +130,13 @@ async def test_a_draining_daemon_is_not_ready_but_alive(nursery):
         assert (await client.get("/ready")).status_code == 200
         async with trio.open_nursery() as requests:
             async def one() -> None:
-                answers.append(await client.post("/infer", json={"tenant_id": "t", "prompt": "",
-                                                                 "tokens_requested": 2000, "priority_bid": 5}))
+                answers.append(await client.post("/infer", json=infer_body("t", prompt="", tokens=2000)))
             requests.start_soon(one)
-            with trio.fail_after(20):
+            with trio.fail_after(WAIT_S):
                 while (await client.get("/metrics.json")).json()["requests"]["in_flight"] < 1:
                     await trio.sleep(0.01)
             running.daemon.request_shutdown()       # what SIGTERM does: the drain begins
-            await trio.sleep(0.05)
+            await wait_until(lambda: not running.daemon.pipeline.accepting)
             draining = await client.get("/ready")
             assert draining.status_code == 503 and draining.json()["status"] == "draining", draining.text
             health = await client.get("/health")   # liveness: still serving (the drain's answers)

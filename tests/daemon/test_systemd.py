@@ -6,6 +6,7 @@ pointing at a socket the test binds, the way systemd starts a ``Type=notify`` se
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -131,11 +132,17 @@ async def check_protocol(bind_address: str, notify_socket_value: str) -> None:
             assert re.fullmatch(r"queue=0 in_flight=0 governor=[A-Z]+ window=\d+\.\dms state=serving",
                                 ready["STATUS"]), ready
 
+            # pings every WATCHDOG_USEC/2 = 0.1 s: the median gap between 8 of them is below WATCHDOG_USEC
+            # (a median: a loaded machine may hold up one or two without changing the rhythm)
             seen: list[dict[str, str]] = []
-            with trio.move_on_after(1.0):  # pings every WATCHDOG_USEC/2 = 0.1 s
-                while True:
+            pinged_at: list[float] = []
+            with trio.fail_after(30):
+                while len(pinged_at) < 8:
                     seen.append(await receive(sock))
-            assert sum(m.get("WATCHDOG") == "1" for m in seen) >= 4, seen
+                    if seen[-1].get("WATCHDOG") == "1":
+                        pinged_at.append(trio.current_time())
+            gaps = sorted(b - a for a, b in itertools.pairwise(pinged_at))
+            assert gaps[len(gaps) // 2] < 0.2, gaps
             assert all(set(m) <= {"WATCHDOG", "STATUS"} for m in seen), seen
             assert any("STATUS" in m for m in [ready, *seen])
 

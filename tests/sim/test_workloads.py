@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from apsd.core.config import Config, TenantConfig
-from apsd.engines.micro import GpuModel
+from apsd.engines.batch import GpuModel
 from apsd.policies.governor import shannon_entropy_bits
 from apsd.sim.records import Arrival, Workload
 from apsd.sim.workloads import (
