@@ -173,7 +173,7 @@ def bucket_level(daemon: Daemon, tenant: str) -> float:
 # -- the simulator's isolation measures (tests/sim/test_isolation.py, benchmarks/bench_isolation.py) ----
 
 #: The continuous engine of the isolation figures: one A100-80GB serving Llama-3-8B, with a small step
-#: budget so that the step a light tenant's request arrives in is short (docs/architecture.md: the trade).
+#: budget so that the step a light tenant's request arrives in is short (docs/explanation/architecture.md: the trade).
 ISOLATING_ENGINE = {"kind": "continuous", "gpu": "a100-80gb", "model": "llama-3-8b", "max_batched_tokens": 256}
 #: ~10x what that engine serves of the neighbour's 64/128-token requests (about 45 req/s).
 CONTINUOUS_FLOOD = 500.0

@@ -59,7 +59,10 @@ async def test_two_backends_share_the_load_and_one_killed_mid_load_loses_nothing
                                  parallel=2) as a, \
             open_llama_server(slow_model, alias="slow", binary=llama_server_binary, log_dir=tmp_path / "b",
                               parallel=2) as b:
-        running = await start_daemon(nursery, gateway_config([a, b], max_concurrency=2, max_retries=3))
+        # (health checks every 5 s: the kill is found by the requests it breaks, not by a check that
+        # happens to run first and puts them back in the queue uncounted, as on a loaded machine)
+        running = await start_daemon(nursery, gateway_config([a, b], max_concurrency=2, max_retries=3,
+                                                              health_interval_s=5.0))
         await wait_until(backends_up(running.daemon, 2))
         answers: list[httpx.Response] = []
         async with running.client as client, trio.open_nursery() as load:

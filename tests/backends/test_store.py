@@ -60,9 +60,10 @@ def test_a_shared_store_needs_wall_time_and_a_url():
 
 
 async def test_three_replicas_admit_one_tenants_rate_between_them():
-    """One tenant sent through three replicas, round robin, at twice its rate for 30 s: what they admit
-    together stays within burst + rate * T (+5%), and above 0.9 * rate * T."""
-    rate, burst, seconds = 200.0, 400, 30.0
+    """One tenant sent through three replicas, round robin, at twice its rate for 15 s: what they admit
+    together stays within burst + rate * T (+5%), and above 0.9 * rate * T. (What they admit beyond
+    burst + rate * T does not grow with T: 15 s checks the bound as 30 s did, in half the time.)"""
+    rate, burst, seconds = 200.0, 400, 15.0
     cost = 4 + 6
     async with open_redis_server() as redis:
         config = store_config(redis.url, {"t": {"rate": rate, "burst": burst}})

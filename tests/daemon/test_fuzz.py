@@ -60,6 +60,8 @@ from hypothesis import strategies as st
 
 from apsd.core.models import Completion
 
+from tests.helpers import WAIT_S
+
 APSD = str(Path(sys.executable).with_name("apsd"))
 LISTENING = re.compile(r"apsd listening on (http://\S+)")
 

@@ -782,8 +782,9 @@ def backend_cases(draw: st.DrawFn) -> tuple[str, dict, Reply]:
     return PATHS[api], request, reply
 
 
-#: Silence longer than the daemon's first_token_timeout_s and read_timeout_s below.
-STALL_S = 0.6
+#: Silence longer than the daemon's first_token_timeout_s and read_timeout_s below (BACKEND_TIMEOUT_S).
+STALL_S = 0.4
+BACKEND_TIMEOUT_S = 0.25
 #: What a client may get for a backend's fault: its request failed (502), timed out (504), or found
 #: the backend marked down (503); never a 4xx.
 BACKEND_FAULT_STATUSES = {200, 502, 503, 504}
@@ -793,8 +794,8 @@ async def test_fuzzed_backend_answers_never_crash_the_daemon_and_keep_the_books(
     caplog.set_level(logging.WARNING, logger="apsd")
     current: list[Reply] = [Reply()]
     gateway = await start_gateway(nursery, lambda exchange: current[0], health_interval_s=0.05,
-                                  first_token_timeout_s=0.4, read_timeout_s=0.4, max_retries=1,
-                                  no_backend_wait_s=5.0)
+                                  first_token_timeout_s=BACKEND_TIMEOUT_S, read_timeout_s=BACKEND_TIMEOUT_S,
+                                  max_retries=1, no_backend_wait_s=5.0)
 
     def example(client: httpx.Client, case: tuple[str, dict, Reply]) -> None:
         path, request, reply = case
