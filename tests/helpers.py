@@ -170,6 +170,15 @@ def bucket_level(daemon: Daemon, tenant: str) -> float:
     return pipeline.admission.buckets[tenant].level(pipeline.clock.now())
 
 
+def openai_client(url: str, tenant: str = "t") -> Any:
+    """The official (synchronous) OpenAI client of the daemon at ``url``, as ``tenant``: no retries,
+    30 s timeouts (call it in a thread: ``trio.to_thread.run_sync``)."""
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", default_headers={"X-Apsd-Tenant": tenant},
+                         max_retries=0, timeout=30)
+
+
 # -- the simulator's isolation measures (tests/sim/test_isolation.py, benchmarks/bench_isolation.py) ----
 
 #: The continuous engine of the isolation figures: one A100-80GB serving Llama-3-8B, with a small step

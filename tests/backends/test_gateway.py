@@ -10,8 +10,8 @@ import trio
 
 from apsd.core.config import TenantConfig
 
-from tests.helpers import (WAIT_S, backends_up, bucket_level, forwarding_config, infer_body, start_apsd,
-                           start_daemon, stop_apsd, wait_until)
+from tests.helpers import (WAIT_S, backends_up, bucket_level, forwarding_config, infer_body, openai_client,
+                           start_apsd, start_daemon, stop_apsd, wait_until)
 from tests.llama_server import (  # noqa: F401  (fixtures)
     llama_server,
     llama_server_binary,
@@ -114,13 +114,6 @@ async def test_while_the_backend_is_saturated_the_queue_keeps_apsds_priority_ord
 
 
 # -- the OpenAI API, forwarded -------------------------------------------------------------------------
-
-def openai_client(url: str, tenant: str = "t"):
-    import openai
-
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", default_headers={"X-Apsd-Tenant": tenant},
-                         max_retries=0, timeout=30)
-
 
 async def test_the_official_client_through_apsd_to_llama_cpp(nursery, llama_server):
     running = await start_daemon(nursery, gateway_config([llama_server]))

@@ -273,15 +273,15 @@ async def test_redis_killed_under_load_then_restarted(mode, caplog):
                         await trio.sleep(1 / 30)
 
             with trio.fail_after(60):
-                await load(1.5)
+                await load(1.0)
                 redis.kill()
                 await wait_for_store(daemons, available=False)
                 phase = "outage"
-                await load(3.0)
+                await load(2.0)
                 await redis.restart()
                 await wait_for_store(daemons, available=True)
                 phase = "after"
-                await load(1.5)
+                await load(1.0)
             scrape = (await daemons[0].client.get("/metrics")).text
     assert set(answers["before"]) == {"ok"}, answers
     assert set(answers["after"]) == {"ok"}, answers
@@ -354,7 +354,7 @@ def test_simulated_replicas_stay_within_what_the_buckets_grant():
     from apsd.sim.runner import parse_policy_choice
     from apsd.sim.workloads import build_workload
 
-    workload = build_workload("vtc-overload", {"duration": 120.0, "prompt_tokens": 32, "output_tokens": 32})
+    workload = build_workload("vtc-overload", {"duration": 60.0, "prompt_tokens": 32, "output_tokens": 32})
     tenants = {"tenant_a": TenantConfig(rate=30.0, burst=200), "tenant_b": TenantConfig(rate=30.0, burst=200)}
     for interval in (0.01, 1.0):
         run = run_replicas(workload, parse_policy_choice("fair"), replicas=3, sync_interval_s=interval,

@@ -810,7 +810,7 @@ async def test_fuzzed_backend_answers_never_crash_the_daemon_and_keep_the_books(
         assert time.monotonic() - started < ANSWER_S, f"a client waited more than {ANSWER_S:.0f} s for its answer"
         check_answer(response, BACKEND_FAULT_STATUSES)
 
-    await run_fuzz(gateway, caplog, backend_cases(), 150, example)
+    await run_fuzz(gateway, caplog, backend_cases(), 100, example)
     current[0] = Reply()
     gateway.backend.script = well_behaved
     await wait_until(gateway.backend_up)

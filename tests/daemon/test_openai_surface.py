@@ -10,8 +10,8 @@ import trio
 
 from apsd.core.config import ServerConfig, TenantConfig
 
-from tests.helpers import (FAST_GPU, backends_up, bucket_level, forwarding_config, make_config, start_daemon,
-                           wait_until)
+from tests.helpers import (FAST_GPU, backends_up, bucket_level, forwarding_config, make_config, openai_client,
+                           start_daemon, wait_until)
 from tests.llama_server import (  # noqa: F401  (fixtures)
     llama_server_binary,
     open_llama_server,
@@ -27,13 +27,6 @@ TENANTS = {"t": TenantConfig(rate=1e-6, burst=BURST)}
 
 def forwarding_to(url: str):
     return forwarding_config([url], TENANTS, metrics_interval_s=0.2)
-
-
-def openai_client(url: str):
-    import openai
-
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", default_headers={"X-Apsd-Tenant": "t"},
-                         max_retries=0, timeout=30)
 
 
 def charged(daemon) -> float:

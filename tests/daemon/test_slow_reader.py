@@ -35,9 +35,10 @@ DROP_MARGIN_S = 14.0
 STALLED_TOKENS = 2_000_000
 #: Output tokens of the slow reader's answer: about 5 MB.
 SLOW_TOKENS = 800_000
-#: The slow reader takes at most this much every READ_EVERY_S (it reads far more often than
-#: SEND_TIMEOUT_S, but far slower than apsd writes, so apsd's writes wait for it).
-READ_BYTES = 131_072
+#: The slow reader's receive buffer, and what it takes at most every READ_EVERY_S (it reads far more
+#: often than SEND_TIMEOUT_S, but far slower than apsd writes, so apsd's writes wait for it).
+RECEIVE_BUFFER = 131_072
+READ_BYTES = 262_144
 READ_EVERY_S = 0.2
 #: 128k tokens per model second for one sequence, a model second is 0.2 wall seconds: a stream of
 #: 2M tokens lasts about 3 wall seconds (delivered in about 300 pieces).
@@ -201,7 +202,7 @@ async def test_a_reader_that_reads_slowly_gets_the_whole_answer(nursery, caplog)
     caplog.set_level(logging.INFO)
     admitted = Admitted()
     live = await slow_reader_daemon(nursery, admitted)
-    with small_buffered_socket(live.url, READ_BYTES) as sock:
+    with small_buffered_socket(live.url, RECEIVE_BUFFER) as sock:
         sock.sendall(completion_request(live.url, SLOW_TOKENS))
         raw, closed = await trio.to_thread.run_sync(read_slowly, sock, abandon_on_cancel=True)
     assert closed, f"the slow reader's connection ended without the server closing it ({len(raw)} bytes)"

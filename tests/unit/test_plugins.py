@@ -74,8 +74,25 @@ BROKEN = {
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN))
-def test_broken_plugin_stops_startup_naming_it(tmp_path, case):
+def test_a_broken_plugin_is_one_error_naming_it(tmp_path, monkeypatch, case):
+    """Loading the installed plugins (as the daemon and ``apsd plugins`` do, in process): one
+    PluginError, on one line, naming the plugin and what is wrong with it."""
     source, expected = BROKEN[case]
+    install_fake_plugin(tmp_path, source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("broken_mod", None)    # (each case's module has the same name)
+    try:
+        with pytest.raises(PluginError) as raised:
+            load_policy_registry(make_plugin_manager(allow="broken"))
+    finally:
+        sys.modules.pop("broken_mod", None)
+    assert expected in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_broken_plugin_stops_startup_naming_it(tmp_path):
+    """The command, for one of the cases above (each is the same PluginError to the command): the
+    daemon does not start, ``apsd plugins`` does not list, with status 1 and that one line."""
+    source, expected = BROKEN["import error"]
     install_fake_plugin(tmp_path, source)
     env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
     for args in (["--port", "0"], ["plugins"]):
