@@ -92,8 +92,10 @@ class LiveDaemon:
 
 async def start_daemon(nursery: trio.Nursery, config: Config, preset: str | None = None,
                        plugins: Sequence[object] = ()) -> LiveDaemon:
-    """A daemon in this process on the config's address (port 0: any free one), built-in plugins
-    only, and ``plugins`` (objects with ``@apsd.core.hookspecs.hookimpl`` methods, e.g. recorders)."""
+    """A daemon in this process on the config's host and a free port (whatever port the config
+    names: a test never takes a fixed one), built-in plugins only, and ``plugins`` (objects with
+    ``@apsd.core.hookspecs.hookimpl`` methods, e.g. recorders)."""
+    config = attrs.evolve(config, server=attrs.evolve(config.server, port=0))
     plugin_manager = make_plugin_manager(load_entry_points=False)
     for plugin in plugins:
         plugin_manager.register(plugin)
