@@ -34,6 +34,8 @@ APSD = str(Path(sys.executable).with_name("apsd"))
 LISTENING = re.compile(rb"apsd listening on (http://\S+)")
 #: A simulated GPU 1000x faster than real time, for daemons over real HTTP.
 FAST_GPU = GpuConfig(time_scale=0.001)
+#: ``[server] port`` when a config names none.
+DEFAULT_PORT = ServerConfig().port
 #: How long :func:`wait_until` waits by default (real seconds): a condition that takes longer on a
 #: loaded machine is a failure, well inside pytest's 120 s timeout.
 WAIT_S = 60.0
@@ -92,10 +94,12 @@ class LiveDaemon:
 
 async def start_daemon(nursery: trio.Nursery, config: Config, preset: str | None = None,
                        plugins: Sequence[object] = ()) -> LiveDaemon:
-    """A daemon in this process on the config's host and a free port (whatever port the config
-    names: a test never takes a fixed one), built-in plugins only, and ``plugins`` (objects with
-    ``@apsd.core.hookspecs.hookimpl`` methods, e.g. recorders)."""
-    config = attrs.evolve(config, server=attrs.evolve(config.server, port=0))
+    """A daemon in this process on the config's host and port, built-in plugins only, and ``plugins``
+    (objects with ``@apsd.core.hookspecs.hookimpl`` methods, e.g. recorders). A config that leaves the
+    port at its default (8002) gets a free one instead: a test never takes a fixed port by accident;
+    one that names a port (a second daemon on the first one's, with ``reuse_port``) keeps it."""
+    if config.server.port == DEFAULT_PORT:
+        config = attrs.evolve(config, server=attrs.evolve(config.server, port=0))
     plugin_manager = make_plugin_manager(load_entry_points=False)
     for plugin in plugins:
         plugin_manager.register(plugin)

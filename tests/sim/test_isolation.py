@@ -82,7 +82,7 @@ HTTP_TIME_SCALE = 4.0
 
 def http_config():
     tenant = {"rate": 1e9, "burst": 10**12}
-    return make_config({"engine": ISOLATING_ENGINE, "gpu": {"time_scale": HTTP_TIME_SCALE},
+    return make_config({"engine": ISOLATING_ENGINE, "gpu": {"time_scale": HTTP_TIME_SCALE}, "server": {"port": 0},
                         "tenants": {"steady": tenant, "neighbor": tenant}})
 
 
