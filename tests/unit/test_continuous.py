@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import random
 
-import attrs
 import pytest
-import trio
-import trio.testing
 
 from apsd.core.config import EngineConfig, TenantConfig
 from apsd.engines import deployment_for
 from apsd.engines.continuous import ContinuousEngine
-from apsd.core.models import Completion, Refusal
+from apsd.core.models import Completion
 from apsd.pipeline import open_pipeline
 from apsd.core.streams import TokenChunk, TokenStream
 

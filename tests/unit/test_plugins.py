@@ -18,7 +18,6 @@ from apsd.core import hookspecs
 from apsd.serve.http import metrics_document
 from apsd.core.config import EngineConfig, GpuConfig, ServerConfig, TenantConfig
 from apsd.serve.daemon import Daemon
-from apsd.core.events import EventBus
 from apsd.core.models import Completion
 from apsd.pipeline import open_pipeline
 from apsd.plugins import PluginError, load_policy_registry, make_plugin_manager
