@@ -11,7 +11,7 @@ streamed chat requests to each, alternating rounds so the two see the same machi
     .venv/bin/python benchmarks/bench_gateway.py            # ~1 minute
     .venv/bin/python benchmarks/bench_gateway.py --quick
 
-Goals (issue 13): at most 2 ms added at p50 and 10 ms at p99, at least 0.9x the direct streaming
+Goals: at most 2 ms added at p50 and 10 ms at p99, at least 0.9x the direct streaming
 throughput. On a 2-core machine the server, apsd and this client share the cores: read the added
 latency as an upper bound.
 """

@@ -1,4 +1,4 @@
-"""Isolation figures: issue 14's "done when" for every built-in policy (and ``vtc`` when installed).
+"""Isolation figures: the isolation bounds for every built-in policy (and ``vtc`` when installed).
 
 What it prints (virtual time, through apsd's own pipeline; the same seeds give the same figures)
     - continuous engine (``ISOLATING_ENGINE`` of tests/helpers.py, as tests/sim/test_isolation.py

@@ -1,4 +1,4 @@
-"""Replicas sharing tenants' buckets and fair share through a real ``redis-server`` (issue 15).
+"""Replicas sharing tenants' buckets and fair share through a real ``redis-server``.
 
 Every daemon here is a real apsd on 127.0.0.1:0, spoken to over HTTP; they share one Redis started
 by the test on a free port. Wall-clock tests (Redis times the buckets in wall seconds): each is

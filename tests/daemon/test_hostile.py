@@ -1,4 +1,4 @@
-"""Hostile clients and hostile backends against the daemon and its ``forward`` engine (issue 19):
+"""Hostile clients and hostile backends against the daemon and its ``forward`` engine:
 nothing either sends may stop the daemon, every client is answered, a client's own error is never
 a 5xx, and a tenant's books stay balanced.
 
@@ -6,7 +6,7 @@ Every test runs a real daemon in this process (``start_daemon``) in front of a r
 127.0.0.1 port 0, the stand-in backend of ``tests/standin_backend.py``, whose answers the test
 scripts. The daemon and the stand-in run in the test's nursery; both stop when the test ends.
 
-* Reproductions of the crashes issue 19 reports (both failed on the code before its fix, commit
+* Reproductions of two crashes found by an outside tester (both failed on the code before its fix, commit
   9397ce3): a ``/v1`` body nested 700 or 800 levels deep; a backend's ``usage`` that is not a
   believable count (``"abc"``, ``1e400``, ``[1]``, negative, ``10**12``, beyond ``max_tokens``),
   answered whole or streamed.
@@ -202,7 +202,7 @@ def document(fields: dict[str, str]) -> bytes:
     return ("{" + ",".join(f"{json.dumps(k)}:{v}" for k, v in fields.items()) + "}").encode("utf-8", "surrogatepass")
 
 
-# -- 1a. a body nested deep (issue 19: RecursionError in the forward engine's copy ended the daemon) ----
+# -- 1a. a body nested deep (a RecursionError in the forward engine's copy used to end the daemon) ----
 
 DEEP_BODIES = {
     "an unknown field 700 deep": document({"model": '"standin"', "messages": json.dumps(MESSAGES),
@@ -250,7 +250,7 @@ async def test_a_body_nested_to_the_limit_passes_through_intact(nursery):
     gateway.running.daemon.request_shutdown()
 
 
-# -- 1b. a backend's usage that is not a believable count (issue 19: int("abc") ended the daemon) -------
+# -- 1b. a backend's usage that is not a believable count (int("abc") used to end the daemon) -------
 
 MAX_TOKENS = 8
 BAD_USAGES = {

@@ -1,5 +1,5 @@
 """A client that opens a streamed answer and then reads nothing is dropped after ``[server]
-send_timeout_s`` (issue 19: every client is answered in bounded time); one that reads slowly is not.
+send_timeout_s`` (every client is answered in bounded time); one that reads slowly is not.
 
 Through a real daemon on 127.0.0.1:0 and raw sockets whose receive buffer is kept small, so that
 the answer outgrows what the kernels hold and apsd's writes wait for the client. The simulated GPU

@@ -1,7 +1,7 @@
 """Tenant isolation under the default preset, in virtual time through the daemon's own pipeline.
 
 Each test runs a built-in workload with and without the flooding tenant (or over two run
-lengths) and compares the figures issue 14 sets, the way ``apsd simulate`` computes them.
+lengths) and compares the isolation figures, the way ``apsd simulate`` computes them.
 """
 
 from __future__ import annotations

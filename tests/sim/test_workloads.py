@@ -25,7 +25,7 @@ from apsd.sim.workloads import (
 
 BUILTIN_NAMES = ["seed-stress", "burst-50", "poisson", "periodic", "bursty", "vip-flood", "vtc-overload",
                  "head-of-line", "noisy-neighbor", "proportional", "on-off", "increase", "dist-shift"]
-#: Tenant isolation's workloads (issue 14): each overloads the seed GPU with its defaults.
+#: Tenant isolation's workloads: each overloads the batch engine's GPU with its defaults.
 ISOLATION_NAMES = ["noisy-neighbor", "proportional", "on-off", "increase", "dist-shift"]
 DEFAULTS = {name: defaults for name, _, defaults in list_workloads()}
 #: Every built-in draws something from its seed except the seed's own stress test.

@@ -33,7 +33,7 @@ def deploy(gpu: str, model: str, tp: int = 1, **kwargs) -> Deployment:
     return Deployment.build(r.get_gpu(gpu), r.get_model(model), tp, **kwargs)
 
 
-# -- the required figures (../shared/REFERENCE.md §4: LMDeploy, A100-80GB, Llama-2-7B) ----------------------
+# -- the required figures (published LMDeploy figures, A100-80GB, Llama-2-7B) ----------------------
 
 def test_single_stream_decode_is_about_9_8_ms_per_token():
     estimate = estimate_static_batch(deploy("a100-80gb", "llama-2-7b"), 1, 1, 128)
