@@ -356,9 +356,14 @@ class EngineConfig:
     #: Tokens one continuous-engine iteration processes: one per decoding sequence, the rest
     #: prefill chunks (vLLM's max_num_batched_tokens with chunked prefill).
     max_batched_tokens: int = attrs.field(default=8192, validator=between(1, 10**7))
-    #: Headroom of one continuous engine: its last free sequence slots go only to requests of light
-    #: tenants (running few sequences on it), whose prompts are also prefilled ahead of the decodes.
-    reserved_sequences: int = attrs.field(default=16, validator=between(0, 100_000))
+    #: Tenant isolation on a continuous engine: a tenant below its share of ``max_sequences`` gets in
+    #: when the engine is full (tenants above their share are preempted), its prompt is prefilled
+    #: first, and the others' prompts in short chunks (docs/explanation/fairness-and-admission.md).
+    isolation: bool = True
+    #: Prefill tokens per step of tenants at or above their share while isolating; 0 derives it
+    #: from the deployment (the smallest chunk about as cheap per token as any: 512 on an A100 for
+    #: llama-3-8b).
+    prefill_chunk_tokens: int = attrs.field(default=0, validator=between(0, 10**7))
     #: Share of the GPUs' memory for weights and KV cache (vLLM's gpu_memory_utilization).
     memory_fraction: float = attrs.field(default=0.9, validator=between(0.05, 1.0))
     #: USD per GPU-hour; 0 takes the GPU profile's price (continuous; batch uses gpu.price_per_hour_usd).
@@ -377,10 +382,6 @@ class EngineConfig:
         """Relays to ``[[backends]]``."""
         return ENGINE_KINDS[self.kind].forwards
 
-    def __attrs_post_init__(self) -> None:
-        if self.reserved_sequences >= self.max_sequences:
-            raise ValueError(f"reserved_sequences: must be below max_sequences ({self.max_sequences}), "
-                             f"got {self.reserved_sequences}")
 
 
 def http_url(_inst: object, attribute: attrs.Attribute, value: str) -> None:

@@ -227,10 +227,12 @@ class Capacity:
     #: model they serve); None: one pool for every model. A request naming a model with no slot
     #: left does not fit; one naming no model (``POST /infer``) fits any slot.
     slots_per_model: dict[str, int] | None = None
-    #: Headroom: the last ``reserved`` free sequences go only to requests ``light`` accepts (their
-    #: tenant runs few sequences on the engine); None: no headroom.
-    reserved: int = 0
-    light: Callable[[InferenceRequest], bool] | None = None
+    #: Room only requests of tenants below their share may take (``under_share`` says which):
+    #: slots a ``forward`` engine holds back for them, or the sequences and KV cache a ``continuous``
+    #: engine would free by preempting tenants above their share. None: no such room.
+    held_sequences: int = 0
+    held_kv_tokens: int = 0
+    under_share: Callable[[InferenceRequest], bool] | None = None
 
     def need(self, request: InferenceRequest) -> int:
         """KV tokens ``request`` needs to join."""
@@ -238,14 +240,18 @@ class Capacity:
             return request.cost_tokens
         return request.prompt_tokens + request.tokens_generated + 1
 
-    def slot_for(self, request: InferenceRequest, taken: int = 0) -> bool:
-        """Whether a sequence slot is left for ``request`` once ``taken`` are given to others."""
-        left = self.sequences - taken
-        return left > self.reserved or (left > 0 and self.light is not None and self.light(request))
+    def admits(self, request: InferenceRequest, taken: int = 0, kv_taken: int = 0) -> bool:
+        """Whether ``request`` fits once ``taken`` sequences and ``kv_taken`` KV tokens went to
+        others: in the free room, or (its tenant below its share) in the held room too."""
+        need = kv_taken + self.need(request)
+        if self.sequences - taken > 0 and need <= self.kv_tokens:
+            return True
+        return (self.under_share is not None and self.sequences + self.held_sequences - taken > 0
+                and need <= self.kv_tokens + self.held_kv_tokens and self.under_share(request))
 
     def fits(self, request: InferenceRequest) -> bool:
         """Whether ``request`` alone fits what is free."""
-        if not self.slot_for(request) or self.need(request) > self.kv_tokens:
+        if not self.admits(request):
             return False
         slots = self.slots_per_model
         return slots is None or request.model is None or slots.get(request.model, 0) > 0

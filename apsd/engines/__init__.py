@@ -145,7 +145,8 @@ class _Continuous:
         price = engine.price_per_gpu_hour_usd * engine.tp
         return [ContinuousEngine(i, deployment, ledger, clock, rank, max_sequences=engine.max_sequences,
                                  max_batched_tokens=engine.max_batched_tokens,
-                                 reserved_sequences=engine.reserved_sequences, price_per_hour_usd=price)
+                                 isolation=engine.isolation, prefill_chunk_tokens=engine.prefill_chunk_tokens,
+                                 price_per_hour_usd=price)
                 for i in range(engine.count)]
 
 

@@ -17,13 +17,32 @@ one waits), to be recomputed: its prompt and the tokens it had generated are pre
 then it continues. A request that could never fit (prompt + requested beyond the cache or the
 model's context) is refused at admission.
 
-Headroom and the fast lane (``[engine] reserved_sequences``): the last free sequence slots
-go only to requests of *light* tenants, those with fewer requests in this engine than an
-eighth of an equal share of ``max_sequences`` (:meth:`ContinuousEngine.light`), so a tenant
-that floods cannot take every slot and make a light tenant wait for a sequence to finish. A
-light tenant's sequence is prefilled in a step of its own, before the decodes of the running
-batch (which wait that one short step, never two in a row), so its first token does not wait
-for a step of the whole batch either. With ``reserved_sequences = 0`` neither applies.
+Isolation (``[engine] isolation``, on by default): a tenant is *below its share* when it has
+fewer sequences in this engine than ``max_sequences`` divided by the tenants there, itself
+included (:meth:`ContinuousEngine.under_share`). Three rules keep such a tenant's first token
+close to what it would be alone, whatever the others send:
+
+1. **It gets in.** When the engine is full (sequences or KV cache), it still takes a request of
+   a tenant below its share: it preempts (recompute) the newest sequences of the tenant furthest
+   above its share until the newcomer fits. The room this could free is offered to the
+   scheduler as held room (``Capacity.held_sequences``, ``held_kv_tokens``), which only such
+   requests may take, and the fair-share queues let them pass the head.
+2. **Its prompt goes first.** Its prefill runs in a step of its own, before the decodes of the
+   running batch (which wait that one step, never two in a row).
+3. **Steps stay short.** The prompts of tenants at or above their share are prefilled in chunks
+   of at most ``prefill_chunk_tokens`` per step (Sarathi-Serve's chunked prefill), so the step a
+   newcomer arrives during is short too. By default the chunk is the smallest whose prefill is
+   about as cheap per token as any (:func:`prefill_chunk_for`; 512 tokens for llama-3-8b on an
+   A100): shorter steps at almost no cost in throughput.
+
+The guarantee (:meth:`ContinuousEngine.first_token_bound_s`): from its dispatch, the first token
+of a request of a tenant below its share comes within ``2 S + F``, where ``S`` is the longest
+step the engine can take while isolating (a prefill chunk beside ``max_sequences - 1`` decodes
+reading the whole KV cache) and ``F`` the fast step that prefills it with the other prompts of
+tenants below their share then waiting (at most ``max_batched_tokens``): the step in progress,
+one decode step if the previous step was a fast one, then its own. Its queue wait is the
+scheduler's (the governor's window under the fair-share queues). With ``isolation = false`` none
+of this applies: FCFS steps of up to ``max_batched_tokens``, no preemption but for KV growth.
 
 Events, not tokens: a run of steps in which only decoding happens and nothing joins, finishes,
 runs out of cache or is cancelled is computed in closed form
@@ -45,7 +64,7 @@ import heapq
 import itertools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import attrs
 import trio
@@ -58,12 +77,26 @@ from apsd.core.streams import TokenChunk
 from apsd.core.engine import Demand, EngineStatistics, completion
 from apsd.engines.roofline import Deployment
 
-__all__ = ["ContinuousEngine"]
+__all__ = ["ContinuousEngine", "prefill_chunk_for"]
 
 log = logging.getLogger("apsd.engines.continuous")
 
 #: Model seconds between two deliveries of tokens to the streams of decoding sequences.
 STREAM_INTERVAL_S = 0.05
+#: A prefill chunk is as cheap per token as any when its prefill costs at most this much more per
+#: token than the cheapest chunk's (:func:`prefill_chunk_for`).
+CHUNK_TOLERANCE = 0.10
+
+
+def prefill_chunk_for(deployment: Deployment, max_batched_tokens: int) -> int:
+    """The default prefill chunk while isolating: the smallest power of two (64 or more, at most
+    ``max_batched_tokens``) whose prefill, alone in a step, costs per token at most
+    ``CHUNK_TOLERANCE`` more than the cheapest power of two's. Below it a step's fixed cost (reading
+    the weights) shows; above it steps only get longer."""
+    sizes = [1 << k for k in range(6, 31) if 1 << k <= max_batched_tokens] or [max_batched_tokens]
+    per_token = {n: deployment.step_s([(n, 0)], 0, 0) / n for n in sizes}
+    cheapest = min(per_token.values())
+    return next(n for n in sizes if per_token[n] <= cheapest * (1 + CHUNK_TOLERANCE))
 
 
 @attrs.define(eq=False, slots=True)
@@ -82,8 +115,6 @@ class Sequence:
     cost_base: float = 0.0
     #: The engine's decode-step count at which it has all its tokens.
     finish_step: int = 0
-    #: Its tenant was light when it joined: its prompt is prefilled ahead of the decodes.
-    fast: bool = False
 
 
 @attrs.define(eq=False)
@@ -98,8 +129,11 @@ class ContinuousEngine:
     rank: Callable[[InferenceRequest, float], float]
     max_sequences: int = 256
     max_batched_tokens: int = 8192
-    #: Headroom: the last free slots, for light tenants only (see :meth:`light`).
-    reserved_sequences: int = 0
+    #: Share-based admission, preemption and fast-lane prefill (the module docstring).
+    isolation: bool = True
+    #: Prefill tokens per step of tenants at or above their share while isolating (0: derived
+    #: from the deployment, :func:`prefill_chunk_for`).
+    prefill_chunk_tokens: int = 0
     price_per_hour_usd: float = 0.0
     kind: str = attrs.field(default="continuous", init=False)
     apis: tuple[str, ...] = attrs.field(default=GENERATION_APIS, init=False)
@@ -110,11 +144,13 @@ class ContinuousEngine:
     _decoding: dict[InferenceRequest, Sequence] = attrs.field(factory=dict, init=False)
     _finishes: list[tuple[int, int, Sequence]] = attrs.field(factory=list, init=False)
     _preempted: list[Sequence] = attrs.field(factory=list, init=False)
-    #: Tenant -> its requests in this engine (dispatched here and not finished), for :meth:`light`.
+    #: Tenant -> its requests in this engine (dispatched here and not finished), for :meth:`under_share`.
     _per_tenant: collections.Counter[str] = attrs.field(factory=collections.Counter, init=False)
     #: The last step was a fast-lane prefill (the next one decodes, whatever waits).
     _fast_last: bool = attrs.field(default=False, init=False)
     _streaming: set[Sequence] = attrs.field(factory=set, init=False)
+    #: Model time of the last delivery of tokens to the streams of decoding sequences.
+    _delivered_at: float = attrs.field(default=0.0, init=False)
     #: Decode steps taken so far (every decoding sequence advances one token per step).
     _step: int = attrs.field(default=0, init=False)
     #: Tokens in the KV caches of the decoding sequences, summed.
@@ -150,6 +186,8 @@ class ContinuousEngine:
             self.price_per_hour_usd = self.deployment.price_per_hour_usd
         self.t = self.clock.now()
         self._watermark = self.deployment.kv_capacity_tokens // 100
+        if not self.prefill_chunk_tokens:
+            self.prefill_chunk_tokens = prefill_chunk_for(self.deployment, self.max_batched_tokens)
 
     # -- the seam --------------------------------------------------------------------------------
     def refuse(self, request: InferenceRequest) -> Refusal | None:
@@ -169,23 +207,67 @@ class ContinuousEngine:
 
     def free(self) -> Capacity:
         """Room for new sequences: none while a preempted one waits; KV cache beyond a watermark
-        (1% of it, as vLLM keeps) and the next step's growth of the decoding sequences."""
-        if self._preempted:
-            return Capacity(sequences=0, kv_tokens=0, reserve_output=False)
-        running = len(self._prefilling) + len(self._decoding) + sum(len(d.requests) for d in self._inbox)
-        return Capacity(sequences=max(0, self.max_sequences - running),
-                        kv_tokens=max(0, self._spare_kv() - self._inbox_kv()), reserve_output=False,
-                        reserved=self.reserved_sequences, light=self.light if self.reserved_sequences else None)
+        (1% of it, as vLLM keeps) and the next step's growth of the decoding sequences. While
+        isolating, the room preempting tenants above their share would free is held for the others."""
+        inbox = sum(len(d.requests) for d in self._inbox)
+        running = len(self._prefilling) + len(self._decoding) + inbox
+        kv = self._spare_kv() - self._inbox_kv()
+        slots = self.max_sequences - running
+        if not self.isolation:
+            if self._preempted:
+                return Capacity(sequences=0, kv_tokens=0, reserve_output=False)
+            return Capacity(sequences=max(0, slots), kv_tokens=max(0, kv), reserve_output=False)
+        held_sequences, held_kv = self._preemptible()
+        held_sequences += min(0, slots)  # (dispatched requests not yet joined may have taken some already)
+        held_kv += min(0, kv)
+        slots, kv = max(0, slots), max(0, kv)
+        if self._preempted:  # what was preempted comes back first, after tenants below their share
+            held_sequences, held_kv, slots, kv = held_sequences + slots, held_kv + kv, 0, 0
+        return Capacity(sequences=slots, kv_tokens=kv, reserve_output=False, held_sequences=max(0, held_sequences),
+                        held_kv_tokens=max(0, held_kv), under_share=self.under_share)
 
-    def light(self, request: InferenceRequest) -> bool:
-        """Whether ``request``'s tenant is light here: another tenant has requests in this engine, and
-        it has fewer than an eighth of an equal share of ``max_sequences`` between the tenants here
-        (itself included). Alone, a tenant has no one to be isolated from."""
-        return self._light(request.tenant_id, self._per_tenant.get(request.tenant_id, 0))
+    def under_share(self, request: InferenceRequest) -> bool:
+        """Whether ``request``'s tenant is below its share here: it has fewer sequences in this engine
+        than ``max_sequences`` divided by the tenants here, itself included."""
+        return self._below_share(request.tenant_id, self._per_tenant.get(request.tenant_id, 0))
 
-    def _light(self, tenant: str, mine: int) -> bool:
-        others = len(self._per_tenant) - (tenant in self._per_tenant)
-        return others > 0 and mine < max(1, self.max_sequences // (8 * (others + 1)))
+    def _below_share(self, tenant: str, mine: int) -> bool:
+        tenants = len(self._per_tenant) + (tenant not in self._per_tenant)
+        return mine * tenants < self.max_sequences
+
+    def _over_share(self, tenant: str) -> bool:
+        return self._per_tenant[tenant] * len(self._per_tenant) > self.max_sequences
+
+    def _fast(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s prompt takes the fast lane: its tenant is below its share and another
+        tenant here has more sequences."""
+        per_tenant, tenant = self._per_tenant, seq.request.tenant_id
+        mine = per_tenant[tenant]
+        return self._below_share(tenant, mine) and any(n > mine for n in per_tenant.values())
+
+    def _preemptible(self) -> tuple[int, int]:
+        """Sequences and KV tokens of tenants above their share (counting one more tenant: a newcomer),
+        beyond that share: what preempting them could free for a tenant below its share."""
+        if not self._per_tenant:
+            return 0, 0
+        tenants = len(self._per_tenant) + 1
+        share = self.max_sequences // tenants
+        over = {t for t, n in self._per_tenant.items() if n > share}
+        if not over:
+            return 0, 0
+        sequences = sum(self._per_tenant[t] - share for t in over)
+        kv = sum(seq.context + seq.prompt_left for seq in (*self._decoding.values(), *self._prefilling)
+                 if seq.request.tenant_id in over)
+        return sequences, kv
+
+    def first_token_bound_s(self, fast_prompt_tokens: int) -> float:
+        """The guarantee: model seconds from a dispatch to the first token of a request of a tenant
+        below its share, when the prompts of such tenants waiting in the fast lane with it (its own
+        included) add up to ``fast_prompt_tokens`` (at most ``max_batched_tokens``)."""
+        d = self.deployment
+        chunk = min(self.prefill_chunk_tokens, self.max_batched_tokens)
+        longest = d.step_s([(chunk, d.max_context)], self.max_sequences - 1, d.kv_capacity_tokens)
+        return 2 * longest + d.step_s([(fast_prompt_tokens, 0)], 0, 0)
 
     def _spare_kv(self) -> int:
         """KV tokens that can be given to a sequence joining or resuming now."""
@@ -280,7 +362,7 @@ class ContinuousEngine:
         if self._asked or self._empty_at == self._version:
             return
         free = self.free()
-        if free.sequences > 0 and free.kv_tokens > 0:
+        if (free.sequences > 0 and free.kv_tokens > 0) or (free.held_sequences > 0 and free.held_kv_tokens > 0):
             self._asked = True
             self._demands.send_nowait(Demand(self))
 
@@ -322,22 +404,23 @@ class ContinuousEngine:
                     continue
                 if request.stream is not None and request.stream.abandoned:
                     self._aborts.add(request)
-                fast = self.reserved_sequences > 0 and self._light(  # (judged without itself)
-                    request.tenant_id, self._per_tenant[request.tenant_id] - 1)
-                seq = Sequence(request, prompt_left=request.prompt_tokens, fast=fast)
+                seq = Sequence(request, prompt_left=request.prompt_tokens)
                 self._kv_used += seq.prompt_left
                 self._prefilling.append(seq)
                 if request.stream is not None:
                     self._streaming.add(seq)
             if self._aborts:
                 self._boundary()
+        if self.isolation:
+            self._make_room()
         if self._preempted:
             self._resume()
 
     def _resume(self) -> None:
         """Move preempted sequences whose recomputation fits back to prefilling, highest rank first."""
         self._preempted.sort(key=lambda s: (-self.rank(s.request, self.t), s.request.seq))
-        while self._preempted and self._preempted[0].prompt_left + 1 <= self._spare_kv():
+        while (self._preempted and self._preempted[0].prompt_left + 1 <= self._spare_kv()
+               and len(self._prefilling) + len(self._decoding) < self.max_sequences):
             seq = self._preempted.pop(0)
             self._kv_used += seq.prompt_left
             self._prefilling.appendleft(seq)
@@ -345,20 +428,27 @@ class ContinuousEngine:
 
     # -- one step with prefill ---------------------------------------------------------------------
     async def _mixed_step(self) -> None:
-        """One step: the decodes and prefill chunks; or, for light tenants' prompts (the fast lane),
-        their chunks alone, the decodes waiting one (short) step; never two such steps in a row."""
+        """One step: the decodes and prefill chunks (while isolating, at most ``prefill_chunk_tokens``
+        of them, the prompts of the tenants with the fewest sequences here first); or the fast lane:
+        the prompts of tenants below their share alone, the decodes waiting one (short) step; never
+        two such steps in a row."""
         d = self.deployment
-        fast = not self._fast_last and any(seq.fast for seq in self._prefilling)
+        prefilling: Iterable[Sequence] = self._prefilling
+        fast = False
+        if self.isolation:
+            per_tenant = self._per_tenant
+            prefilling = sorted(prefilling, key=lambda s: (per_tenant[s.request.tenant_id], s.request.seq))
+            fast = not self._fast_last and self._fast(prefilling[0])
         self._fast_last = fast
         decoding = 0 if fast else len(self._decoding)
         decode_context = 0 if fast else self._decode_context
         budget = self.max_batched_tokens - decoding
+        if self.isolation:  # a fast step prefills the first prompt whole, a slow one a chunk of it
+            budget = min(budget, max(self.prefill_chunk_tokens, prefilling[0].prompt_left if fast else 0))
         chunks: list[tuple[Sequence, int]] = []
-        for seq in self._prefilling:
-            if budget <= 0:
+        for seq in prefilling:
+            if budget <= 0 or (fast and not self._fast(seq)):
                 break
-            if fast and not seq.fast:
-                continue
             chunk = min(seq.prompt_left, budget)
             chunks.append((seq, chunk))
             budget -= chunk
@@ -374,6 +464,8 @@ class ContinuousEngine:
         if decoding:
             self._advance(1, per_token)
         self.t = end
+        if decoding and self.t - self._delivered_at >= STREAM_INTERVAL_S:
+            self._deliver_decoded()
         for seq, chunk in chunks:
             seq.request.cost_usd += chunk * per_token
             seq.context += chunk
@@ -428,12 +520,19 @@ class ContinuousEngine:
                       steps * d.model.weight_bytes + context_read * d.kv_bytes_per_token)
         self._advance(steps, cost / (n * steps))
         self.t = end
-        if self._streaming:
-            for seq in self._streaming:
-                if seq.request in self._decoding:
-                    self._sync(seq)
-                    self._deliver(seq)
+        self._deliver_decoded()
         self._finish_due()
+
+    def _deliver_decoded(self) -> None:
+        """Give the streams of decoding sequences their new tokens (at most every ``STREAM_INTERVAL_S``
+        while steps carry prefill; a run of decode steps is cut at that interval already)."""
+        if not self._streaming:
+            return
+        self._delivered_at = self.t
+        for seq in self._streaming:
+            if seq.request in self._decoding:
+                self._sync(seq)
+                self._deliver(seq)
 
     def _advance(self, steps: int, cost_per_token: float) -> None:
         """Every decoding sequence takes ``steps`` more steps, paying ``cost_per_token`` each."""
@@ -482,10 +581,10 @@ class ContinuousEngine:
 
     # -- endings ----------------------------------------------------------------------------------
     def _complete(self, seq: Sequence) -> None:
+        if seq in self._streaming:  # (its last tokens: a mixed step delivers none to decoding sequences)
+            self._deliver(seq)
         self._release(seq)
         request = seq.request
-        if seq in self._streaming:
-            self._deliver(seq)
         self.ledger.finish(request, completion(request, engine_id=self.engine_id, end=self.t), at=self.t)
 
     def _release(self, seq: Sequence) -> None:
@@ -521,26 +620,49 @@ class ContinuousEngine:
                                             "the client disconnected while the request was running",
                                             kind="cancelled"), at=self.t)
 
+    def _make_room(self) -> None:
+        """While isolating: requests of tenants below their share joined a full engine; preempt the
+        newest sequences of the tenants furthest above their share until everything fits."""
+        over_slots = len(self._prefilling) + len(self._decoding) - self.max_sequences
+        over_kv = self._kv_used + len(self._decoding) - (self.deployment.kv_capacity_tokens - self._watermark)
+        while (over_slots > 0 or over_kv > 0) and (victim := self._victim(over_share_only=True)) is not None:
+            over_kv -= self._preempt_one(victim)
+            over_slots -= 1
+
+    def _victim(self, over_share_only: bool = False) -> Sequence | None:
+        """The running sequence to preempt: while isolating, the newest of the tenant furthest above its
+        share; else (or if none is above it) the one the queue policy ranks lowest, the newest on a tie."""
+        running = (*self._decoding.values(), *self._prefilling)
+        if self.isolation:
+            over = [seq for seq in running if self._over_share(seq.request.tenant_id)]
+            if over:
+                return max(over, key=lambda s: (self._per_tenant[s.request.tenant_id], s.request.seq))
+            if over_share_only:
+                return None
+        return min(running, key=lambda s: (self.rank(s.request, self.t), -s.request.seq), default=None)
+
     def _preempt(self, tokens: int) -> None:
-        """Free at least ``tokens`` KV tokens by preempting the lowest-ranked running sequences."""
-        while tokens > 0 and (self._decoding or self._prefilling):
-            victim = min((*self._decoding.values(), *self._prefilling),
-                         key=lambda s: (self.rank(s.request, self.t), -s.request.seq))
-            if victim.request in self._decoding:
-                self._leave_decoding(victim)
-                freed = victim.context
-                # recompute: everything it had, the pending token included, is prefilled again
-                victim.prompt_left, victim.context = victim.request.prompt_tokens + victim.generated, 0
-            else:
-                self._prefilling.remove(victim)
-                freed = victim.context + victim.prompt_left
-                victim.prompt_left += victim.context
-                victim.context = 0
-            self._kv_used -= freed
-            tokens -= freed
-            self._preempted.append(victim)
-            self._preemptions += 1
-            log.debug("engine %d preempted %s (%d KV tokens)", self.engine_id, victim.request.request_id, freed)
+        """Free at least ``tokens`` KV tokens by preempting running sequences (:meth:`_victim`)."""
+        while tokens > 0 and (victim := self._victim()) is not None:
+            tokens -= self._preempt_one(victim)
+
+    def _preempt_one(self, victim: Sequence) -> int:
+        """Preempt ``victim`` (recompute); the KV tokens this frees."""
+        if victim.request in self._decoding:
+            self._leave_decoding(victim)
+            freed = victim.context
+            # recompute: everything it had, the pending token included, is prefilled again
+            victim.prompt_left, victim.context = victim.request.prompt_tokens + victim.generated, 0
+        else:
+            self._prefilling.remove(victim)
+            freed = victim.context + victim.prompt_left
+            victim.prompt_left += victim.context
+            victim.context = 0
+        self._kv_used -= freed
+        self._preempted.append(victim)
+        self._preemptions += 1
+        log.debug("engine %d preempted %s (%d KV tokens)", self.engine_id, victim.request.request_id, freed)
+        return freed
 
     def _deliver(self, seq: Sequence) -> None:
         stream = seq.request.stream

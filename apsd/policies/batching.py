@@ -5,15 +5,16 @@ until it holds ``max_batch_size`` requests or as many as the engine has free
 sequences, or the next request would need more KV tokens than the engine has free
 (``Capacity.need``: prompt + requested for the ``batch`` engine, prompt for the
 ``continuous`` one), or names a model with no free slot (the ``forward`` engine); that
-request then leads the next dispatch. When only the engine's headroom is left
-(``Capacity.slot_for``) and the queue can look past its head (``pop_first``, as the fair-share
-queues can), the first requests in queue order whose tenants may use the headroom go instead. ``kv_cap_tokens``, when
+request then leads the next dispatch. When the head does not fit and the queue can look past it
+(``pop_first``, as the fair-share queues can), the first request in queue order of a tenant below
+its share that fits (``Capacity.admits``: the room held for such tenants included) goes instead. ``kv_cap_tokens``, when
 set, caps each dispatch's KV tokens further. A request that could never fit is refused
 at admission (413) by its engine, or by this policy's own cap, so nothing waits forever.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -45,8 +46,10 @@ class MicroBatching:
         return exceeds_batch(request, self.kv_cap_tokens, "policy.micro.kv_cap_tokens")
 
     def _limits(self, free: Capacity) -> tuple[int, int]:
-        kv = min(free.kv_tokens, self.kv_cap_tokens) if self.kv_cap_tokens else free.kv_tokens
-        return min(self.max_batch_size, free.sequences), kv
+        held = free.under_share is not None
+        size = free.sequences + (free.held_sequences if held else 0)
+        kv = free.kv_tokens + (free.held_kv_tokens if held else 0)
+        return min(self.max_batch_size, size), min(kv, self.kv_cap_tokens) if self.kv_cap_tokens else kv
 
     def is_full(self, queue: OrderingPolicy, now: float, free: Capacity) -> bool:
         # With fewer than the size limit queued, summing them is cheap; once they reach the
@@ -55,41 +58,41 @@ class MicroBatching:
         return len(queue) >= size or sum(free.need(r) for r in queue) >= kv
 
     def cut(self, queue: OrderingPolicy, now: float, free: Capacity) -> list[InferenceRequest]:
-        size, kv_free = self._limits(free)
+        size, _ = self._limits(free)
         slots = dict(free.slots_per_model) if free.slots_per_model is not None else None
         batch: list[InferenceRequest] = []
         kv = 0
+
+        def takes(request: InferenceRequest) -> bool:
+            if self.kv_cap_tokens and kv + free.need(request) > self.kv_cap_tokens:
+                return False
+            if slots is not None and request.model is not None and slots.get(request.model, 0) <= 0:
+                return False
+            return free.admits(request, len(batch), kv)
+
         while queue and len(batch) < size:
-            head = queue.peek(now)
-            if not free.slot_for(head, len(batch)):  # only the engine's headroom is left
-                taken = self._from_headroom(queue, now, free, len(batch), kv_free - kv)
+            if takes(queue.peek(now)):
+                taken = queue.pop(now)
+            else:  # queue order is kept, except for a tenant below its share, which may pass the head
+                taken = self._under_share(queue, now, free, takes)
                 if taken is None:
                     break
-                batch.append(taken)
-                kv += free.need(taken)
-                continue
-            need = free.need(head)
-            if kv + need > kv_free:
-                break
-            if slots is not None and head.model is not None:
-                if slots.get(head.model, 0) <= 0:
-                    break  # (queue order is kept: no request overtakes the head)
-                slots[head.model] -= 1
-            batch.append(queue.pop(now))
-            kv += need
+            batch.append(taken)
+            kv += free.need(taken)
+            if slots is not None and taken.model is not None:
+                slots[taken.model] -= 1
         return batch
 
-
     @staticmethod
-    def _from_headroom(queue: OrderingPolicy, now: float, free: Capacity, taken: int,
-                       kv_left: int) -> InferenceRequest | None:
-        """The first request, in queue order, that may take a headroom slot (its tenant is light),
-        if the queue can find one (``pop_first``: the fair-share queues); the others keep their place."""
+    def _under_share(queue: OrderingPolicy, now: float, free: Capacity,
+                     takes: Callable[[InferenceRequest], bool]) -> InferenceRequest | None:
+        """The first request, in queue order, of a tenant below its share that fits, if the queue can
+        find one (``pop_first``: the fair-share queues); the others keep their place."""
         pop_first = getattr(queue, "pop_first", None)
-        if pop_first is None or free.light is None:
+        under_share = free.under_share
+        if pop_first is None or under_share is None:
             return None
-        return pop_first(lambda r: free.slot_for(r, taken) and free.need(r) <= kv_left
-                         and (free.slots_per_model is None or r.model is None), now)
+        return pop_first(lambda r: under_share(r) and takes(r), now)
 
 
 def _micro(params: dict[str, Any], config: Config) -> MicroBatching:

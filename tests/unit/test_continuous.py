@@ -16,7 +16,7 @@ from apsd.core.streams import TokenChunk, TokenStream
 
 from tests.helpers import build_policies, make_config
 
-TENANTS = {"t": TenantConfig(rate=1e12, burst=10**12), "u": TenantConfig(rate=1e12, burst=10**12)}
+TENANTS = {name: TenantConfig(rate=1e12, burst=10**12) for name in ("t", "u", "v")}
 
 
 def continuous_config(preset: str = "fifo", **engine: object):
@@ -26,58 +26,90 @@ def continuous_config(preset: str = "fifo", **engine: object):
                        engine=EngineConfig(**settings), tenants=TENANTS)
 
 
-def reference(deployment, arrivals, budget=8192):
-    """Step by step, one token per decoding sequence per step, the rest of the budget on prefill chunks
-    first come first served; a request joins at the first step boundary at or after its arrival (the
-    engine is idle until the next arrival when nothing runs). Returns (first token, finish) per request."""
+def reference(deployment, arrivals, budget=8192, chunk=None, max_sequences=256):
+    """Step by step, one token per decoding sequence per step; a request joins at the first step boundary
+    at or after its arrival (the engine is idle until the next arrival when nothing runs). Returns
+    (first token, finish) per request. ``arrivals``: (at, prompt, output[, tenant]).
+
+    Without ``chunk`` (no isolation): the rest of the budget goes to prefill chunks, first come first
+    served. With it (isolation, the engine's rules written out plainly): prompts are taken in the
+    order (the tenant's requests in the engine, arrival), at most ``chunk`` tokens of them beside the
+    decodes; and when the first of them belongs to a tenant below its share (its requests times the
+    tenants present below ``max_sequences``) while another tenant has more requests, and the last step
+    was not such a step, a step of prompts alone: the first one whole, then the others of such tenants,
+    up to ``max(chunk, its prompt)`` tokens."""
     pending = sorted(range(len(arrivals)), key=lambda i: arrivals[i][0])
     prefilling, decoding = [], []   # [index, prompt_left, context, generated]
     first, finish = {}, {}
+    present = {}                    # tenant -> its requests in the engine
+    fast_last = False
     t = 0.0
+
+    def tenant(seq):
+        return arrivals[seq[0]][3] if len(arrivals[seq[0]]) > 3 else "t"
+
+    def fast(seq):
+        mine = present[tenant(seq)]
+        return mine * len(present) < max_sequences and any(n > mine for n in present.values())
+
+    def leave(seq):
+        present[tenant(seq)] -= 1
+        if not present[tenant(seq)]:
+            del present[tenant(seq)]
+
     while pending or prefilling or decoding:
         if not prefilling and not decoding:
             t = max(t, arrivals[pending[0]][0])
         while pending and arrivals[pending[0]][0] <= t:
             i = pending.pop(0)
             prefilling.append([i, arrivals[i][1], 0, 0])
-        n = len(decoding)
+            present[tenant(prefilling[-1])] = present.get(tenant(prefilling[-1]), 0) + 1
+        order = prefilling if chunk is None else sorted(prefilling, key=lambda seq: (present[tenant(seq)], seq[0]))
+        step_fast = chunk is not None and bool(order) and not fast_last and fast(order[0])
+        fast_last = step_fast
+        n = 0 if step_fast else len(decoding)
         left = budget - n
+        if chunk is not None:
+            left = min(left, max(chunk, order[0][1] if step_fast else 0))
         chunks = []
-        for seq in prefilling:
-            if left <= 0:
+        for seq in order:
+            if left <= 0 or (step_fast and not fast(seq)):
                 break
-            chunk = min(seq[1], left)
-            chunks.append((seq, chunk))
-            left -= chunk
-        t += deployment.step_s([(c, seq[2]) for seq, c in chunks], n, sum(seq[2] for seq in decoding))
-        for seq in list(decoding):
+            take = min(seq[1], left)
+            chunks.append((seq, take))
+            left -= take
+        context = 0 if step_fast else sum(seq[2] for seq in decoding)
+        t += deployment.step_s([(c, seq[2]) for seq, c in chunks], n, context)
+        for seq in [] if step_fast else list(decoding):
             seq[2] += 1
             seq[3] += 1
             if seq[3] == arrivals[seq[0]][2]:
                 decoding.remove(seq)
                 finish[seq[0]] = t
-        for seq, chunk in chunks:
-            seq[1] -= chunk
-            seq[2] += chunk
+                leave(seq)
+        for seq, take in chunks:
+            seq[1] -= take
+            seq[2] += take
             if not seq[1]:
                 prefilling.remove(seq)
                 seq[3] = 1
                 first[seq[0]] = t
                 if seq[3] == arrivals[seq[0]][2]:
                     finish[seq[0]] = t
+                    leave(seq)
                 else:
                     decoding.append(seq)
     return [(first[i], finish[i]) for i in range(len(arrivals))]
 
 
 async def run_arrivals(config, arrivals, *, streams=0):
-    """Submit (at, prompt, output) arrivals at their model times; every request and its outcome."""
+    """Submit (at, prompt, output[, tenant]) arrivals at their model times; every request and its outcome."""
     async with open_pipeline(config, build_policies(config)) as pipeline:
         requests = []
-        for at, prompt, output in arrivals:
+        for at, prompt, output, *tenant in arrivals:
             await pipeline.clock.sleep_until(at)
-            request = pipeline.new_request(tenant_id="t", prompt="", tokens_requested=output, priority_bid=5,
-                                           prompt_tokens=prompt)
+            request = pipeline.new_request(tenant_id=tenant[0] if tenant else "t", prompt="", tokens_requested=output,
+                                           priority_bid=5, prompt_tokens=prompt)
             if streams:
                 request.stream = TokenStream(max_chunks=streams)
             assert pipeline.admit_now(request)
@@ -86,27 +118,48 @@ async def run_arrivals(config, arrivals, *, streams=0):
         return pipeline, requests, outcomes
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-async def test_the_engine_matches_a_step_by_step_reference(autojump_clock, seed):
-    """Jumping over runs of decode steps in closed form gives the times stepping one token at a time does."""
+def random_arrivals(seed, tenants=("t",), count=60):
     rng = random.Random(seed)
     arrivals, at = [], 0.0
-    for _ in range(60):
+    for _ in range(count):
         at += rng.expovariate(4.0)
-        arrivals.append((at, rng.randint(1, 3000), rng.randint(1, 400)))
-    config = continuous_config()
-    pipeline, requests, outcomes = await run_arrivals(config, arrivals)
-    expected = reference(deployment_for(config), arrivals)
+        arrivals.append((at, rng.randint(1, 3000), rng.randint(1, 400), rng.choice(tenants)))
+    return arrivals
+
+
+def assert_matches(requests, outcomes, expected):
     assert all(isinstance(o, Completion) for o in outcomes)
     for request, outcome, (first, finish) in zip(requests, outcomes, expected):
         assert request.started_at == pytest.approx(first, rel=1e-9, abs=1e-9)
         assert request.finished_at == pytest.approx(finish, rel=1e-9, abs=1e-9)
         assert outcome.tokens_generated == request.tokens_requested
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_the_engine_matches_a_step_by_step_reference(autojump_clock, seed):
+    """Jumping over runs of decode steps in closed form gives the times stepping one token at a time does."""
+    arrivals = random_arrivals(seed)
+    config = continuous_config(isolation=False)
+    pipeline, requests, outcomes = await run_arrivals(config, arrivals)
+    assert_matches(requests, outcomes, reference(deployment_for(config), arrivals))
     assert pipeline.engines[0].statistics().preemptions == 0
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_the_isolating_engine_matches_the_reference_with_its_rules_written_out(autojump_clock, seed):
+    """Three tenants, one sending most requests: the fast lane, the order by requests in the engine and
+    the prefill chunk give the times the plain step-by-step rules give."""
+    arrivals = random_arrivals(seed, tenants=("t", "t", "t", "t", "u", "v"), count=80)
+    config = continuous_config(max_sequences=64)
+    pipeline, requests, outcomes = await run_arrivals(config, arrivals)
+    engine = pipeline.engines[0]
+    expected = reference(deployment_for(config), arrivals, chunk=engine.prefill_chunk_tokens, max_sequences=64)
+    assert_matches(requests, outcomes, expected)
+    assert engine.statistics().preemptions == 0
+
+
 async def test_one_request_alone_takes_one_prefill_step_then_a_decode_step_per_token(autojump_clock):
-    config = continuous_config()
+    config = continuous_config(isolation=False)
     d = deployment_for(config)
     _, [request], [outcome] = await run_arrivals(config, [(0.0, 2048, 5)])
     assert outcome.ttft_ms == pytest.approx(d.step_s([(2048, 0)], 0, 0) * 1000)
@@ -117,8 +170,17 @@ async def test_one_request_alone_takes_one_prefill_step_then_a_decode_step_per_t
     assert outcome.cost_usd == pytest.approx(request.cost_usd) and outcome.cost_usd > 0
 
 
+async def test_while_isolating_a_prompt_is_prefilled_in_chunks_of_the_deployments_chunk(autojump_clock):
+    config = continuous_config()
+    d = deployment_for(config)
+    pipeline, _, [outcome] = await run_arrivals(config, [(0.0, 1300, 1)])
+    assert pipeline.engines[0].prefill_chunk_tokens == 512   # llama-2-7b on an a100-80gb
+    chunks = d.step_s([(512, 0)], 0, 0) + d.step_s([(512, 512)], 0, 0) + d.step_s([(276, 1024)], 0, 0)
+    assert outcome.ttft_ms == pytest.approx(chunks * 1000)
+
+
 async def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks(autojump_clock):
-    config = continuous_config(max_batched_tokens=512)
+    config = continuous_config(max_batched_tokens=512, isolation=False)
     d = deployment_for(config)
     _, _, [outcome] = await run_arrivals(config, [(0.0, 1300, 1)])
     chunks = d.step_s([(512, 0)], 0, 0) + d.step_s([(512, 512)], 0, 0) + d.step_s([(276, 1024)], 0, 0)
@@ -248,3 +310,45 @@ def test_profile_matches_the_published_a100_llama_2_7b_figures():
     assert prefill.ttft_ms == pytest.approx(136, rel=0.15)
     assert prefill.kv_capacity_tokens == deployment_for(continuous_config()).kv_capacity_tokens
     assert 0 < decode.mfu < prefill.mfu <= 1 and 0 < prefill.mbu < decode.mbu <= 1
+
+
+@pytest.mark.parametrize("limit", ["sequences", "kv"])
+async def test_a_tenant_below_its_share_gets_into_a_full_engine_within_the_bound(autojump_clock, limit):
+    """A flood fills every sequence slot (or the whole KV cache); a second tenant's request gets in at the
+    next step boundary by preempting the flood's newest sequence, and its first token comes within
+    ``first_token_bound_s`` of its dispatch. The flood loses nothing but the recomputation."""
+    engine_settings = {"max_sequences": 16} if limit == "sequences" else {"memory_fraction": 0.2}
+    config = continuous_config("fair", **engine_settings)
+    async with open_pipeline(config, build_policies(config)) as pipeline:
+        engine = pipeline.engines[0]
+        flood = []
+        for _ in range(40):
+            request = pipeline.new_request(tenant_id="t", prompt="", tokens_requested=400, priority_bid=5,
+                                           prompt_tokens=300)
+            assert pipeline.admit_now(request)
+            flood.append(request)
+        await pipeline.clock.sleep_until(2.0)
+        free = engine.free()
+        assert free.sequences == 0 or free.kv_tokens < 300   # full
+        light = pipeline.new_request(tenant_id="u", prompt="", tokens_requested=10, priority_bid=5,
+                                     prompt_tokens=200)
+        assert pipeline.admit_now(light)
+        assert isinstance(await light.reply.wait(), Completion)
+        assert light.dispatched_at == pytest.approx(2.0)
+        assert light.started_at - light.dispatched_at <= engine.first_token_bound_s(200)
+        assert engine.statistics().preemptions >= 1
+        outcomes = [await r.reply.wait() for r in flood]
+    assert all(isinstance(o, Completion) and o.tokens_generated == 400 for o in outcomes)
+
+
+async def test_without_isolation_the_same_tenant_waits_for_a_flood_sequence_to_finish(autojump_clock):
+    config = continuous_config("fair", max_sequences=16, isolation=False)
+    async with open_pipeline(config, build_policies(config)) as pipeline:
+        for _ in range(40):
+            assert pipeline.admit_now(pipeline.new_request(tenant_id="t", prompt="", tokens_requested=400,
+                                                           priority_bid=5, prompt_tokens=300))
+        await pipeline.clock.sleep_until(2.0)
+        light = pipeline.new_request(tenant_id="u", prompt="", tokens_requested=10, priority_bid=5, prompt_tokens=200)
+        assert pipeline.admit_now(light)
+        await light.reply.wait()
+        assert light.started_at - 2.0 > 10 * pipeline.engines[0].first_token_bound_s(200)
