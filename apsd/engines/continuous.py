@@ -83,6 +83,14 @@ log = logging.getLogger("apsd.engines.continuous")
 
 #: Model seconds between two deliveries of tokens to the streams of decoding sequences.
 STREAM_INTERVAL_S = 0.05
+#: Model seconds after a fast step during which the others' steps are kept as short as it (:meth:`ContinuousEngine._protect`).
+PROTECT_S = 2.0
+#: How much longer than the protected fast step the others' steps may be.
+PROTECT_FACTOR = 2.5
+#: A protected step's prefill chunk is a multiple of this many tokens ...
+CHUNK_STEP = 16
+#: ... and at least this many: the smallest prefill chunk of a protected step: the prefill of tenants above their share always advances.
+MIN_CHUNK = 64
 #: A prefill chunk is as cheap per token as any when its prefill costs at most this much more per
 #: token than the cheapest chunk's (:func:`prefill_chunk_for`).
 CHUNK_TOLERANCE = 0.10
@@ -148,6 +156,15 @@ class ContinuousEngine:
     _per_tenant: collections.Counter[str] = attrs.field(factory=collections.Counter, init=False)
     #: The last step was a fast-lane prefill (the next one decodes, whatever waits).
     _fast_last: bool = attrs.field(default=False, init=False)
+    #: :meth:`shares`, cached until the state it depends on changes.
+    _shares: dict[str, float] = attrs.field(factory=dict, init=False)
+    _shares_key: tuple[int, ...] | None = attrs.field(default=None, init=False)
+    #: Bumped whenever a tenant's requests here change (for the cache of :meth:`shares`).
+    _tenants_changed: int = attrs.field(default=0, init=False)
+    #: While model time is before ``_protect_until``, steps with prefill of tenants at or above their
+    #: share last at most ``_protect_step_s`` where they can (:meth:`_chunk`).
+    _protect_until: float = attrs.field(default=-math.inf, init=False)
+    _protect_step_s: float = attrs.field(default=math.inf, init=False)
     _streaming: set[Sequence] = attrs.field(factory=set, init=False)
     #: Model time of the last delivery of tokens to the streams of decoding sequences.
     _delivered_at: float = attrs.field(default=0.0, init=False)
@@ -227,37 +244,84 @@ class ContinuousEngine:
                         held_kv_tokens=max(0, held_kv), under_share=self.under_share)
 
     def under_share(self, request: InferenceRequest) -> bool:
-        """Whether ``request``'s tenant is below its share here: it has fewer sequences in this engine
-        than ``max_sequences`` divided by the tenants here, itself included."""
-        return self._below_share(request.tenant_id, self._per_tenant.get(request.tenant_id, 0))
+        """Whether ``request``'s tenant is below its share here (:meth:`shares`)."""
+        return self._below_share(request.tenant_id)
 
-    def _below_share(self, tenant: str, mine: int) -> bool:
-        tenants = len(self._per_tenant) + (tenant not in self._per_tenant)
-        return mine * tenants < self.max_sequences
+    def shares(self) -> dict[str, float]:
+        """Tenant -> its dominant share of this engine: the larger of its fraction of ``max_sequences``
+        (its requests here, dispatched, running or preempted) and of the usable KV cache (the tokens
+        its sequences hold). A tenant is below its share while this times the tenants here (itself
+        included) is under 1, above it while over 1."""
+        key = (self._step, self._version, self._kv_used, self._tenants_changed, len(self._prefilling), self._preemptions)
+        if key == self._shares_key:
+            return self._shares
+        kv: collections.Counter[str] = collections.Counter()
+        for seq in self._prefilling:
+            kv[seq.request.tenant_id] += seq.context + seq.prompt_left
+        for seq in self._decoding.values():
+            kv[seq.request.tenant_id] += seq.context + self._step - seq.step_base
+        for dispatch in self._inbox:
+            for request in dispatch.requests:
+                kv[request.tenant_id] += request.prompt_tokens + 1
+        usable = self.deployment.kv_capacity_tokens - self._watermark
+        self._shares = {tenant: max(n / self.max_sequences, kv[tenant] / usable)
+                        for tenant, n in self._per_tenant.items()}
+        self._shares_key = key
+        return self._shares
+
+    def _below_share(self, tenant: str) -> bool:
+        shares = self.shares()
+        return shares.get(tenant, 0.0) * (len(shares) + (tenant not in shares)) < 1.0
 
     def _over_share(self, tenant: str) -> bool:
-        return self._per_tenant[tenant] * len(self._per_tenant) > self.max_sequences
+        shares = self.shares()
+        return shares[tenant] * len(shares) > 1.0
+
+    def _protect(self, fast_step_s: float, end: float) -> None:
+        """A fast step of ``fast_step_s`` ends at ``end``: for ``PROTECT_S`` after it, the others' steps
+        are kept within ``PROTECT_FACTOR`` times the shortest such step (so a tenant below its share that
+        comes back finds a step in progress not much longer than its own prefill)."""
+        target = PROTECT_FACTOR * fast_step_s
+        self._protect_step_s = target if self.t >= self._protect_until else min(self._protect_step_s, target)
+        self._protect_until = end + PROTECT_S
+
+    def _chunk(self, decoding: int, decode_context: int) -> int:
+        """The prefill tokens of a step beside ``decoding`` decodes: ``prefill_chunk_tokens``; while
+        protecting, the most (a multiple of ``CHUNK_STEP``, at least ``MIN_CHUNK``) whose step lasts no
+        longer than the protected target (the step's duration grows with its chunk: a bisection)."""
+        chunk = self.prefill_chunk_tokens
+        if self.t >= self._protect_until:
+            return chunk
+        d, target = self.deployment, self._protect_step_s
+        if chunk <= MIN_CHUNK or d.step_s([(chunk, 0)], decoding, decode_context) <= target:
+            return max(chunk, MIN_CHUNK)
+        low, high = MIN_CHUNK // CHUNK_STEP, chunk // CHUNK_STEP  # step(low) <= target or low is the floor
+        while high - low > 1:
+            middle = (low + high) // 2
+            if d.step_s([(middle * CHUNK_STEP, 0)], decoding, decode_context) <= target:
+                low = middle
+            else:
+                high = middle
+        return low * CHUNK_STEP
 
     def _fast(self, seq: Sequence) -> bool:
         """Whether ``seq``'s prompt takes the fast lane: its tenant is below its share and another
-        tenant here has more sequences."""
-        per_tenant, tenant = self._per_tenant, seq.request.tenant_id
-        mine = per_tenant[tenant]
-        return self._below_share(tenant, mine) and any(n > mine for n in per_tenant.values())
+        tenant here has a larger share."""
+        shares, tenant = self.shares(), seq.request.tenant_id
+        mine = shares[tenant]
+        return mine * len(shares) < 1.0 and any(share > mine for share in shares.values())
 
     def _preemptible(self) -> tuple[int, int]:
-        """Sequences and KV tokens of tenants above their share (counting one more tenant: a newcomer),
-        beyond that share: what preempting them could free for a tenant below its share."""
-        if not self._per_tenant:
-            return 0, 0
-        tenants = len(self._per_tenant) + 1
-        share = self.max_sequences // tenants
-        over = {t for t, n in self._per_tenant.items() if n > share}
+        """What preempting tenants above their share (counting one more tenant: a newcomer) could free for
+        a tenant below its share: their sequences and KV tokens beyond that share."""
+        shares = self.shares()
+        tenants = len(shares) + 1
+        over = [t for t, share in shares.items() if share * tenants > 1.0]
         if not over:
             return 0, 0
-        sequences = sum(self._per_tenant[t] - share for t in over)
-        kv = sum(seq.context + seq.prompt_left for seq in (*self._decoding.values(), *self._prefilling)
-                 if seq.request.tenant_id in over)
+        usable = self.deployment.kv_capacity_tokens - self._watermark
+        sequences = sum(max(0, self._per_tenant[t] - self.max_sequences // tenants) for t in over)
+        kv = sum(max(0, round(shares[t] * usable) - usable // tenants) for t in over)
         return sequences, kv
 
     def first_token_bound_s(self, fast_prompt_tokens: int) -> float:
@@ -313,6 +377,7 @@ class ContinuousEngine:
 
     def _on_answer(self, dispatch: Dispatch) -> None:
         self._asked = False
+        self._tenants_changed += 1
         if dispatch.requests:
             self._inbox.append(dispatch)
             self._per_tenant.update(r.tenant_id for r in dispatch.requests)
@@ -436,15 +501,17 @@ class ContinuousEngine:
         prefilling: Iterable[Sequence] = self._prefilling
         fast = False
         if self.isolation:
-            per_tenant = self._per_tenant
-            prefilling = sorted(prefilling, key=lambda s: (per_tenant[s.request.tenant_id], s.request.seq))
+            shares = self.shares()
+            prefilling = sorted(prefilling, key=lambda s: (shares[s.request.tenant_id], s.request.seq))
             fast = not self._fast_last and self._fast(prefilling[0])
         self._fast_last = fast
         decoding = 0 if fast else len(self._decoding)
         decode_context = 0 if fast else self._decode_context
         budget = self.max_batched_tokens - decoding
-        if self.isolation:  # a fast step prefills the first prompt whole, a slow one a chunk of it
-            budget = min(budget, max(self.prefill_chunk_tokens, prefilling[0].prompt_left if fast else 0))
+        if fast:  # the first prompt whole, then the other fast ones up to a chunk
+            budget = min(budget, max(self.prefill_chunk_tokens, prefilling[0].prompt_left))
+        elif self.isolation:
+            budget = min(budget, self._chunk(decoding, decode_context))
         chunks: list[tuple[Sequence, int]] = []
         for seq in prefilling:
             if budget <= 0 or (fast and not self._fast(seq)):
@@ -455,6 +522,8 @@ class ContinuousEngine:
         pairs = [(chunk, seq.context) for seq, chunk in chunks]
         duration = d.step_s(pairs, decoding, decode_context)
         end = self.t + duration
+        if fast:
+            self._protect(duration, end)
         await self._step_until(end)
         tokens = decoding + sum(chunk for _, chunk in chunks)
         cost = duration * self.price_per_hour_usd / 3600.0
@@ -595,6 +664,7 @@ class ContinuousEngine:
         self._version += 1
 
     def _leave_tenant(self, request: InferenceRequest) -> None:
+        self._tenants_changed += 1
         per_tenant = self._per_tenant
         per_tenant[request.tenant_id] -= 1
         if not per_tenant[request.tenant_id]:
@@ -630,15 +700,17 @@ class ContinuousEngine:
             over_slots -= 1
 
     def _victim(self, over_share_only: bool = False) -> Sequence | None:
-        """The running sequence to preempt: while isolating, the newest of the tenant furthest above its
-        share; else (or if none is above it) the one the queue policy ranks lowest, the newest on a tie."""
+        """The running sequence to preempt: while isolating tenants from each other, the newest of the
+        tenant furthest above its share; else (or if none is above it) the one the queue policy ranks
+        lowest, the newest on a tie."""
         running = (*self._decoding.values(), *self._prefilling)
-        if self.isolation:
+        if self.isolation and len(self._per_tenant) > 1:
             over = [seq for seq in running if self._over_share(seq.request.tenant_id)]
             if over:
-                return max(over, key=lambda s: (self._per_tenant[s.request.tenant_id], s.request.seq))
-            if over_share_only:
-                return None
+                shares = self.shares()
+                return max(over, key=lambda s: (shares[s.request.tenant_id], s.request.seq))
+        if over_share_only:
+            return None
         return min(running, key=lambda s: (self.rank(s.request, self.t), -s.request.seq), default=None)
 
     def _preempt(self, tokens: int) -> None:

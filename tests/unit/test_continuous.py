@@ -32,25 +32,37 @@ def reference(deployment, arrivals, budget=8192, chunk=None, max_sequences=256):
     (first token, finish) per request. ``arrivals``: (at, prompt, output[, tenant]).
 
     Without ``chunk`` (no isolation): the rest of the budget goes to prefill chunks, first come first
-    served. With it (isolation, the engine's rules written out plainly): prompts are taken in the
-    order (the tenant's requests in the engine, arrival), at most ``chunk`` tokens of them beside the
-    decodes; and when the first of them belongs to a tenant below its share (its requests times the
-    tenants present below ``max_sequences``) while another tenant has more requests, and the last step
-    was not such a step, a step of prompts alone: the first one whole, then the others of such tenants,
-    up to ``max(chunk, its prompt)`` tokens."""
+    served. With it, the isolating engine's rules written out plainly:
+
+    - a tenant's share is the larger of its requests over ``max_sequences`` and its KV tokens over
+      the usable cache (99% of it); it is below its share while share x tenants < 1;
+    - prompts are taken in the order (share, arrival);
+    - a fast step (not two in a row): when the first prompt's tenant is below its share and another
+      tenant's share is larger: prompts alone, the first whole, then the next ones of such tenants up
+      to ``max(chunk, its prompt)`` tokens; for 2 s after it, the other steps last at most 2.5 times
+      the shortest such step where a chunk (a multiple of 16 tokens, 64 or more) allows;
+    - any other step: the decodes and at most ``chunk`` prompt tokens (or that shorter chunk)."""
     pending = sorted(range(len(arrivals)), key=lambda i: arrivals[i][0])
     prefilling, decoding = [], []   # [index, prompt_left, context, generated]
     first, finish = {}, {}
     present = {}                    # tenant -> its requests in the engine
     fast_last = False
+    protect_until, protect_s = -1.0, 0.0
+    usable = deployment.kv_capacity_tokens - deployment.kv_capacity_tokens // 100
     t = 0.0
 
     def tenant(seq):
         return arrivals[seq[0]][3] if len(arrivals[seq[0]]) > 3 else "t"
 
-    def fast(seq):
-        mine = present[tenant(seq)]
-        return mine * len(present) < max_sequences and any(n > mine for n in present.values())
+    def shares():
+        kv = {}
+        for seq in prefilling + decoding:
+            kv[tenant(seq)] = kv.get(tenant(seq), 0) + seq[1] + seq[2]
+        return {name: max(n / max_sequences, kv.get(name, 0) / usable) for name, n in present.items()}
+
+    def fast(seq, share):
+        mine = share[tenant(seq)]
+        return mine * len(share) < 1 and any(other > mine for other in share.values())
 
     def leave(seq):
         present[tenant(seq)] -= 1
@@ -64,22 +76,32 @@ def reference(deployment, arrivals, budget=8192, chunk=None, max_sequences=256):
             i = pending.pop(0)
             prefilling.append([i, arrivals[i][1], 0, 0])
             present[tenant(prefilling[-1])] = present.get(tenant(prefilling[-1]), 0) + 1
-        order = prefilling if chunk is None else sorted(prefilling, key=lambda seq: (present[tenant(seq)], seq[0]))
-        step_fast = chunk is not None and bool(order) and not fast_last and fast(order[0])
+        share = shares()
+        order = prefilling if chunk is None else sorted(prefilling, key=lambda seq: (share[tenant(seq)], seq[0]))
+        step_fast = chunk is not None and bool(order) and not fast_last and fast(order[0], share)
         fast_last = step_fast
         n = 0 if step_fast else len(decoding)
+        context = 0 if step_fast else sum(seq[2] for seq in decoding)
         left = budget - n
-        if chunk is not None:
-            left = min(left, max(chunk, order[0][1] if step_fast else 0))
+        if step_fast:
+            left = min(left, max(chunk, order[0][1]))
+        elif chunk is not None:
+            size = chunk
+            while t < protect_until and size > 64 and deployment.step_s([(size, 0)], n, context) > protect_s:
+                size = (size - 1) // 16 * 16   # the next multiple of 16 down
+            left = min(left, max(size, 64))
         chunks = []
         for seq in order:
-            if left <= 0 or (step_fast and not fast(seq)):
+            if left <= 0 or (step_fast and not fast(seq, share)):
                 break
             take = min(seq[1], left)
             chunks.append((seq, take))
             left -= take
-        context = 0 if step_fast else sum(seq[2] for seq in decoding)
-        t += deployment.step_s([(c, seq[2]) for seq, c in chunks], n, context)
+        duration = deployment.step_s([(c, seq[2]) for seq, c in chunks], n, context)
+        if step_fast:
+            protect_s = 2.5 * duration if t >= protect_until else min(protect_s, 2.5 * duration)
+            protect_until = t + duration + 2.0
+        t += duration
         for seq in [] if step_fast else list(decoding):
             seq[2] += 1
             seq[3] += 1
