@@ -319,6 +319,11 @@ ENGINE_KINDS: dict[str, EngineKind] = {
 }
 #: Kinds that were renamed: a config naming one gets an error that names the new one.
 RENAMED_ENGINE_KINDS = {"micro": "batch"}
+#: Settings that were removed, and what took their place (the error for one says so).
+REPLACED_KEYS = {
+    "engine.reserved_sequences": "a continuous engine isolates tenants by their share of it without slots set "
+                                 "aside ([engine] isolation, on by default)",
+}
 
 
 def engine_kind(_inst: object, attribute: attrs.Attribute, value: str) -> None:
@@ -559,6 +564,9 @@ def parse_section(cls: type, table: dict[str, Any], prefix: str = "") -> Any:
     unknown = sorted(set(table) - set(fields))
     if unknown:
         known = ", ".join(sorted(fields)) or "none"
+        replaced = REPLACED_KEYS.get(f"{dotted}{unknown[0]}")
+        if replaced:
+            raise ConfigError(f"{dotted}{unknown[0]}: no longer a setting: {replaced}")
         raise ConfigError(f"{dotted}{unknown[0]}: unknown key (known keys: {known})")
     kwargs = {}
     for name, field in fields.items():

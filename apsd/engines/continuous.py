@@ -35,14 +35,19 @@ close to what it would be alone, whatever the others send:
    about as cheap per token as any (:func:`prefill_chunk_for`; 512 tokens for llama-3-8b on an
    A100): shorter steps at almost no cost in throughput.
 
-The guarantee (:meth:`ContinuousEngine.first_token_bound_s`): from its dispatch, the first token
-of a request of a tenant below its share comes within ``2 S + F``, where ``S`` is the longest
-step the engine can take while isolating (a prefill chunk beside ``max_sequences - 1`` decodes
-reading the whole KV cache) and ``F`` the fast step that prefills it with the other prompts of
-tenants below their share then waiting (at most ``max_batched_tokens``): the step in progress,
-one decode step if the previous step was a fast one, then its own. Its queue wait is the
-scheduler's (the governor's window under the fair-share queues). With ``isolation = false`` none
-of this applies: FCFS steps of up to ``max_batched_tokens``, no preemption but for KV growth.
+While such a tenant comes back often (a fast step in the last ``PROTECT_S``), the others' steps
+are kept within ``PROTECT_FACTOR`` times its fast step where a smaller chunk allows, so the step it
+arrives during is about as short as its own prefill.
+
+The guarantee (:func:`first_token_bound_s`): from its dispatch, the first token of a request of
+the tenant with the smallest share below its share comes within the step in progress (at most
+``S``, the longest step with prefill beside ``max_sequences - 1`` decodes reading the whole KV
+cache, or another tenant's fast step), one step ``S`` if that was a fast step, and its own fast
+step. Its queue wait is the scheduler's (the governor's window, under the fair-share queues, which
+let it pass the head). The measured ratio to its time alone, over a grid of workloads, is in
+``apsd.sim.isolation_grid`` and docs/explanation/fairness-and-admission.md. With
+``isolation = false`` none of this applies: FCFS steps of up to ``max_batched_tokens``, and
+preemption only when the KV cache runs out.
 
 Events, not tokens: a run of steps in which only decoding happens and nothing joins, finishes,
 runs out of cache or is cancelled is computed in closed form
@@ -77,7 +82,7 @@ from apsd.core.streams import TokenChunk
 from apsd.core.engine import Demand, EngineStatistics, completion
 from apsd.engines.roofline import Deployment
 
-__all__ = ["ContinuousEngine", "prefill_chunk_for"]
+__all__ = ["ContinuousEngine", "first_token_bound_s", "prefill_chunk_for"]
 
 log = logging.getLogger("apsd.engines.continuous")
 
@@ -94,6 +99,21 @@ MIN_CHUNK = 64
 #: A prefill chunk is as cheap per token as any when its prefill costs at most this much more per
 #: token than the cheapest chunk's (:func:`prefill_chunk_for`).
 CHUNK_TOLERANCE = 0.10
+
+
+def first_token_bound_s(deployment: Deployment, max_sequences: int, max_batched_tokens: int, chunk: int,
+                        prompt_tokens: int) -> float:
+    """Model seconds from a dispatch to the first token of a request of ``prompt_tokens`` whose tenant
+    is below its share and has the smallest share of those waiting in the fast lane, on an isolating
+    engine: the step in progress (a step with prefill of tenants at or above their share, ``S``, or
+    another tenant's fast step, ``F(max_batched_tokens)``), one step ``S`` if that was a fast step,
+    then its own fast step (its prompt, and at most ``chunk`` tokens of others'). ``S`` is the
+    longest step the engine takes beside ``max_sequences - 1`` decodes reading the whole KV cache."""
+    d = deployment
+    chunk = min(chunk, max_batched_tokens)
+    longest = d.step_s([(chunk, d.max_context)], max_sequences - 1, d.kv_capacity_tokens)
+    fast = d.step_s([(min(max_batched_tokens, prompt_tokens + chunk), 0)], 0, 0)
+    return max(longest, d.step_s([(max_batched_tokens, 0)], 0, 0)) + longest + fast
 
 
 def prefill_chunk_for(deployment: Deployment, max_batched_tokens: int) -> int:
@@ -324,14 +344,12 @@ class ContinuousEngine:
         kv = sum(max(0, round(shares[t] * usable) - usable // tenants) for t in over)
         return sequences, kv
 
-    def first_token_bound_s(self, fast_prompt_tokens: int) -> float:
-        """The guarantee: model seconds from a dispatch to the first token of a request of a tenant
-        below its share, when the prompts of such tenants waiting in the fast lane with it (its own
-        included) add up to ``fast_prompt_tokens`` (at most ``max_batched_tokens``)."""
-        d = self.deployment
-        chunk = min(self.prefill_chunk_tokens, self.max_batched_tokens)
-        longest = d.step_s([(chunk, d.max_context)], self.max_sequences - 1, d.kv_capacity_tokens)
-        return 2 * longest + d.step_s([(fast_prompt_tokens, 0)], 0, 0)
+    def first_token_bound_s(self, prompt_tokens: int) -> float:
+        """The guarantee, in model seconds from its dispatch, for a request of ``prompt_tokens`` whose
+        tenant is below its share and has the smallest share of those waiting in the fast lane
+        (:func:`first_token_bound_s`)."""
+        return first_token_bound_s(self.deployment, self.max_sequences, self.max_batched_tokens,
+                                   self.prefill_chunk_tokens, prompt_tokens)
 
     def _spare_kv(self) -> int:
         """KV tokens that can be given to a sequence joining or resuming now."""

@@ -38,7 +38,7 @@ from apsd.sim.records import PolicyRun
 from apsd.sim.runner import parse_policy_choice, run_policy
 from apsd.sim.workloads import build_workload
 
-__all__ = ["AXES", "CELLS", "CellResult", "GridCell", "engine_limit", "heat_map", "measure_cell", "sweep"]
+__all__ = ["AXES", "CELLS", "CellResult", "GridCell", "cell_runs", "engine_limit", "heat_map", "measure_cell", "sweep"]
 
 #: The flood's rate, as a multiple of what the engine serves of its requests.
 FLOOD_LOADS = (2.0, 10.0, 50.0)
@@ -201,8 +201,8 @@ def grid_config(config: Config) -> Config:
     return attrs.evolve(config, queue=attrs.evolve(config.queue, timeout_s=QUEUE_TIMEOUT_S))
 
 
-def measure_cell(config: Config, preset: str, cell: GridCell, seed: int = 0) -> CellResult:
-    """The cell's three runs under ``preset`` on ``config``'s engine (a continuous one)."""
+def cell_runs(config: Config, preset: str, cell: GridCell, seed: int = 0) -> tuple[str, PolicyRun, PolicyRun, PolicyRun]:
+    """(The limit binding the flood, and the cell's runs: the steady tenant alone, the flood solo, both.)"""
     config = grid_config(config)
     deployment = deployment_for(config)
     limit, capacity = engine_limit(deployment, config, cell.prompt_tokens, cell.output_tokens)
@@ -214,7 +214,13 @@ def measure_cell(config: Config, preset: str, cell: GridCell, seed: int = 0) -> 
     alone = _run(config, preset, seed, **{**params, "neighbor_rate": 0.0})
     solo = _run(config, preset, seed, **{**params, "steady_rate": 1.0 / (2 * DURATION_S)})
     both = _run(config, preset, seed, **params)
-    costs = _token_costs(deployment, config)
+    return limit, alone, solo, both
+
+
+def measure_cell(config: Config, preset: str, cell: GridCell, seed: int = 0) -> CellResult:
+    """The cell's three runs under ``preset`` on ``config``'s engine (a continuous one), measured."""
+    limit, alone, solo, both = cell_runs(config, preset, cell, seed)
+    costs = _token_costs(deployment_for(config), config)
     return CellResult(cell, limit, _p99_ttft_ms(alone), _p99_ttft_ms(both), _tokens_per_s(solo, "neighbor"),
                       _tokens_per_s(both, "neighbor"), _tokens_per_s(both, "steady"),
                       _work_per_s(solo, costs), _work_per_s(both, costs))

@@ -36,6 +36,7 @@ def write(tmp_path, text):
         ("[server]\nport = 70000\n", "server.port: must be a port number"),
         ("[server]\nprot = 1\n", "server.prot: unknown key"),
         ("[sever]\n", "sever: unknown key"),
+        ("[engine]\nreserved_sequences = 16\n", "engine.reserved_sequences: no longer a setting: a continuous engine isolates"),
         ("[tenants.a]\nrate = -5\nburst = 10\n", "tenants.a.rate: must be between 1e-06 and 1e+12, got -5"),
         ("[tenants.a]\nrate = 0\nburst = 10\n", "tenants.a.rate: must be between 1e-06 and 1e+12, got 0"),
         ("[tenants.a]\nrate = 5\n", "tenants.a.burst: required key is missing"),
