@@ -1,9 +1,10 @@
 """Isolation figures: the isolation bounds for every built-in policy (and ``vtc`` when installed).
 
 What it prints (virtual time, through apsd's own pipeline; the same seeds give the same figures)
-    - continuous engine (``ISOLATING_ENGINE`` of tests/helpers.py, as tests/sim/test_isolation.py
-      runs it: a100-80gb, llama-3-8b, ``max_batched_tokens = 256``): the steady tenant's p99 time to
-      first token on ``noisy-neighbor`` (60 s) alone and beside a neighbour at ``CONTINUOUS_FLOOD`` req/s;
+    - continuous engine (the defaults: a100-80gb, llama-3-8b, isolation on): the steady tenant's p99
+      time to first token on ``noisy-neighbor`` alone and beside the flood of ``CONTINUOUS_FLOOD``
+      (tests/helpers.py: 512/128 every 0.5 s beside 512/512 at 40 req/s, as tests/sim/test_isolation.py
+      runs it) (the full grid of workloads: ``apsd research --grid``);
     - batch engine (the default): its p99 latency on ``noisy-neighbor`` (120 s) alone and flooded,
       and the longest batch of the flooded run;
     - ``vtc-overload``: the largest service gap between the two backlogged tenants after 200 and
@@ -25,8 +26,8 @@ if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import 
 from apsd.core.config import Config, parse_config  # noqa: E402
 from apsd.sim.runner import parse_policy_choice, run_policy  # noqa: E402
 from apsd.sim.workloads import build_workload  # noqa: E402
-from tests.helpers import (CONTINUOUS_FLOOD, ISOLATING_ENGINE, latency, max_backlogged_service_gap,  # noqa: E402
-                           p99, steady, ttft)
+from tests.helpers import (CONTINUOUS_FLOOD, latency, max_backlogged_service_gap, p99, steady,  # noqa: E402
+                           ttft)
 
 
 def presets() -> list[str]:
@@ -47,10 +48,9 @@ def longest_batch(policy_run) -> float:
 
 
 def row(preset: str) -> str:
-    continuous = parse_config({"engine": ISOLATING_ENGINE}, "<bench>")
-    alone = p99(steady(run("noisy-neighbor", preset, continuous, duration=60.0, neighbor_rate=0.0), ttft))
-    flooded = p99(steady(run("noisy-neighbor", preset, continuous, duration=60.0, neighbor_rate=CONTINUOUS_FLOOD),
-                         ttft))
+    continuous = parse_config({"engine": {"kind": "continuous"}}, "<bench>")
+    alone = p99(steady(run("noisy-neighbor", preset, continuous, **{**CONTINUOUS_FLOOD, "neighbor_rate": 0.0}), ttft))
+    flooded = p99(steady(run("noisy-neighbor", preset, continuous, **CONTINUOUS_FLOOD), ttft))
     micro_alone = p99(steady(run("noisy-neighbor", preset, Config(), neighbor_rate=0.0), latency))
     micro_run = run("noisy-neighbor", preset, Config())
     gaps = [max_backlogged_service_gap(run("vtc-overload", preset, Config(), duration=d)) for d in (200.0, 800.0)]

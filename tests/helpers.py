@@ -187,11 +187,11 @@ def openai_client(url: str, tenant: str = "t") -> Any:
 
 # -- the simulator's isolation measures (tests/sim/test_isolation.py, benchmarks/bench_isolation.py) ----
 
-#: The continuous engine of the isolation figures: one A100-80GB serving Llama-3-8B, with a small step
-#: budget so that the step a light tenant's request arrives in is short (docs/explanation/architecture.md: the trade).
-ISOLATING_ENGINE = {"kind": "continuous", "gpu": "a100-80gb", "model": "llama-3-8b", "max_batched_tokens": 256}
-#: ~10x what that engine serves of the neighbour's 64/128-token requests (about 45 req/s).
-CONTINUOUS_FLOOD = 500.0
+#: noisy-neighbor on the continuous engine: a steady tenant sending a 512/128-token request every 0.5 s
+#: beside a same-bid tenant flooding 512/512 at 40 req/s (about ten times what the default continuous
+#: engine serves of them), for 30 s.
+CONTINUOUS_FLOOD = {"duration": 30.0, "steady_rate": 2.0, "steady_prompt_tokens": 512, "steady_output_tokens": 128,
+                    "neighbor_rate": 40.0, "neighbor_prompt_tokens": 512, "neighbor_output_tokens": 512}
 
 
 def steady(run: Any, measure: Callable[[Any], float]) -> list[float]:

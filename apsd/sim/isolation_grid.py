@@ -38,7 +38,7 @@ from apsd.sim.records import PolicyRun
 from apsd.sim.runner import parse_policy_choice, run_policy
 from apsd.sim.workloads import build_workload
 
-__all__ = ["AXES", "CELLS", "CellResult", "GridCell", "cell_runs", "engine_limit", "heat_map", "measure_cell", "sweep"]
+__all__ = ["AXES", "CELLS", "CellResult", "GridCell", "cell_runs", "engine_limit", "heat_map", "measure_cell", "measure_runs", "sweep"]
 
 #: The flood's rate, as a multiple of what the engine serves of its requests.
 FLOOD_LOADS = (2.0, 10.0, 50.0)
@@ -219,7 +219,12 @@ def cell_runs(config: Config, preset: str, cell: GridCell, seed: int = 0) -> tup
 
 def measure_cell(config: Config, preset: str, cell: GridCell, seed: int = 0) -> CellResult:
     """The cell's three runs under ``preset`` on ``config``'s engine (a continuous one), measured."""
-    limit, alone, solo, both = cell_runs(config, preset, cell, seed)
+    return measure_runs(config, cell, *cell_runs(config, preset, cell, seed))
+
+
+def measure_runs(config: Config, cell: GridCell, limit: str, alone: PolicyRun, solo: PolicyRun,
+                 both: PolicyRun) -> CellResult:
+    """The figures of a cell's runs (:func:`cell_runs`)."""
     costs = _token_costs(deployment_for(config), config)
     return CellResult(cell, limit, _p99_ttft_ms(alone), _p99_ttft_ms(both), _tokens_per_s(solo, "neighbor"),
                       _tokens_per_s(both, "neighbor"), _tokens_per_s(both, "steady"),
