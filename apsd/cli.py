@@ -355,8 +355,15 @@ def research_main(argv: Sequence[str]) -> int:
                         "(default docs)")
     parser.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    parser.add_argument("--grid", action="store_true",
+                        help="instead, sweep the isolation grid (a steady tenant beside a flood, 81 workloads, on the "
+                             "default continuous engine) under fifo, aps, fair and the plugins' presets: print a heat "
+                             "map per policy and write research/isolation-grid.md (about 2 minutes per policy)")
+    parser.add_argument("--presets", metavar="P,P", help="with --grid: these presets only")
     args = parser.parse_args(argv)
     _require_plotting(parser)
+    if args.grid:
+        return _research_grid(parser, args)
     try:
         # Installed plugins too, as the daemon loads them: research.md names them and their versions.
         pm = make_plugin_manager()
@@ -364,6 +371,29 @@ def research_main(argv: Sequence[str]) -> int:
             path = write_research(Path(args.out), seed=args.seed, progress=advance, plugin_manager=pm)
     except PluginError as exc:
         parser.exit(1, f"apsd research: plugin error: {exc}\n")
+    print(f"wrote {path}")
+    return 0
+
+
+def _research_grid(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from apsd.sim.isolation_grid import CELLS
+    from apsd.sim.research.grid import GRID_PRESETS, print_heat_maps, write_grid
+    from apsd.sim.research.suite import plugin_presets
+    from apsd.sim.runner import parse_policy_choice
+
+    try:
+        presets = (tuple(p.strip() for p in args.presets.split(",") if p.strip()) if args.presets
+                   else (*GRID_PRESETS, *plugin_presets(load_policy_registry(make_plugin_manager()))))
+        for preset in presets:
+            parse_policy_choice(preset)
+        with _progress(len(CELLS) * len(presets), args.quiet) as advance:
+            path, results = write_grid(Path(args.out), presets, seed=args.seed,
+                                       progress=(lambda *_: advance(1)) if advance else None)
+    except (ValueError, ConfigError) as exc:
+        parser.exit(2, f"apsd research: error: {exc}\n")
+    except PluginError as exc:
+        parser.exit(1, f"apsd research: plugin error: {exc}\n")
+    print(print_heat_maps(results))
     print(f"wrote {path}")
     return 0
 

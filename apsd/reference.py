@@ -188,6 +188,8 @@ def allowed_values(field: attrs.Attribute) -> str:
         return f"{number(bound['low'], integer)} to {number(bound['high'], integer)}"
     if name == "off_or_between.<locals>.check":
         return f"0 (off), or {number(bound['low'], integer)} to {number(bound['high'], integer)}"
+    if name == "one_of.<locals>.check":
+        return ", ".join(f"`\"{choice}\"`" for choice in bound["choices"])
     if name == "either.<locals>.check":
         return f"`\"{bound['first']}\"` or `\"{bound['second']}\"`"
     raise TypeError(f"apsd.reference: validator {name!r} of {field.name!r} is not described: "

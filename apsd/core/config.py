@@ -12,6 +12,7 @@ import re
 import tomllib
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -361,9 +362,10 @@ class EngineConfig:
     #: Tokens one continuous-engine iteration processes: one per decoding sequence, the rest
     #: prefill chunks (vLLM's max_num_batched_tokens with chunked prefill).
     max_batched_tokens: int = attrs.field(default=8192, validator=between(1, 10**7))
-    #: Tenant isolation on a continuous engine: a tenant below its share of ``max_sequences`` gets in
-    #: when the engine is full (tenants above their share are preempted), its prompt is prefilled
-    #: first, and the others' prompts in short chunks (docs/explanation/fairness-and-admission.md).
+    #: Tenant isolation: on a continuous engine a tenant below its share gets in when the engine is
+    #: full (tenants above theirs are preempted), its prompt is prefilled first and the others' in
+    #: short chunks; on the forward engine a free slot is held for each active tenant below its
+    #: share (docs/explanation/fairness-and-admission.md).
     isolation: bool = True
     #: Prefill tokens per step of tenants at or above their share while isolating; 0 derives it
     #: from the deployment (the smallest chunk about as cheap per token as any: 512 on an A100 for
@@ -387,6 +389,13 @@ class EngineConfig:
         """Relays to ``[[backends]]``."""
         return ENGINE_KINDS[self.kind].forwards
 
+
+
+def one_of(*choices: str) -> Callable[[object, attrs.Attribute, str], None]:
+    def check(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {value!r}")
+    return check
 
 
 def http_url(_inst: object, attribute: attrs.Attribute, value: str) -> None:
@@ -420,6 +429,11 @@ class BackendConfig:
     cost_per_1m_prompt_tokens_usd: float = attrs.field(default=0.0, validator=between(0, 1e9))
     #: ... and USD per million output tokens (with ``cost_per_1m_prompt_tokens_usd``).
     cost_per_1m_output_tokens_usd: float = attrs.field(default=0.0, validator=between(0, 1e9))
+    #: Send each request a ``priority`` for a backend that schedules and preempts by it: ``off``;
+    #: ``lower-first`` (vLLM started with ``--scheduling-policy priority``); ``higher-first`` (a server
+    #: that runs higher values first). Tenants below their share come first, then higher bids
+    #: (docs/how-to/real-servers.md).
+    priority: str = attrs.field(default="off", validator=one_of("off", "lower-first", "higher-first"))
     #: ``apsd simulate`` only, in place of the server: model seconds to the first token and per
     #: output token after it, with ``max_concurrency`` requests running at once.
     sim_ttft_s: float = attrs.field(default=0.05, validator=between(0, 3600))
@@ -463,6 +477,9 @@ class ForwardConfig:
     max_waiting: int = attrs.field(default=5, validator=between(1, 10**6))
     #: ... or this share of its KV cache in use (vLLM ``vllm:kv_cache_usage_perc``).
     max_kv_usage: float = attrs.field(default=0.8, validator=between(0.01, 1.0))
+    #: Isolation (``[engine] isolation``): a tenant counts as active, and a free slot is held for it
+    #: while it is below its share, for this long after its last request here.
+    tenant_active_s: float = attrs.field(default=10.0, validator=between(0.0, 86_400))
 
 
 @attrs.frozen

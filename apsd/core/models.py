@@ -233,6 +233,9 @@ class Capacity:
     held_sequences: int = 0
     held_kv_tokens: int = 0
     under_share: Callable[[InferenceRequest], bool] | None = None
+    #: How many more sequences ``request``'s tenant may take now (the ``forward`` engine keeps a slot
+    #: free for each other active tenant below its share); None: no limit per tenant.
+    tenant_room: Callable[[InferenceRequest], int] | None = None
 
     def need(self, request: InferenceRequest) -> int:
         """KV tokens ``request`` needs to join."""
@@ -240,9 +243,12 @@ class Capacity:
             return request.cost_tokens
         return request.prompt_tokens + request.tokens_generated + 1
 
-    def admits(self, request: InferenceRequest, taken: int = 0, kv_taken: int = 0) -> bool:
+    def admits(self, request: InferenceRequest, taken: int = 0, kv_taken: int = 0, tenant_taken: int = 0) -> bool:
         """Whether ``request`` fits once ``taken`` sequences and ``kv_taken`` KV tokens went to
-        others: in the free room, or (its tenant below its share) in the held room too."""
+        others (``tenant_taken`` of them to its tenant): in the free room, or (its tenant below its
+        share) in the held room too; and within its tenant's room."""
+        if self.tenant_room is not None and tenant_taken >= self.tenant_room(request):
+            return False
         need = kv_taken + self.need(request)
         if self.sequences - taken > 0 and need <= self.kv_tokens:
             return True

@@ -164,7 +164,7 @@ class _Forward:
               backend_client: BackendClient | None, **_: Any) -> list[Engine]:
         client = backend_client or HttpBackendClient(config.forward)
         return [ForwardEngine(0, [Backend(b) for b in config.backends], client, ledger, clock, config.forward,
-                              requeue)]
+                              requeue, isolation=config.engine.isolation)]
 
 
 #: ``[engine] kind`` -> how to check and build its engines (the kinds themselves: ``apsd.core.config.ENGINE_KINDS``).

@@ -37,6 +37,18 @@ without a model, from ``POST /infer``, to any), in a task of its own:
   once; those already queued get it once it has been so for ``no_backend_wait_s``.
 * An unexpected error while forwarding fails that request only (logged with its id).
 
+Isolation (``[engine] isolation``, on by default): a backend's slots are this engine's capacity,
+and a backlogged tenant must not hold them all while another waits, for a llama.cpp server cannot
+preempt a request it has started. A tenant is *active* while it has requests here or had one in
+the last ``[forward] tenant_active_s``; it is *below its share* while its requests here times the
+active tenants (itself included) are fewer than the slots of the healthy backends. One free slot is
+held for each active tenant below its share: a tenant may take every free slot but those
+(``Capacity.tenant_room``), and the fair-share queues let the others' requests pass the head to
+reach them. So a tenant that comes back finds a slot waiting, and one that floods alone has every
+slot. Where a backend can preempt (vLLM with ``--scheduling-policy priority``), its ``priority``
+setting sends each request a priority (:meth:`ForwardEngine.priority_for`): tenants below their
+share first, then by bid, so the backend itself lets them in ahead of what it already runs.
+
 Health (``[forward] health_interval_s``) and metrics (``metrics_interval_s``) are read by one task
 per backend; a down backend takes no work and comes back by itself. A backend without configured
 ``models`` serves what its ``/v1/models`` lists, read when it first becomes healthy.
@@ -47,6 +59,7 @@ the backend's hourly price x ``gpus`` / ``max_concurrency``).
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 from collections.abc import Callable
@@ -55,7 +68,7 @@ import attrs
 import trio
 
 from apsd.core.clock import ModelClock
-from apsd.core.config import Config, ForwardConfig
+from apsd.core.config import MAX_BID, Config, ForwardConfig
 from apsd.core.ledger import Ledger
 from apsd.core.models import ALL_APIS, LENGTH_ALIASES, Capacity, Completion, Dispatch, InferenceRequest, Refusal
 from apsd.core.streams import TokenChunk
@@ -80,6 +93,13 @@ class ForwardEngine:
     settings: ForwardConfig
     #: Puts a request that failed before its first token back in the queue (the scheduler's).
     requeue: Callable[[InferenceRequest, str], None]
+    #: Hold a free slot for each active tenant below its share (the module docstring).
+    isolation: bool = True
+    #: Tenant -> its requests running here; and -> the model time it last had one (dispatched or ended).
+    _per_tenant: collections.Counter[str] = attrs.field(factory=collections.Counter, init=False)
+    _last_seen: dict[str, float] = attrs.field(factory=dict, init=False)
+    #: The running requests whose tenant was below its share when dispatched (for ``priority``).
+    _below_share: set[InferenceRequest] = attrs.field(factory=set, init=False)
     kind: str = attrs.field(default="forward", init=False)
     apis: tuple[str, ...] = attrs.field(default=ALL_APIS, init=False)
     #: Each running request's cancel scope and backend.
@@ -136,7 +156,53 @@ class ForwardEngine:
             total += free
             for name in backend.models:
                 slots[name] = slots.get(name, 0) + free
-        return Capacity(sequences=total, kv_tokens=UNBOUNDED, reserve_output=False, slots_per_model=slots)
+        if not self.isolation:
+            return Capacity(sequences=total, kv_tokens=UNBOUNDED, reserve_output=False, slots_per_model=slots)
+        caps = self._caps(now)
+        return Capacity(sequences=total, kv_tokens=UNBOUNDED, reserve_output=False, slots_per_model=slots,
+                        under_share=lambda r: self._room(caps, r) > 0, tenant_room=lambda r: self._room(caps, r))
+
+    def _active(self, now: float) -> int:
+        """Tenants with requests here or one within ``tenant_active_s`` (forgetting the others)."""
+        since = now - self.settings.tenant_active_s
+        for tenant in [t for t, seen in self._last_seen.items() if seen < since and not self._per_tenant[t]]:
+            del self._last_seen[tenant]
+        return len(self._last_seen)
+
+    def _slots(self) -> int:
+        return sum(b.config.max_concurrency for b in self.backends if b.healthy)
+
+    def _caps(self, now: float) -> tuple[int, int, int]:
+        """(The slots of the healthy backends, the active tenants, how many of them are below their share)."""
+        active = self._active(now)
+        slots = self._slots()
+        below = sum(1 for tenant in self._last_seen if self._per_tenant[tenant] * active < slots)
+        return slots, active, below
+
+    def _room(self, caps: tuple[int, int, int], request: InferenceRequest) -> int:
+        """How many more slots ``request``'s tenant may take: all of them but one for each other active
+        tenant below its share."""
+        slots, active, below = caps
+        tenant = request.tenant_id
+        mine = self._per_tenant[tenant]
+        if tenant not in self._last_seen:
+            active += 1
+        elif mine * active < slots:
+            below -= 1   # (itself)
+        return slots - below - mine
+
+    def under_share(self, request: InferenceRequest) -> bool:
+        """Whether ``request``'s tenant is below its share of the backends' slots (the module docstring)."""
+        tenant = request.tenant_id
+        active = self._active(self.clock.now()) + (tenant not in self._last_seen)
+        return self._per_tenant[tenant] * active < self._slots()
+
+    @staticmethod
+    def priority_for(request: InferenceRequest, below_share: bool, polarity: str) -> int:
+        """The ``priority`` sent to a backend that preempts by it: tenants below their share before the
+        others, then higher bids first, in the backend's ``polarity`` (``[[backends]] priority``)."""
+        rank = (MAX_BID + 1) * (not below_share) + (MAX_BID - request.priority_bid)  # lower: sooner
+        return rank if polarity == "lower-first" else 2 * MAX_BID + 1 - rank
 
     def cancel(self, request: InferenceRequest) -> bool:
         running = self._running.get(request)
@@ -157,6 +223,11 @@ class ForwardEngine:
     def backend_statistics(self) -> tuple[BackendStatistics, ...]:
         now = self.clock.now()
         return tuple(backend.statistics(now, self.settings) for backend in self.backends)
+
+    def ask_again(self) -> None:
+        """A request the last empty answer did not hold came in and fits (a slot held for its tenant):
+        ask now, without waiting for capacity to change."""
+        self._changed_now()
 
     def _changed_now(self) -> None:
         """Capacity may have grown (a request ended, a backend came back): the engine may ask again."""
@@ -220,6 +291,10 @@ class ForwardEngine:
                 request.retries -= 1
                 continue
             backend.in_flight += 1
+            if self.under_share(request):
+                self._below_share.add(request)
+            self._per_tenant[request.tenant_id] += 1
+            self._last_seen[request.tenant_id] = self.clock.now()
             scope = trio.CancelScope()
             self._running[request] = (scope, backend)
             sent = trio.Event()
@@ -251,6 +326,10 @@ class ForwardEngine:
         else:  # POST /infer: a plain completion of its prompt
             api, body = "completions", {"prompt": request.prompt}
         body["model"] = request.model or backend.models[0]
+        if backend.config.priority != "off":
+            body["priority"] = self.priority_for(request, request in self._below_share, backend.config.priority)
+        else:  # (a client's vLLM priority is its bid here: it must not reorder the backend's queue too)
+            body.pop("priority", None)
         if api == "embeddings":   # (nothing to generate, nothing to stream)
             return api, body, False
         if api == "responses":
@@ -371,6 +450,11 @@ class ForwardEngine:
         backend.in_flight -= 1
         self._running.pop(request, None)
         self._moved.discard(request)
+        self._below_share.discard(request)
+        self._per_tenant[request.tenant_id] -= 1
+        if not self._per_tenant[request.tenant_id]:
+            del self._per_tenant[request.tenant_id]
+        self._last_seen[request.tenant_id] = self.clock.now()
         try:
             self._account(request, backend, start)
             if requeue is not None and not request.answered:

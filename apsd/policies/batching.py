@@ -14,6 +14,7 @@ at admission (413) by its engine, or by this policy's own cap, so nothing waits 
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -62,13 +63,14 @@ class MicroBatching:
         slots = dict(free.slots_per_model) if free.slots_per_model is not None else None
         batch: list[InferenceRequest] = []
         kv = 0
+        per_tenant: collections.Counter[str] = collections.Counter()
 
         def takes(request: InferenceRequest) -> bool:
             if self.kv_cap_tokens and kv + free.need(request) > self.kv_cap_tokens:
                 return False
             if slots is not None and request.model is not None and slots.get(request.model, 0) <= 0:
                 return False
-            return free.admits(request, len(batch), kv)
+            return free.admits(request, len(batch), kv, per_tenant[request.tenant_id])
 
         while queue and len(batch) < size:
             if takes(queue.peek(now)):
@@ -78,6 +80,7 @@ class MicroBatching:
                 if taken is None:
                     break
             batch.append(taken)
+            per_tenant[taken.tenant_id] += 1
             kv += free.need(taken)
             if slots is not None and taken.model is not None:
                 slots[taken.model] -= 1

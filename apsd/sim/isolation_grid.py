@@ -247,12 +247,12 @@ def sweep(config: Config, presets: Sequence[str], cells: Iterable[GridCell] = CE
 
 def heat_map(results: Sequence[CellResult]) -> str:
     """One preset's results as a text heat map: a block per flood load, prompt x output rows, a column
-    per steady concurrency; each cell ``ratio / throughput kept`` and a mark where the claim fails."""
+    per steady concurrency; each cell ``ratio / work kept / limit`` and a mark where the claim fails."""
     by_cell = {r.cell: r for r in results}
     lines = []
     for load in FLOOD_LOADS:
-        lines.append(f"flood at {load:g}x capacity: steady p99 TTFT both/alone, flood throughput both/solo "
-                     f"(! where ratio > {RATIO_GOAL:g} or throughput < {THROUGHPUT_GOAL:.0%})")
+        lines.append(f"flood at {load:g}x capacity: steady p99 TTFT both/alone, engine work both/flood solo "
+                     f"(! where ratio > {RATIO_GOAL:g} or work < {THROUGHPUT_GOAL:.0%})")
         lines.append(f"  {'prompt/output':<16}" + "".join(f"{f'{c} steady':>22}" for c in CONCURRENCIES))
         for prompt in PROMPTS:
             for output in OUTPUTS:
@@ -260,7 +260,7 @@ def heat_map(results: Sequence[CellResult]) -> str:
                 for concurrency in CONCURRENCIES:
                     r = by_cell.get(GridCell(load, prompt, output, concurrency))
                     row.append(" " * 22 if r is None else
-                               f"{'!' if not r.holds else ' '}{r.ratio:5.2f}x {r.flood_kept:5.0%} "
+                               f"{'!' if not r.holds else ' '}{r.ratio:5.2f}x {r.work_kept:5.0%} "
                                f"{_limit_mark(r.limit)}".rjust(22))
                 lines.append(f"  {f'{prompt}/{output}':<16}" + "".join(row))
         lines.append("")

@@ -19,19 +19,20 @@ from apsd.core.streams import TokenStream
 
 from tests.helpers import build_policies
 
-TENANTS = {"t": TenantConfig(rate=1e9, burst=10**9)}
+TENANTS = {name: TenantConfig(rate=1e9, burst=10**9) for name in ("t", "flood", "steady")}
 
 
-def forward_config(names, *, preset="fifo", max_concurrency=2, **forward):
+def forward_config(names, *, preset="fifo", max_concurrency=2, isolation=True, priority="off", **forward):
     config = parse_config({"policy": {"preset": preset, "fixed": {"window_ms": 0.0}},
-                           "backends": [{"url": f"http://{name}.test", "name": name,
+                           "engine": {"isolation": isolation},
+                           "backends": [{"url": f"http://{name}.test", "name": name, "priority": priority,
                                          "max_concurrency": max_concurrency} for name in names]}, "<test>")
     settings = {"health_interval_s": 1.0, "metrics_interval_s": 0.1, **forward}
     return attrs.evolve(config, tenants=TENANTS, forward=ForwardConfig(**settings))
 
 
-def request(pipeline, *, tokens=20, bid=5, stream=False, model="sim", prompt="hello"):
-    r = pipeline.new_request(tenant_id="t", prompt=prompt, tokens_requested=tokens, priority_bid=bid, model=model,
+def request(pipeline, *, tokens=20, bid=5, stream=False, model="sim", prompt="hello", tenant="t"):
+    r = pipeline.new_request(tenant_id=tenant, prompt=prompt, tokens_requested=tokens, priority_bid=bid, model=model,
                              api="chat.completions",
                              payload={"model": model, "messages": [{"role": "user", "content": prompt}],
                                       "temperature": 0.5, "user": f"bid{bid}"})
@@ -393,3 +394,107 @@ async def test_with_the_shipped_defaults_a_stalled_backends_client_is_answered_w
         late = request(pipeline)
         assert not pipeline.admit_now(late)              # and a new one is refused at once
         assert (await late.reply.wait()).error == "no_backend" and pipeline.clock.now() - start == answered_in
+
+
+async def flood_and_steady(pipeline, *, steady_gap_s=0.7, steady_requests=6, flood=40):
+    """A tenant queues ``flood`` requests at once; another sends one every ``steady_gap_s``. Returns the
+    steady requests' queue waits and the most slots the flood held while the steady tenant was active."""
+    engine = pipeline.engines[0]
+    floods = [request(pipeline, tenant="flood", tokens=100) for _ in range(flood)]
+    for r in floods:
+        assert pipeline.admit_now(r)
+    waits, most = [], 0
+    for i in range(steady_requests):
+        await pipeline.clock.sleep(steady_gap_s)
+        if i:   # (the steady tenant has been seen)
+            most = max(most, engine._per_tenant["flood"])
+        r = request(pipeline, tenant="steady", tokens=10)
+        assert pipeline.admit_now(r)
+        await r.reply.wait()
+        waits.append(r.dispatched_at - r.arrival)
+    for r in floods:
+        await r.reply.wait()
+    return waits, most
+
+
+async def test_a_slot_is_held_for_an_active_tenant_below_its_share(autojump_clock):
+    """Four slots, a flood of forty requests of about a second: while the steady tenant comes back every
+    0.7 s, the flood holds at most three slots and each steady request is dispatched at once."""
+    servers = {"a": SimulatedServer(slots=2), "b": SimulatedServer(slots=2)}
+    async with forwarding(servers, preset="fair") as pipeline:
+        waits, most = await flood_and_steady(pipeline)
+    assert most == 3
+    assert waits[0] > 0.2   # (the first: the flood held every slot before the steady tenant was seen)
+    assert max(waits[1:]) == pytest.approx(0.0, abs=1e-6)
+
+
+async def test_without_isolation_the_steady_tenant_waits_for_a_floods_request_to_finish(autojump_clock):
+    servers = {"a": SimulatedServer(slots=2), "b": SimulatedServer(slots=2)}
+    async with forwarding(servers, preset="fair", isolation=False) as pipeline:
+        waits, most = await flood_and_steady(pipeline)
+    assert most == 4 and min(waits[1:]) > 0.1
+
+
+async def test_alone_a_tenant_has_every_slot(autojump_clock):
+    servers = {"a": SimulatedServer(slots=2), "b": SimulatedServer(slots=2)}
+    async with forwarding(servers, preset="fair") as pipeline:
+        floods = [request(pipeline, tenant="flood", tokens=100) for _ in range(10)]
+        for r in floods:
+            assert pipeline.admit_now(r)
+        await trio.testing.wait_all_tasks_blocked()
+        assert [b.in_flight for b in pipeline.engines[0].backends] == [2, 2]
+        for r in floods:
+            await r.reply.wait()
+
+
+@pytest.mark.parametrize("polarity", ["lower-first", "higher-first"])
+async def test_a_backend_that_preempts_by_priority_is_sent_one_from_share_and_bid(autojump_clock, polarity):
+    """With the steady tenant active, the flood's requests beyond its share (2 of 4 slots) get a less
+    urgent priority than the steady tenant's; a client's own ``priority`` never reaches the backend."""
+    servers = {"a": SimulatedServer(slots=4)}
+    async with forwarding(servers, preset="fair", max_concurrency=4, priority=polarity) as pipeline:
+        def send(tenant, tag, tokens):
+            r = request(pipeline, tenant=tenant, tokens=tokens)
+            r.payload.update(user=tag, priority=-100)
+            assert pipeline.admit_now(r)
+            return r
+
+        await send("steady", "steady-1", 5).reply.wait()
+        floods = [send("flood", f"flood-{i}", 200) for i in range(5)]
+        await pipeline.clock.sleep(0.2)
+        await send("steady", "steady-2", 5).reply.wait()
+        for r in floods:
+            await r.reply.wait()
+    urgency = (lambda p: -p) if polarity == "lower-first" else (lambda p: p)   # higher: sooner
+    sent = [(body["user"], urgency(body["priority"])) for body in servers["a"].bodies]
+    assert -100 not in [body["priority"] for body in servers["a"].bodies]
+    steady = dict(sent)["steady-2"]
+    floods_sent = [u for user, u in sent if user.startswith("flood")]
+    assert floods_sent[:2] == [steady, steady] and floods_sent[2] < steady   # within its share, then beyond
+
+
+@pytest.mark.parametrize("polarity", ["lower-first", "higher-first"])
+def test_the_priority_puts_tenants_below_their_share_first_then_higher_bids(polarity):
+    from apsd.engines.forward import ForwardEngine
+
+    def urgency(bid, below):
+        value = ForwardEngine.priority_for(_Bid(bid), below, polarity)
+        return -value if polarity == "lower-first" else value
+
+    order = [urgency(bid, below) for below in (True, False) for bid in (10, 5, 1)]
+    assert order == sorted(order, reverse=True) and len(set(order)) == 6
+
+
+@attrs.define
+class _Bid:
+    priority_bid: int
+
+
+async def test_by_default_a_clients_priority_does_not_reach_the_backend(autojump_clock):
+    servers = {"a": SimulatedServer()}
+    async with forwarding(servers) as pipeline:
+        r = request(pipeline)
+        r.payload["priority"] = -5
+        assert pipeline.admit_now(r)
+        await r.reply.wait()
+    assert "priority" not in servers["a"].bodies[0]
