@@ -153,6 +153,9 @@ def simulate_parser() -> argparse.ArgumentParser:
                         "queue limits and policy parameters (the workload brings its own tenants)")
     parser.add_argument("--out", metavar="DIR", help="report directory (default apsd-sim/<workload>)")
     parser.add_argument("--no-plots", action="store_true", help="write report.md and summary.json only")
+    parser.add_argument("--no-alone", action="store_true",
+                        help="do not also run each tenant alone (the isolation table that leads the summary; "
+                             "workloads of 2 to 8 tenants)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no table")
     parser.add_argument("--list", action="store_true", help="list the built-in workloads and their parameters")
     replicas = parser.add_argument_group(
@@ -200,25 +203,35 @@ def simulate_main(argv: Sequence[str]) -> int:
             registry.build(simulation_config(config, workload, choice))
         if not args.no_plots:
             _require_plotting(parser)
+        from apsd.sim.alone import alone_runs
+
         total = len(workload.arrivals) * len(choices)
-        runs = []
-        with _progress(total, args.quiet) as advance:
+        runs, alone = [], []
+        with _progress(total * (1 if args.no_alone else 2), args.quiet) as advance:
             for choice in choices:
                 runs.append(run_policy(workload, choice, base_config=config, plugin_manager=pm, progress=advance))
+                alone.append(None if args.no_alone else alone_runs(workload, choice, base_config=config,
+                                                                   plugin_manager=pm, progress=advance))
     except (workloads.WorkloadError, ConfigError) as exc:
         parser.exit(2, f"apsd simulate: error: {exc}\n")
     except PluginError as exc:
         parser.exit(1, f"apsd simulate: plugin error: {exc}\n")
     from apsd.sim.report import format_summary_table, summarize, write_report
+    from apsd.sim.report.tables import isolation_table
 
     out = Path(args.out or Path("apsd-sim") / workload.name)
-    written = write_report(runs, out, plots=not args.no_plots)
+    written = write_report(runs, out, plots=not args.no_plots, alone=alone)
     for stale in out.glob("*.png"):  # plots of an earlier run would no longer match the report
         if stale not in written:
             stale.unlink()
     wall = sum(run.wall_s for run in runs)
     if not args.quiet:
-        print(format_summary_table([summarize(run) for run in runs]))
+        summaries = [summarize(run, solo) for run, solo in zip(runs, alone)]
+        isolated = isolation_table(summaries)
+        if isolated is not None:
+            print("Each tenant beside the others against alone (its own arrivals, nobody else's):\n")
+            print(isolated + "\n")
+        print(format_summary_table(summaries))
         print(f"\nreport: {out / 'report.md'}")
     print(f"simulated {total} requests ({len(workload.arrivals)} arrivals x {len(runs)} policies) in {wall:.2f} s: "
           f"{total / wall if wall else 0:,.0f} simulated requests per wall-clock second")

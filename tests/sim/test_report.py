@@ -118,7 +118,9 @@ def empty_run(label="empty"):
 
 def test_summary_top_level_and_workload():
     s = summarize(tiny_run())
-    assert set(s.as_dict()) == {"label", "policy", "workload", "gpus", "engine", "duration_s", "tenants", "overall"}
+    assert set(s.as_dict()) == {"label", "policy", "workload", "gpus", "engine", "duration_s", "tenants", "overall",
+                                "isolation"}
+    assert s.isolation == ()
     assert s.label == "aps"
     assert s.policy["governor"] == "entropy"
     assert s.workload == WorkloadSummary(name="tiny", description="Two tenants, four requests",

@@ -198,3 +198,28 @@ def test_simulating_the_forward_engine_runs_its_routing_over_simulated_backends(
     # 100 requests arrive together; 8 slots over two backends: at least 100/8 rounds of 0.1 + 99 x 0.01 s
     assert summary["duration_s"] >= 100 / 8 * (0.1 + 0.99) * 0.99
     assert summary["overall"]["ttft_ms"]["p50"] > 100 and summary["overall"]["tpot_ms"]["p50"] == pytest.approx(10)
+
+
+def test_the_summary_leads_with_each_tenant_beside_the_others_against_alone(tmp_path):
+    """noisy-neighbor on the continuous engine: the steady tenant's row shows its p99 TTFT alone and
+    beside the flood, from runs of its own arrivals alone; the report leads with the same table."""
+    config = tmp_path / "apsd.toml"
+    config.write_text('[engine]\nkind = "continuous"\n')
+    out = tmp_path / "report"
+    result = apsd_cli("simulate", "--workload", "noisy-neighbor", "--set", "duration=20", "--set", "neighbor_rate=200",
+                     "--policy", "fifo", "--policy", "fair", "--config", str(config), "--no-plots", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("Each tenant beside the others against alone")
+    rows = {tuple(c.strip(" `") for c in line.split("|")[1:3]): line.split("|") for line in lines if line.startswith("| `")}
+    fifo_ratio = float(rows[("fifo", "steady")][5].strip(" x"))
+    fair_ratio = float(rows[("fair", "steady")][5].strip(" x"))
+    assert fair_ratio <= 2.0 < 10 * 2.0 < fifo_ratio
+    report = (out / "report.md").read_text()
+    assert report.index("### Isolation") < report.index("### Comparison")
+    summary = json.loads((out / "summary.json").read_text())
+    steady = [row for row in summary["runs"][1]["isolation"] if row["tenant"] == "steady"][0]
+    assert steady["ratio"] == pytest.approx(fair_ratio, abs=0.01)
+    quiet = apsd_cli("simulate", "--workload", "noisy-neighbor", "--set", "duration=5", "--no-alone", "--no-plots",
+                    "--out", str(tmp_path / "quiet"))
+    assert quiet.returncode == 0 and "beside the others" not in quiet.stdout

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from apsd.sim.records import PolicyRun
@@ -25,18 +25,20 @@ def _by_workload(runs: Sequence[PolicyRun], summaries: Sequence[RunSummary]) -> 
 
 
 def write_report(runs: Sequence[PolicyRun], out_dir: Path, *, title: str | None = None,
-                 plots: bool = True) -> list[Path]:
+                 plots: bool = True, alone: Sequence[Mapping[str, PolicyRun] | None] | None = None) -> list[Path]:
     """Write ``summary.json``, ``report.md`` and (with ``plots``) the PNGs into ``out_dir``.
 
     ``out_dir`` is created if missing; existing files of the same names are
     overwritten. Runs on different workloads are grouped by workload in the
-    Markdown; the plots hold one panel (or line) per run. Returns the paths written,
-    in that order. Identical runs give byte-identical files.
+    Markdown; the plots hold one panel (or line) per run. ``alone``, one entry per run (its
+    tenants' runs alone, :func:`apsd.sim.alone.alone_runs`), adds the isolation table that leads each
+    workload's section. Returns the paths written, in that order. Identical runs give
+    byte-identical files.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = list(runs)
-    summaries = [summarize(run) for run in runs]
+    summaries = [summarize(run, solo) for run, solo in zip(runs, alone or [None] * len(runs))]
     title = title or "apsd simulate report"
 
     summary_path = out_dir / "summary.json"

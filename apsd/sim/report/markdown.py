@@ -10,7 +10,7 @@ from apsd.core.ledger import FAIRNESS_DEFINITION
 from apsd.sim.report.service import SERVICE_DIFFERENCE_DEFINITION
 from apsd.sim.report.summary import RunSummary
 from apsd.sim.report.tables import (S, batch_table, describe_engine, engine_figures, fmt, format_summary_table,
-                                    governor_table, service_difference_table, tenant_table)
+                                    governor_table, isolation_table, service_difference_table, tenant_table)
 
 __all__ = ["report_markdown"]
 
@@ -64,8 +64,13 @@ def report_markdown(title: str, groups: Sequence[Sequence[RunSummary]], plots: d
     for group in groups:
         first = group[0]
         out += [f"## Workload `{first.workload.name}`", "",
-                _describe_workload(first, group), "",
-                "### Comparison", "", format_summary_table(group), "",
+                _describe_workload(first, group), ""]
+        isolated = isolation_table(group)
+        if isolated is not None:
+            out += ["### Isolation", "", "Each tenant beside the others against alone: the very same arrivals of its own "
+                    "and nobody else's, under the same policy and engine. A ratio near 1 and throughput kept near "
+                    "100% mean the others did not hurt it.", "", isolated, ""]
+        out += ["### Comparison", "", format_summary_table(group), "",
                 _COMPARISON_NOTE, "",
                 "### Service difference between backlogged tenants", "", service_difference_table(group), "",
                 SERVICE_DIFFERENCE_DEFINITION[0].upper() + SERVICE_DIFFERENCE_DEFINITION[1:] + ". The first half "

@@ -15,7 +15,7 @@ Fairness is the daemon's own (:mod:`apsd.core.ledger`: :func:`~apsd.core.ledger.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,9 +26,10 @@ from apsd.sim.report.runs import (by_tenant, completed, engine_count, latencies,
                                   ttfts)
 from apsd.sim.report.service import summarize_service_difference
 from apsd.sim.report.summary import (BatchSizes, EngineSummary, Fairness, GovernorSummary, LowestBidder, Overall,
-                                     Percentiles, RunSummary, TenantSummary, TimeInState, WorkloadSummary)
+                                     Percentiles, RunSummary, TenantIsolation, TenantSummary, TimeInState,
+                                     WorkloadSummary)
 
-__all__ = ["summarize"]
+__all__ = ["isolation", "summarize"]
 
 
 def _outcomes(requests: Iterable[RequestRecord]) -> dict[str, Any]:
@@ -111,7 +112,36 @@ def _times(requests: Sequence[RequestRecord]) -> dict[str, Percentiles]:
             "latency_ms": Percentiles.of_seconds(latencies(requests))}
 
 
-def summarize(run: PolicyRun) -> RunSummary:
+def _p99_ttft_ms(requests: Sequence[RequestRecord]) -> float | None:
+    ttfts = [r.ttft for r in completed(requests) if r.ttft is not None]
+    return Percentiles.of_seconds(ttfts).p99
+
+
+def _tokens_per_s(requests: Sequence[RequestRecord]) -> float | None:
+    """Output tokens of the completed requests over their span: from the first arrival to the last finish."""
+    done = completed(requests)
+    if not done:
+        return None
+    span = max(r.finished_at or r.arrival for r in done) - min(r.arrival for r in requests)
+    return sum(r.output_tokens for r in done) / span if span > 0 else None
+
+
+def isolation(run: PolicyRun, alone: Mapping[str, PolicyRun]) -> tuple[TenantIsolation, ...]:
+    """Each tenant of ``run`` against its run alone (``alone``: tenant -> that run)."""
+    grouped = by_tenant(run)
+    rows = []
+    for tenant, solo in sorted(alone.items()):
+        mine = grouped.get(tenant, [])
+        ttft, ttft_alone = _p99_ttft_ms(mine), _p99_ttft_ms(solo.requests)
+        rows.append(TenantIsolation(
+            tenant=tenant, ttft_p99_alone_ms=ttft_alone, ttft_p99_ms=ttft,
+            ratio=ttft / ttft_alone if ttft is not None and ttft_alone else None,
+            tokens_per_s_alone=_tokens_per_s(solo.requests),
+            tokens_per_s=_tokens_per_s(mine)))
+    return tuple(rows)
+
+
+def summarize(run: PolicyRun, alone: Mapping[str, PolicyRun] | None = None) -> RunSummary:
     """The run's figures, typed and deterministic (see :mod:`apsd.sim.report.summary`).
 
     Queue waits, TTFT, TPOT and latencies cover completed requests only; rejected,
@@ -120,6 +150,7 @@ def summarize(run: PolicyRun) -> RunSummary:
     GPU busy time and cost are the engines' (``gpu_busy_s`` counts an engine of ``tp``
     GPUs once); ``gpu_utilization`` is that busy time over (engines × duration).
     ``engine`` is the run's ``[engine]`` with its engines' preemptions and MFU/MBU.
+    ``alone`` (tenant -> its run alone, :func:`apsd.sim.alone.alone_runs`) fills ``isolation``.
     """
     grouped = by_tenant(run)
     tenants: dict[str, TenantSummary] = {}
@@ -170,4 +201,5 @@ def summarize(run: PolicyRun) -> RunSummary:
         duration_s=duration,
         tenants=tenants,
         overall=overall,
+        isolation=isolation(run, alone) if alone else (),
     )

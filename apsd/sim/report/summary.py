@@ -25,6 +25,7 @@ import numpy as np
 from apsd.core.ledger import FAIRNESS_DEFINITION
 
 __all__ = ["SIGNIFICANT_DIGITS", "BatchSizes", "EngineSummary", "Fairness", "GovernorSummary", "LowestBidder",
+           "TenantIsolation",
            "Outcomes", "Overall", "Percentiles", "RunSummary", "ServiceDifference", "TenantSummary", "TimeInState",
            "WorkloadSummary", "plain", "rounded", "summary_json"]
 
@@ -266,6 +267,20 @@ class WorkloadSummary(_Value):
 
 
 @attrs.frozen
+class TenantIsolation(_Value):
+    """One tenant beside the others against alone (the same arrivals of its own, nobody else's): its p99
+    time to first token, and its output tokens per second from its first arrival to its last finish."""
+
+    tenant: str
+    ttft_p99_alone_ms: float | None = _number()
+    ttft_p99_ms: float | None = _number()
+    #: p99 TTFT beside the others over alone (None without both).
+    ratio: float | None = _number()
+    tokens_per_s_alone: float | None = _number()
+    tokens_per_s: float | None = _number()
+
+
+@attrs.frozen
 class RunSummary(_Value):
     """One policy on one workload: what ``summary.json`` holds for it."""
 
@@ -279,6 +294,8 @@ class RunSummary(_Value):
     #: By tenant name, sorted.
     tenants: dict[str, TenantSummary]
     overall: Overall
+    #: Each tenant beside the others against alone, by tenant name (empty: not compared).
+    isolation: tuple[TenantIsolation, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=2, sort_keys=True)

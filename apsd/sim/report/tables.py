@@ -16,7 +16,7 @@ from typing import Any
 from apsd.sim.report.summary import EngineSummary, Percentiles, RunSummary
 
 __all__ = ["MS", "S", "batch_table", "describe_engine", "engine_figures", "fmt", "format_summary_table",
-           "governor_table", "service_difference_table", "table", "tenant_table"]
+           "governor_table", "isolation_table", "service_difference_table", "table", "tenant_table"]
 
 S = ".3f"
 MS = ".2f"
@@ -66,6 +66,24 @@ def format_summary_table(summaries: Sequence[RunSummary]) -> str:
             fmt(o.batch_sizes.mean, ".2f"),
         ))
     return table(_SUMMARY_HEADER, rows, "l" + "r" * (len(_SUMMARY_HEADER) - 1))
+
+
+def isolation_table(summaries: Sequence[RunSummary]) -> str | None:
+    """Each tenant's p99 TTFT and throughput beside the others against alone, a row per policy and
+    tenant (None when no summary compared its tenants alone)."""
+    rows = []
+    for s in summaries:
+        for t in s.isolation:
+            kept = (t.tokens_per_s / t.tokens_per_s_alone if t.tokens_per_s is not None and t.tokens_per_s_alone
+                    else None)
+            rows.append((f"`{s.label}`", f"`{t.tenant}`", fmt(t.ttft_p99_alone_ms, S, 1e-3), fmt(t.ttft_p99_ms, S, 1e-3),
+                         fmt(t.ratio, ".2f", suffix="x"), fmt(t.tokens_per_s_alone, ".1f"), fmt(t.tokens_per_s, ".1f"),
+                         fmt(kept, ".0f", 100)))
+    if not rows:
+        return None
+    header = ("policy", "tenant", "p99 TTFT alone (s)", "p99 TTFT beside the others (s)", "ratio",
+              "output tok/s alone", "output tok/s beside the others", "kept (%)")
+    return table(header, rows, "llrrrrrr")
 
 
 def _quantiles(p: Percentiles, spec: str, scale: float) -> str:

@@ -10,7 +10,7 @@ from apsd.sim.report import describe_engine, format_summary_table
 from apsd.sim.research.continuous import continuous_section
 from apsd.sim.research.design import (claim_cost, claim_fairness, claim_governor, claim_lazy_aging,
                                       claim_starvation, claim_utilization, max_batch_size)
-from apsd.sim.research.isolation import isolation_section
+from apsd.sim.research.isolation import isolation_headline, isolation_section
 from apsd.sim.research.measured import Comparison, Measured
 from apsd.sim.research.suite import (BATCH, CONTINUOUS, POLICIES, WORKLOADS, continuous_names, isolation_names,
                                      report_dir, scaled)
@@ -104,6 +104,7 @@ def research_markdown(m: Measured, config: Config, seed: int, extra: tuple[str, 
         + (f", then the installed plugins' presets: {presets}" if extra else "") + ". "
         + _plugins_text(extra, plugins),
         "",
+        *isolation_headline(m),
         "## What the design claims, and what apsd measures on the batch engine",
         "",
         claim_utilization(batch), "",

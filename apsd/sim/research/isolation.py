@@ -12,7 +12,7 @@ from apsd.sim.research.prose import listing, ratio, sec_cell, seconds, whole
 from apsd.sim.research.suite import (BATCH, CONTINUOUS, ENGINES, ISOLATION_SCALED, ISOLATION_WORKLOADS, WORKLOADS,
                                      continuous_names, isolation_names, noisy_name)
 
-__all__ = ["isolation_section"]
+__all__ = ["isolation_headline", "isolation_section"]
 
 
 def _steady(summary: RunSummary) -> tuple[float | None, float | None]:
@@ -56,6 +56,32 @@ def _noisy_verdict(m: Measured, engine: str, summaries: Comparison) -> str:
             + f"; beside the flood, `fifo` makes it {seconds(_steady(fifo)[0])} and {listing(tied)} "
             f"{seconds(latency(best))}, {ratio(latency(best), _steady(m.alone[engine][best.label])[0])} its latency "
             "alone, the lowest of the policies.")
+
+
+def isolation_headline(m: Measured) -> list[str]:
+    """The result first: the steady tenant's p99 TTFT beside the flood over alone, per policy and engine."""
+    labels = m.results[BATCH][noisy_name(BATCH)].labels
+    cells = {engine: {s.label: (_steady(s)[1], _steady(m.alone[engine][s.label])[1])
+                      for s in m.results[engine][noisy_name(engine)]} for engine in ENGINES}
+    rows = [f"| `{label}` | " + " | ".join(
+        f"{sec_cell(cells[engine][label][1])} → {sec_cell(cells[engine][label][0])} "
+        f"({ratio(*cells[engine][label])})" for engine in ENGINES) + " |" for label in labels]
+    return [
+        "## Isolation first",
+        "",
+        "A steady tenant beside a same-bid neighbour's flood (`noisy-neighbor`; on the continuous engine "
+        f"`{noisy_name(CONTINUOUS)}`): its p99 time to first token alone → beside the flood (the ratio), per "
+        "policy. On the batch engine a request waits for the batch in progress and then shares a whole batch "
+        "with the flood; on the continuous engine (isolation on, the default) a tenant below its share gets in "
+        "at the next step. The section [Tenant isolation](#tenant-isolation) has the details, and "
+        "[research/isolation-grid.md](research/isolation-grid.md) (`apsd research --grid`) the same comparison "
+        "over 81 workloads.",
+        "",
+        "| policy | " + " | ".join(f"{engine} engine: p99 TTFT alone → flooded (s)" for engine in ENGINES) + " |",
+        "|:---|" + "---:|" * len(ENGINES),
+        *rows,
+        "",
+    ]
 
 
 def _service_difference_cell(summary: RunSummary) -> str:
