@@ -20,6 +20,7 @@ import numpy as np
 import trio
 
 from apsd.core.config import TenantConfig
+from apsd.core.hookspecs import hookimpl
 
 from tests.helpers import forwarding_config, start_daemon, wait_until
 
@@ -41,6 +42,8 @@ class Measured:
     flood_tokens_per_s: float
     #: The most requests the flood had on the server at once while the steady tenant was active.
     flood_most_running: int
+    #: The steady tenant's waits in apsd's queue beside the flood (ms), in order.
+    flooded_queue_ms: list[float] = attrs.field(factory=list)
 
     @property
     def alone_p99(self) -> float:
@@ -79,14 +82,25 @@ async def prefill_ms(url: str, model: str, samples: int = 5) -> float:
     return float(np.median(times))
 
 
+async def warm_up(url: str, model: str, slots: int) -> None:
+    """Send ``slots`` requests at once straight to the server: a llama.cpp slot's first request is slow
+    (it sets the slot up), which would land on whichever request first finds that slot free."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client, trio.open_nursery() as nursery:
+        for _ in range(slots):
+            nursery.start_soon(first_token_ms, client, "-", model, 4)
+
+
 async def steady_beside_flood(server_url: str, model: str, preset: str, *, steady_requests: int,
-                              plugins: tuple[Any, ...] = (), slots: int = 4) -> Measured:
+                              plugins: tuple[Any, ...] = (), slots: int = 4, isolation: bool = True) -> Measured:
     """Run a daemon forwarding to the server (``slots`` slots) under ``preset``: the steady tenant
-    alone, then beside the flood."""
+    alone, then beside the flood (every slot of the server warmed up first)."""
+    await warm_up(server_url, model, slots)
     config = forwarding_config([server_url], TENANTS, preset=preset, max_concurrency=slots,
                                first_token_timeout_s=120.0)
+    config = attrs.evolve(config, engine=attrs.evolve(config.engine, isolation=isolation))
+    waits = QueueWaits()
     async with trio.open_nursery() as nursery:
-        running = await start_daemon(nursery, config, plugins=plugins)
+        running = await start_daemon(nursery, config, plugins=(*plugins, waits))
         engine = running.daemon.pipeline.engines[0]
         await wait_until(lambda: engine.backends[0].healthy)
         limits = httpx.Limits(max_connections=FLOOD_STREAMS + 8, max_keepalive_connections=FLOOD_STREAMS + 8)
@@ -99,6 +113,7 @@ async def steady_beside_flood(server_url: str, model: str, preset: str, *, stead
                 return ttfts
 
             alone = await steady_run()
+            waits.ms.clear()
             flood_tokens = 0
             most = 0
 
@@ -126,4 +141,16 @@ async def steady_beside_flood(server_url: str, model: str, preset: str, *, stead
                 flood_rate = (flood_tokens - before) / (time.perf_counter() - started)
                 flood.cancel_scope.cancel()
         nursery.cancel_scope.cancel()
-    return Measured(alone, flooded, flood_rate, most)
+    return Measured(alone, flooded, flood_rate, most, list(waits.ms))
+
+
+class QueueWaits:
+    """A plugin: the steady tenant's waits in apsd's queue, in ms."""
+
+    def __init__(self) -> None:
+        self.ms: list[float] = []
+
+    @hookimpl
+    def request_dispatched(self, request: Any, now: float, **_: Any) -> None:
+        if request.tenant_id == "steady":
+            self.ms.append((now - request.arrival) * 1000)
