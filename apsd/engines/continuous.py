@@ -69,7 +69,7 @@ import heapq
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -512,11 +512,11 @@ class ContinuousEngine:
     # -- one step with prefill ---------------------------------------------------------------------
     async def _mixed_step(self) -> None:
         """One step: the decodes and prefill chunks (while isolating, at most ``prefill_chunk_tokens``
-        of them, the prompts of the tenants with the fewest sequences here first); or the fast lane:
+        of them, the prompts of the tenants with the smallest shares here first); or the fast lane:
         the prompts of tenants below their share alone, the decodes waiting one (short) step; never
         two such steps in a row."""
         d = self.deployment
-        prefilling: Iterable[Sequence] = self._prefilling
+        prefilling: list[Sequence] | collections.deque[Sequence] = self._prefilling
         fast = False
         if self.isolation:
             shares = self.shares()
