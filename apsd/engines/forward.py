@@ -95,9 +95,11 @@ class ForwardEngine:
     requeue: Callable[[InferenceRequest, str], None]
     #: Hold a free slot for each active tenant below its share (the module docstring).
     isolation: bool = True
-    #: Tenant -> its requests running here; and -> the model time it last had one (dispatched or ended).
+    #: Tenant -> its requests running here (tenants with none are not in it).
     _per_tenant: collections.Counter[str] = attrs.field(factory=collections.Counter, init=False)
-    _last_seen: dict[str, float] = attrs.field(factory=dict, init=False)
+    #: Tenants with no request running here -> when their last one ended, oldest first (so forgetting
+    #: those older than ``tenant_active_s`` is amortised O(1)).
+    _idle_since: dict[str, float] = attrs.field(factory=dict, init=False)
     #: The running requests whose tenant was below its share when dispatched (for ``priority``).
     _below_share: set[InferenceRequest] = attrs.field(factory=set, init=False)
     kind: str = attrs.field(default="forward", init=False)
@@ -165,18 +167,23 @@ class ForwardEngine:
     def _active(self, now: float) -> int:
         """Tenants with requests here or one within ``tenant_active_s`` (forgetting the others)."""
         since = now - self.settings.tenant_active_s
-        for tenant in [t for t, seen in self._last_seen.items() if seen < since and not self._per_tenant[t]]:
-            del self._last_seen[tenant]
-        return len(self._last_seen)
+        idle = self._idle_since
+        while idle:
+            tenant = next(iter(idle))
+            if idle[tenant] >= since:
+                break
+            del idle[tenant]
+        return len(self._per_tenant) + len(idle)
 
     def _slots(self) -> int:
         return sum(b.config.max_concurrency for b in self.backends if b.healthy)
 
     def _caps(self, now: float) -> tuple[int, int, int]:
-        """(The slots of the healthy backends, the active tenants, how many of them are below their share)."""
+        """(The slots of the healthy backends, the active tenants, how many of them are below their share:
+        every idle one, and those running fewer than their share; O(tenants running here))."""
         active = self._active(now)
         slots = self._slots()
-        below = sum(1 for tenant in self._last_seen if self._per_tenant[tenant] * active < slots)
+        below = len(self._idle_since) + sum(1 for n in self._per_tenant.values() if n * active < slots)
         return slots, active, below
 
     def _room(self, caps: tuple[int, int, int], request: InferenceRequest) -> int:
@@ -185,17 +192,18 @@ class ForwardEngine:
         slots, active, below = caps
         tenant = request.tenant_id
         mine = self._per_tenant[tenant]
-        if tenant not in self._last_seen:
-            active += 1
-        elif mine * active < slots:
+        if tenant in self._idle_since or (mine and mine * active < slots):
             below -= 1   # (itself)
+        elif not mine:
+            active += 1  # (a newcomer)
         return slots - below - mine
 
     def under_share(self, request: InferenceRequest) -> bool:
         """Whether ``request``'s tenant is below its share of the backends' slots (the module docstring)."""
         tenant = request.tenant_id
-        active = self._active(self.clock.now()) + (tenant not in self._last_seen)
-        return self._per_tenant[tenant] * active < self._slots()
+        mine = self._per_tenant[tenant]
+        active = self._active(self.clock.now()) + (not mine and tenant not in self._idle_since)
+        return mine * active < self._slots()
 
     @staticmethod
     def priority_for(request: InferenceRequest, below_share: bool, polarity: str) -> int:
@@ -294,7 +302,7 @@ class ForwardEngine:
             if self.under_share(request):
                 self._below_share.add(request)
             self._per_tenant[request.tenant_id] += 1
-            self._last_seen[request.tenant_id] = self.clock.now()
+            self._idle_since.pop(request.tenant_id, None)
             scope = trio.CancelScope()
             self._running[request] = (scope, backend)
             sent = trio.Event()
@@ -454,7 +462,7 @@ class ForwardEngine:
         self._per_tenant[request.tenant_id] -= 1
         if not self._per_tenant[request.tenant_id]:
             del self._per_tenant[request.tenant_id]
-        self._last_seen[request.tenant_id] = self.clock.now()
+            self._idle_since[request.tenant_id] = self.clock.now()   # (newest last)
         try:
             self._account(request, backend, start)
             if requeue is not None and not request.answered:
