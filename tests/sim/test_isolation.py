@@ -128,8 +128,8 @@ def http_config():
 
 
 #: The steady tenant's requests: one every STEADY_GAP_S model seconds, STEADY_REQUESTS of them (8 a
-#: model second of 64 prompt and 16 output tokens: a light tenant beside the ~45 a second of 64/128
-#: the engine serves; what is measured is the time to the first token, so few are generated).
+#: model second of 64 prompt and 16 output tokens: a light tenant beside a flood of 64/128 that the
+#: engine cannot keep up with; what is measured is the time to the first token, so few are generated).
 STEADY_GAP_S = 0.125
 STEADY_REQUESTS = 12
 
@@ -180,7 +180,7 @@ async def steady_ttfts(flood_per_model_s: float) -> list[float]:
 
 async def test_the_daemon_over_http_keeps_the_steady_tenants_time_to_first_token_within_twice_alone():
     alone = await steady_ttfts(0.0)
-    flooded = await steady_ttfts(90.0)  # twice what the engine serves
+    flooded = await steady_ttfts(90.0)  # more than the engine serves (the test checks it fills the engine)
     assert len(alone) == len(flooded) == STEADY_REQUESTS
     print(f"steady p99 ttft: alone {p99(alone):.1f} ms, flooded {p99(flooded):.1f} ms")
     assert p99(flooded) <= 2 * p99(alone)
