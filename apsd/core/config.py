@@ -311,12 +311,16 @@ class EngineKind:
     simulated: bool
     #: Relays to the servers of ``[[backends]]``, and is chosen by their presence.
     forwards: bool
+    #: Forms its own batches as requests come (iteration-level batching, or a server that does):
+    #: the scheduler waits out no batch window for it unless one is configured
+    #: (:meth:`PolicyConfig.window_configured`).
+    batches_itself: bool
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {
-    "batch": EngineKind(simulated=True, forwards=False),
-    "continuous": EngineKind(simulated=True, forwards=False),
-    "forward": EngineKind(simulated=False, forwards=True),
+    "batch": EngineKind(simulated=True, forwards=False, batches_itself=False),
+    "continuous": EngineKind(simulated=True, forwards=False, batches_itself=True),
+    "forward": EngineKind(simulated=False, forwards=True, batches_itself=True),
 }
 #: Kinds that were renamed: a config naming one gets an error that names the new one.
 RENAMED_ENGINE_KINDS = {"micro": "batch"}
@@ -388,6 +392,11 @@ class EngineConfig:
     def forwards(self) -> bool:
         """Relays to ``[[backends]]``."""
         return ENGINE_KINDS[self.kind].forwards
+
+    @property
+    def batches_itself(self) -> bool:
+        """Forms its own batches: no batch window unless one is configured."""
+        return ENGINE_KINDS[self.kind].batches_itself
 
 
 
@@ -501,6 +510,13 @@ class PolicyConfig:
     batching: str | None = None
     #: The ``[policy.<name>]`` tables: each policy's own parameters, by policy name.
     params: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+
+    def window_configured(self, governor: str) -> bool:
+        """Whether the batch window was asked for: ``[policy] governor`` names one, or the running
+        governor's ``[policy.<governor>]`` table is given. An engine that batches by itself
+        (``continuous``, ``forward``) runs without a window otherwise: a window there only delays
+        every request (the ``batch`` engine, which runs whole batches, always has its governor's)."""
+        return self.governor is not None or governor in self.params
 
 
 def _default_tenants() -> dict[str, TenantConfig]:

@@ -33,6 +33,8 @@ __all__ = [
     "BatchingPolicy",
     "GovernorReading",
     "Governor",
+    "NO_WINDOW",
+    "NoWindow",
     "OrderingPolicy",
     "PolicyKind",
     "PolicyRegistry",
@@ -91,6 +93,25 @@ class Governor(Protocol):
         """The current window and state as of ``now`` (never earlier than a previous call's);
         called at every dispatch decision, by ``/health``, ``/metrics`` and systemd's status
         line, also while nothing arrives: a reading that depends on recent arrivals must age."""
+
+
+#: The governor's name where an engine batches by itself and no window is configured.
+NO_WINDOW = "none"
+
+
+class NoWindow:
+    """The governor of an engine that forms its own batches (``continuous``, ``forward``) when no
+    window is configured (:meth:`~apsd.core.config.PolicyConfig.window_configured`): a dispatch is
+    cut as soon as the engine asks, so no request waits for others to arrive."""
+
+    states = ("NONE",)
+    _reading = GovernorReading(window_s=0.0, state="NONE")
+
+    def observe_arrival(self, now: float) -> None:
+        pass
+
+    def reading(self, now: float) -> GovernorReading:
+        return self._reading
 
 
 @runtime_checkable
@@ -239,6 +260,8 @@ class PolicyRegistry:
         for kind in POLICY_KINDS:
             entry = self.entries[(kind, names[kind])]
             built[kind] = _call_factory(entry, dict(config.policy.params.get(entry.name, {})), config)
+        if config.engine.batches_itself and not config.policy.window_configured(names["governor"]):
+            built["governor"], names["governor"] = NoWindow(), NO_WINDOW
         aging = self.entries[("aging", names["aging"])]
         aging_params = dict(config.policy.params.get(aging.name, {}))
         return PolicySet(aging=built["aging"], governor=built["governor"], batching=built["batching"],

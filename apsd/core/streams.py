@@ -25,17 +25,21 @@ import trio
 __all__ = ["TokenChunk", "TokenStream"]
 
 
-@attrs.frozen
+@attrs.define
 class TokenChunk:
     """``tokens`` output tokens (and their ``text``, when the engine has text), the last of which
     was produced at model time ``at``. ``data`` is a forwarded backend's own stream chunk (an
-    OpenAI ``chat.completion.chunk`` or ``text_completion`` object) to relay as it is; None from
-    the simulated engines. Chunks with ``data`` are never merged."""
+    OpenAI ``chat.completion.chunk`` or ``text_completion`` object) to relay as it is, and ``raw``
+    its JSON as the backend sent it when apsd changed nothing in it (relayed without serialising
+    it again); both None from the simulated engines. Chunks with ``data`` are never merged.
+    Not to be changed once made (mutable only because a frozen class costs more to make, once
+    per streamed chunk)."""
 
     tokens: int
     text: str = ""
     at: float = 0.0
     data: dict | None = None
+    raw: bytes | None = None
 
 
 class TokenStream:

@@ -28,12 +28,13 @@ from typing import Any, Protocol
 
 import attrs
 import httpx
+import orjson
 import trio
-from httpx_sse import EventSource
 from prometheus_client.parser import text_string_to_metric_families
 
 from apsd.core.clock import ModelClock
 from apsd.core.config import BackendConfig, ForwardConfig
+from apsd.engines.upstream import SseSplitter, UpstreamError, UpstreamPool
 
 __all__ = [
     "Backend",
@@ -84,15 +85,19 @@ class BackendAnswer:
     response: dict | None = None
 
 
-@attrs.frozen
+@attrs.define
 class BackendChunk:
-    """One chunk of a backend's stream, as it arrives."""
+    """One chunk of a backend's stream, as it arrives (not to be changed: mutable only because a
+    frozen class costs more to make, once per streamed chunk)."""
 
-    #: The chunk's JSON object, as the server sent it (relayed to the client).
+    #: The chunk's JSON object, as the server sent it.
     data: dict
     #: Output tokens it carries, when the client knows (a simulated server does); None: one if it
     #: has text, as an OpenAI-compatible server sends a token per chunk.
     tokens: int | None = None
+    #: The event's data as the server sent it, relayed to the client as it is (None: the client
+    #: serialises ``data``).
+    raw: bytes | None = None
 
 
 #: Called with each stream chunk as it arrives.
@@ -243,17 +248,27 @@ _COMPLETION_USAGE = ("prompt_tokens", "completion_tokens")
 _RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed")
 
 
+#: How often, at most, a stream's silence deadline is moved on (see HttpBackendClient.complete).
+DEADLINE_STEP_S = 1.0
+#: How long the rest of a stream's body (after ``[DONE]``) is waited for, so its connection can be
+#: reused; past that the connection is closed.
+DRAIN_S = 0.5
+
+
 class HttpBackendClient:
-    """Real servers, through one pooled httpx client; timeouts from ``[forward]``."""
+    """Real servers: requests through an :class:`~apsd.engines.upstream.UpstreamPool` (keep-alive,
+    h11), the small endpoints (health, models, metrics, tokenize) through httpx; timeouts from
+    ``[forward]``."""
 
     def __init__(self, settings: ForwardConfig) -> None:
         self.settings = settings
         timeout = httpx.Timeout(connect=settings.connect_timeout_s, read=None, write=settings.connect_timeout_s,
                                 pool=settings.connect_timeout_s)
-        self._client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
-                                                                              max_keepalive_connections=256))
+        self._client = httpx.AsyncClient(timeout=timeout)
+        self._pool = UpstreamPool(connect_timeout_s=settings.connect_timeout_s)
 
     async def aclose(self) -> None:
+        await self._pool.aclose()
         await self._client.aclose()
 
     @staticmethod
@@ -336,45 +351,59 @@ class HttpBackendClient:
                        request_id: str = "") -> BackendAnswer:
         url = backend.config.url.rstrip("/") + _PATHS[api]
         settings = self.settings
-        content = json.dumps(body).encode()
-        headers = {"Content-Type": "application/json", **self._headers(backend)}
+        content = _dumps(body)
+        headers = [("Content-Type", "application/json"), *self._headers(backend).items()]
         if request_id:
-            headers["X-Request-Id"] = request_id
+            headers.append(("X-Request-Id", request_id))
         bounds = UsageBounds.of(api, body, content)
         started = False
         try:
             if not body.get("stream"):
                 with trio.fail_after(settings.first_token_timeout_s):
-                    response = await self._client.post(url, content=content, headers=headers)
-                _raise_for_status(backend, response.status_code, response.text)
-                data = _json_object(response.content)
+                    async with self._pool.request("POST", url, content, headers) as response:
+                        answer = await response.read()
+                _raise_for_status(backend, response.status, answer)
+                data = _json_object(answer)
                 prompt, completion = bounds.check(backend, data.get("usage"))
                 return BackendAnswer(prompt, completion, data)
             usage: Any = None
             # One scope for the whole exchange: until the first token (headers included: llama.cpp
             # sends them with its first token) within first_token_timeout_s, then no silence longer
-            # than read_timeout_s, its deadline moved on at each chunk (cheaper than a fail_after each).
+            # than read_timeout_s. Its deadline moves at most once per DEADLINE_STEP_S (moving it
+            # at every chunk cost more than the rest of the relay): a silence is found out between
+            # read_timeout_s and read_timeout_s + DEADLINE_STEP_S.
+            splitter = SseSplitter()
+            done = False
+            moved = -math.inf
             with trio.CancelScope(deadline=trio.current_time() + settings.first_token_timeout_s) as silence:
-                async with self._client.stream("POST", url, content=content, headers=headers) as response:
-                    if response.status_code != 200:
-                        await response.aread()
-                        _raise_for_status(backend, response.status_code, response.text)
-                    async for event in EventSource(response).aiter_sse():
-                        if event.data.strip() == "[DONE]":
+                async with self._pool.request("POST", url, content, headers) as response:
+                    if response.status != 200:
+                        _raise_for_status(backend, response.status, await response.read())
+                    async for block in response.iter_bytes():
+                        for data in splitter.feed(block):
+                            if data == b"[DONE]":
+                                done = True
+                                break
+                            chunk = _json_object(data)
+                            if not isinstance(chunk.get("choices") or [], list):
+                                raise MalformedAnswer("a stream chunk's choices are not a list")
+                            if "error" in chunk:
+                                raise BackendError(502, "backend_failed", f"backend {backend.name}: "
+                                                   f"{_error_message(chunk)}", retryable=not started)
+                            if chunk.get("usage") is not None:
+                                usage = chunk["usage"]
+                            elif chunk.get("type") in _RESPONSE_ENDS and isinstance(chunk.get("response"), dict):
+                                usage = chunk["response"].get("usage")
+                            started = True
+                            await on_chunk(BackendChunk(chunk, raw=data))
+                        now = trio.current_time()
+                        if now - moved >= DEADLINE_STEP_S and started:
+                            silence.deadline, moved = now + settings.read_timeout_s + DEADLINE_STEP_S, now
+                        if done:   # (the rest, the body's end, usually came with it: the connection is kept)
+                            with trio.move_on_after(DRAIN_S):
+                                async for _ in response.iter_bytes():
+                                    pass
                             break
-                        chunk = _json_object(event.data)
-                        if not isinstance(chunk.get("choices") or [], list):
-                            raise MalformedAnswer("a stream chunk's choices are not a list")
-                        if "error" in chunk:
-                            raise BackendError(502, "backend_failed", f"backend {backend.name}: "
-                                               f"{_error_message(chunk)}", retryable=not started)
-                        if chunk.get("usage") is not None:
-                            usage = chunk["usage"]
-                        elif chunk.get("type") in _RESPONSE_ENDS and isinstance(chunk.get("response"), dict):
-                            usage = chunk["response"].get("usage")
-                        started = True
-                        await on_chunk(BackendChunk(chunk))
-                        silence.deadline = trio.current_time() + settings.read_timeout_s
             if silence.cancelled_caught:
                 raise trio.TooSlowError
             prompt, completion = bounds.check(backend, usage)
@@ -384,36 +413,35 @@ class HttpBackendClient:
             raise BackendError(504, "backend_timeout", f"backend {backend.name} was silent {what} for longer "
                                "than [forward] " + ("read_timeout_s" if started else "first_token_timeout_s"),
                                retryable=not started, unhealthy=not started) from None
-        except httpx.HTTPError as exc:
-            raise BackendError(502, "backend_failed", f"backend {backend.name}: {_describe(exc)}",
+        except UpstreamError as exc:
+            raise BackendError(502, "backend_failed", f"backend {backend.name}: {exc}",
                                retryable=not started, unhealthy=not started) from None
         except MalformedAnswer as exc:   # (not retried: the backend did the work and answered it wrong)
             raise BackendError(502, "backend_failed", f"backend {backend.name} answered malformed JSON: {exc}",
                                retryable=False, unhealthy=True) from None
 
 
+def _dumps(body: dict) -> bytes:
+    """``body`` as JSON (orjson; the standard library for what it refuses: an integer past 64 bits)."""
+    try:
+        return orjson.dumps(body)
+    except (orjson.JSONEncodeError, TypeError):
+        return json.dumps(body).encode()
+
+
 class MalformedAnswer(ValueError):
     """A backend's answer is not the JSON object it should be."""
-
-
-def _not_finite(text: str) -> float:
-    raise MalformedAnswer(f"{text} is not JSON (numbers must be finite)")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):   # (1e400: a literal too large for a float)
-        raise MalformedAnswer(f"{text[:40]} is too large for a number")
-    return value
 
 
 def _json_object(text: str | bytes) -> dict:
     """A backend's JSON answer or stream chunk, which must be one object (MalformedAnswer otherwise:
     not JSON, ``NaN``/``Infinity`` or a number too large to be finite, which apsd would otherwise
-    relay to clients that cannot read them, nested past what Python parses, or not an object)."""
+    relay to clients that cannot read them, a lone surrogate, nested deeper than 1,024 levels, or
+    not an object). orjson is that strict by itself, and several times faster than the standard
+    library here, where every streamed chunk is read."""
     try:
-        data = json.loads(text, parse_constant=_not_finite, parse_float=_finite)
-    except (ValueError, RecursionError) as exc:
+        data = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
         raise MalformedAnswer(str(exc)[:200] or type(exc).__name__) from None
     if not isinstance(data, dict):
         raise MalformedAnswer(f"expected a JSON object, got {type(data).__name__}")
@@ -503,7 +531,7 @@ def _error_message(data: Any) -> str:
     return str(error or data)
 
 
-def _raise_for_status(backend: Backend, status: int, text: str) -> None:
+def _raise_for_status(backend: Backend, status: int, text: str | bytes) -> None:
     """A backend's error answer: 5xx and 429 may succeed elsewhere; any other 4xx is the request's
     fault and is relayed to the client with the backend's status and message."""
     if status == 200:
@@ -511,7 +539,7 @@ def _raise_for_status(backend: Backend, status: int, text: str) -> None:
     try:
         message = _error_message(json.loads(text))
     except (ValueError, RecursionError):
-        message = text[:300]
+        message = (text.decode("utf-8", "replace") if isinstance(text, bytes) else text)[:300]
     if status >= 500 or status == 429:
         raise BackendError(502, "backend_failed", f"backend {backend.name} answered {status}: {message}",
                            retryable=True)

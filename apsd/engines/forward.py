@@ -371,10 +371,10 @@ class ForwardEngine:
         backend that streams more tokens than the limit it was sent fails the request and is
         suspected: the tenant is never charged past its reservation."""
         stream = request.stream
-        held: list[dict] = []
+        held: list[tuple[dict, bytes | None]] = []
 
         async def on_chunk(piece: BackendChunk) -> None:
-            chunk = piece.data
+            chunk, raw = piece.data, piece.raw
             text = _chunk_text(chunk)
             tokens = piece.tokens if piece.tokens is not None else 1 if text else 0
             now = self.clock.now()
@@ -385,19 +385,19 @@ class ForwardEngine:
                                    f"{request.tokens_requested} it was allowed (max_tokens)", retryable=False,
                                    unhealthy=True)
             request.tokens_generated += tokens
-            if stream is not None:
-                if chunk.get("usage") is not None and not wants_usage:
-                    chunk = {k: v for k, v in chunk.items() if k != "usage"}
-                    if not chunk.get("choices"):
-                        return  # (a usage-only chunk the client did not ask for)
-                if request.started_at is None:
-                    held.append(chunk)  # (a role chunk: held until a token comes, so a retry elsewhere
-                    return              # cannot send the client a second one)
-                for early in held:
-                    stream.push_nowait(TokenChunk(tokens=0, at=now, data=early))
-                held.clear()
-                stream.push_nowait(TokenChunk(tokens=tokens, text=text, at=now, data=chunk))
-            await trio.lowlevel.checkpoint()
+            if stream is None:
+                return
+            if chunk.get("usage") is not None and not wants_usage:
+                chunk, raw = {k: v for k, v in chunk.items() if k != "usage"}, None
+                if not chunk.get("choices"):
+                    return  # (a usage-only chunk the client did not ask for)
+            if request.started_at is None:
+                held.append((chunk, raw))  # (a role chunk: held until a token comes, so a retry elsewhere
+                return                     # cannot send the client a second one)
+            for early, early_raw in held:
+                stream.push_nowait(TokenChunk(tokens=0, at=now, data=early, raw=early_raw))
+            held.clear()
+            stream.push_nowait(TokenChunk(tokens=tokens, text=text, at=now, data=chunk, raw=raw))
 
         return on_chunk
 

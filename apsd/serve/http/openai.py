@@ -587,7 +587,10 @@ async def _events(pipeline: Pipeline, inference: InferenceRequest, body: OpenAIB
         while chunk is not None:
             events = []
             for each in (chunk, *stream.receive_ready()):   # what is already there goes in one write
-                if each.data is not None:
+                if each.raw is not None and not named:
+                    relayed = True
+                    events.append(b"data: " + each.raw + b"\n\n")
+                elif each.data is not None:
                     relayed = True
                     events.append(sse(each.data, named))
                 elif each.tokens or each.text:
