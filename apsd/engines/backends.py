@@ -267,6 +267,11 @@ class HttpBackendClient:
         self._client = httpx.AsyncClient(timeout=timeout)
         self._pool = UpstreamPool(connect_timeout_s=settings.connect_timeout_s)
 
+    @property
+    def connections_opened(self) -> int:
+        """Upstream connections opened for requests so far (keep-alive reuses the rest)."""
+        return self._pool.opened
+
     async def aclose(self) -> None:
         await self._pool.aclose()
         await self._client.aclose()

@@ -218,3 +218,23 @@ async def test_ingress_duplicates_and_early_disconnects(autojump_clock):
         counts = metrics_document(pipeline)["requests"]
     assert (refusal.status, refusal.error) == (499, "client_disconnected")
     assert (counts["admitted"], counts["rejected"], counts["conservation_ok"]) == (1, 1, True)
+
+
+@pytest.mark.parametrize(("preset", "policy", "waits_ms", "governor"), [
+    ("fair", {}, 0.0, "none"),                                          # no window unless asked for
+    ("fifo", {}, 0.0, "none"),
+    ("fifo", {"fixed": {"window_ms": 10.0}}, 10.0, "fixed"),           # its governor's table asks for one
+    ("aps", {"governor": "fixed"}, 10.0, "fixed"),                      # so does naming a governor
+])
+async def test_an_engine_that_batches_itself_waits_out_no_window_unless_one_is_configured(
+        autojump_clock, preset, policy, waits_ms, governor):
+    config, _ = config_for(preset, {"engine": {"kind": "continuous"}, "policy": policy})
+    assert build_policies(config, preset).names["governor"] == governor
+    outcomes, _ = await run((config, preset), [(0.0, "vip", 512, 16, 5)])
+    assert outcomes[0].queue_ms == pytest.approx(waits_ms)
+
+
+async def test_the_batch_engine_keeps_its_governors_window():
+    config, preset = config_for("fair")
+    policies = build_policies(config, preset)
+    assert policies.names["governor"] == "entropy" and policies.governor.reading(0.0).window_s == pytest.approx(0.010)

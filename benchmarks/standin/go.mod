@@ -1,0 +1,3 @@
+module apsd/standin
+
+go 1.19
