@@ -1,27 +1,32 @@
-"""The forward engine's upstream connections: HTTP/1.1 with keep-alive, pooled per server, framed by h11.
+"""The forward engine's upstream connections: HTTP/1.1 with keep-alive, pooled per server.
 
 Every forwarded request and every chunk of its stream passes through here, so this is the
-cheapest path that still speaks HTTP properly (h11 frames it; trio's socket streams set
-``TCP_NODELAY``). Measured against httpx + httpcore + httpx-sse on the same relay, it spends a
-fraction of their CPU per chunk, because:
+cheapest path that still speaks HTTP/1.1 strictly. It replaced httpx + httpcore + httpx-sse,
+then h11, where each cost a large share of a relayed chunk or request (measured in
+docs/explanation/performance.md):
 
+* a request head is written in one piece, and a response head is read and checked by hand
+  (:func:`_parse_head`: RFC 9112's rules, anything else is an error); trio's socket streams set
+  ``TCP_NODELAY``;
 * a body is read a socket read at a time (:meth:`UpstreamResponse.iter_bytes` yields everything a
-  read brought, several SSE events at once when the server is fast), and events are split on bytes
-  (:class:`SseSplitter`), never decoded to text;
+  read brought, several SSE events at once when the server is fast), its chunked framing undone on
+  bytes (:class:`_BodyDecoder`), and its events split on bytes (:class:`SseSplitter`), never
+  decoded to text;
 * a connection goes back to its server's pool once its response has been read to the end, and
   the pool never polls its idle connections: only the one taken is checked, with one
-  non-blocking poll (a server that closed it is found out there, and a fresh one is opened);
-* no request builds more than its headers.
+  non-blocking poll (a server that closed it is found out there, and a fresh one is opened).
 
 Ownership: the :class:`~apsd.engines.backends.HttpBackendClient` owns one :class:`UpstreamPool`;
 a response is read by the task that sent its request, inside ``async with pool.request(...)``,
 which closes the connection unless the response was read to its end.
 
-Plain ``http://`` and ``https://`` (the system's CA store); no proxies.
+Plain ``http://`` and ``https://`` (the system's CA store); no proxies, no content codings (apsd
+asks for none).
 """
 
 from __future__ import annotations
 
+import re
 import select
 import ssl
 from collections.abc import AsyncIterator
@@ -29,7 +34,6 @@ from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
 import attrs
-import h11
 import trio
 
 __all__ = ["SseSplitter", "UpstreamError", "UpstreamPool", "UpstreamResponse"]
@@ -59,7 +63,6 @@ class _Connection:
     stream: trio.abc.Stream
     #: The socket (for the liveness check); None over TLS, where records may be pending.
     sock: trio.socket.SocketType | None
-    h11: h11.Connection = attrs.field(factory=lambda: h11.Connection(h11.CLIENT))
     idle_since: float = 0.0
 
     def looks_alive(self, now: float) -> bool:
@@ -126,8 +129,7 @@ class UpstreamResponse:
 @attrs.define
 class _BodyDecoder:
     """An HTTP/1.1 response body's framing, undone as bytes arrive: ``chunked`` (RFC 9112 7.1),
-    ``Content-Length``, or until the server closes. (h11 frames the request and the response's
-    head; its body reader, an event per chunk, cost a quarter of the relay's CPU.)"""
+    ``Content-Length``, or until the server closes."""
 
     #: Bytes still to come of a Content-Length body (None: chunked or until close).
     length: int | None
@@ -259,7 +261,6 @@ class UpstreamPool:
         idle = self._idle.setdefault(origin, [])
         if len(idle) >= MAX_IDLE_PER_SERVER:
             return False
-        connection.h11 = h11.Connection(h11.CLIENT)   # (the last answer's body was read past h11)
         connection.idle_since = trio.current_time()
         idle.append(connection)
         return True
@@ -293,7 +294,7 @@ class UpstreamPool:
                         raise
                     connection, reused = None, False   # (the server closed it while idle: once more)
             yield response
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, h11.ProtocolError) as exc:
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise UpstreamError(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from None
         finally:
             if connection is not None and not (response is not None and response.complete and response.keep_alive
@@ -303,51 +304,84 @@ class UpstreamPool:
     @staticmethod
     async def _send(connection: _Connection, method: str, target: str, head: list[tuple[str, str]],
                     content: bytes) -> UpstreamResponse:
-        conn = connection.h11
-        data = conn.send(h11.Request(method=method, target=target, headers=head))
-        if content:
-            data += conn.send(h11.Data(data=content))
-        data += conn.send(h11.EndOfMessage())
-        await connection.stream.send_all(data)
-        answered = False
+        await connection.stream.send_all(_request_head(method, target, head) + content)
+        buffer = b""
         while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
+            end = buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buffer) > MAX_HEAD_BYTES:
+                    raise _AnswerStarted(f"the server's answer has no end of headers in its first {MAX_HEAD_BYTES} bytes")
                 received = await connection.stream.receive_some(READ_SIZE)
-                if not received and not answered:
+                if not received:
+                    if buffer:
+                        raise _AnswerStarted("the server closed the connection in the middle of its headers")
                     raise UpstreamError("the server closed the connection without answering")
-                answered = True
-                conn.receive_data(received)
+                buffer += received
                 continue
-            if isinstance(event, h11.InformationalResponse):
+            status, version, headers = _parse_head(buffer[:end])
+            buffer = buffer[end + 4:]
+            if 100 <= status < 200:   # (an interim answer, 103 Early Hints: the real one follows)
                 continue
-            if isinstance(event, h11.Response):
-                return _response(connection, event, method)
-            raise _AnswerStarted(f"unexpected answer from the server: {type(event).__name__}")
+            return _response(connection, status, version, headers, method, buffer)
 
 
-def _response(connection: _Connection, head: h11.Response, method: str) -> UpstreamResponse:
-    """The response whose head h11 has read; its body is framed by :class:`_BodyDecoder` from here."""
+#: The longest response head accepted (status line and headers).
+MAX_HEAD_BYTES = 65_536
+_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: [^\r\n]*)?")
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_UNSAFE = re.compile(r"[\r\n\x00]")
+
+
+def _request_head(method: str, target: str, headers: list[tuple[str, str]]) -> bytes:
+    """An HTTP/1.1 request head. apsd writes every header itself (its own, a backend's configured
+    key, a request id already checked): one with a line break or NUL in it is refused all the same."""
+    lines = [f"{method} {target} HTTP/1.1"]
+    for name, value in headers:
+        if _UNSAFE.search(name) or _UNSAFE.search(value):
+            raise UpstreamError(f"the header {name[:40]!r} has a line break or NUL in it")
+        lines.append(f"{name}: {value}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def _parse_head(head: bytes) -> tuple[int, int, list[tuple[bytes, bytes]]]:
+    """(status, minor version, headers with lowercased names) of a response head, checked as strictly
+    as an HTTP/1.1 client must (RFC 9112: no folded lines, names are tokens, no whitespace before
+    the colon); :class:`UpstreamError` otherwise."""
+    lines = head.split(b"\r\n")
+    status_line = _STATUS_LINE.fullmatch(lines[0])
+    if status_line is None:
+        raise _AnswerStarted(f"the server answered something other than HTTP/1.x: {lines[0][:60]!r}")
+    headers = []
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not _TOKEN.fullmatch(name) or b"\n" in value or b"\x00" in value:
+            raise _AnswerStarted(f"the server sent a malformed header line: {line[:60]!r}")
+        headers.append((name.lower(), value.strip(b" \t")))
+    return int(status_line[2]), int(status_line[1]), headers
+
+
+def _response(connection: _Connection, status: int, minor: int, headers: list[tuple[bytes, bytes]], method: str,
+              leftover: bytes) -> UpstreamResponse:
+    """The response whose head is read; its body is framed by :class:`_BodyDecoder` from here."""
+    lengths = {value for name, value in headers if name == b"content-length"}
+    codings = [value.lower() for name, value in headers if name == b"transfer-encoding"]
+    keep_alive = minor == 1 and not any(name == b"connection" and b"close" in value.lower() for name, value in headers)
     length: int | None = None
     chunked = False
-    keep_alive = head.http_version == b"1.1"
-    for name, value in head.headers:   # (h11 lowercases names and checks Content-Length)
-        if name == b"transfer-encoding":
-            chunked = value.lower().endswith(b"chunked")
-        elif name == b"content-length":
-            length = int(value)
-        elif name == b"connection":
-            keep_alive = keep_alive and b"close" not in value.lower()
-    if chunked:
-        length = None
-    elif method == "HEAD" or head.status_code in (204, 304):
-        length = 0
-    leftover, _ = connection.h11.trailing_data
-    body = _BodyDecoder(length=length, chunked=chunked, buffer=bytes(leftover))
+    if codings:   # (it takes precedence over any Content-Length: RFC 9112 6.3)
+        if codings != [b"chunked"]:
+            raise _AnswerStarted(f"the server used a transfer coding apsd does not read: {b', '.join(codings)[:60]!r}")
+        chunked = True
+    elif lengths:
+        if len(lengths) > 1 or not next(iter(lengths)).isdigit() or len(next(iter(lengths))) > 18:
+            raise _AnswerStarted(f"the server sent an invalid Content-Length: {sorted(lengths)[:2]!r}")
+        length = int(next(iter(lengths)))
+    if method == "HEAD" or status in (204, 304):
+        length, chunked = 0, False
+    body = _BodyDecoder(length=length, chunked=chunked, buffer=leftover)
     if body.until_close:
         keep_alive = False
-    return UpstreamResponse(status=head.status_code, headers=list(head.headers), connection=connection,
-                            body=body, keep_alive=keep_alive)
+    return UpstreamResponse(status=status, headers=headers, connection=connection, body=body, keep_alive=keep_alive)
 
 
 class _AnswerStarted(UpstreamError):

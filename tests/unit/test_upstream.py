@@ -207,3 +207,43 @@ async def test_an_unreachable_server_is_an_upstream_error():
     listener.close()   # (nothing listens there now)
     with trio.fail_after(10), pytest.raises(UpstreamError):
         await _post(UpstreamPool(connect_timeout_s=5), port)
+
+
+@pytest.mark.parametrize(("reply", "error"), [
+    (b"SPDY/3 200 OK\r\n\r\n", "other than HTTP/1.x"),
+    (b"HTTP/1.1 200 OK\r\nX-A: 1\r\n folded\r\n\r\n", "malformed header line"),
+    (b"HTTP/1.1 200 OK\r\nX-A : 1\r\n\r\n", "malformed header line"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd", "invalid Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "invalid Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", "transfer coding"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n", "in the middle of its headers"),
+])
+async def test_a_malformed_answer_head_is_an_error_that_names_what_is_wrong(reply, error):
+    server = ScriptedServer([(reply, "close")])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        with trio.fail_after(10), pytest.raises(UpstreamError, match=error):
+            await _post(UpstreamPool(connect_timeout_s=5), server.port)
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_interim_answer_is_skipped_and_the_final_one_read():
+    server = ScriptedServer([(b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" + OK, "keep")])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        with trio.fail_after(10):
+            assert await _post(UpstreamPool(connect_timeout_s=5), server.port) == (200, b'{"ok": 1}\r\n')
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_header_with_a_line_break_is_never_sent():
+    pool = UpstreamPool(connect_timeout_s=5)
+    server = ScriptedServer([(OK, "keep")])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        with trio.fail_after(10), pytest.raises(UpstreamError, match="line break"):
+            async with pool.request("POST", f"http://127.0.0.1:{server.port}/", b"",
+                                    [("Authorization", "Bearer x\r\nX-Injected: 1")]):
+                pass
+        assert server.requests == []
+        nursery.cancel_scope.cancel()
