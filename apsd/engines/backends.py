@@ -400,7 +400,8 @@ class HttpBackendClient:
                             elif chunk.get("type") in _RESPONSE_ENDS and isinstance(chunk.get("response"), dict):
                                 usage = chunk["response"].get("usage")
                             started = True
-                            await on_chunk(BackendChunk(chunk, raw=data))
+                            # (relayed as sent, but for an event whose JSON spans several data lines)
+                            await on_chunk(BackendChunk(chunk, raw=data if b"\n" not in data else None))
                         now = trio.current_time()
                         if now - moved >= DEADLINE_STEP_S and started:
                             silence.deadline, moved = now + settings.read_timeout_s + DEADLINE_STEP_S, now

@@ -247,3 +247,33 @@ async def test_a_header_with_a_line_break_is_never_sent():
                 pass
         assert server.requests == []
         nursery.cancel_scope.cancel()
+
+
+async def test_the_client_relays_each_events_bytes_as_sent_but_re_serialises_json_split_over_lines():
+    from apsd.core.config import BackendConfig, ForwardConfig
+    from apsd.engines.backends import Backend, HttpBackendClient
+
+    events = [b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n',
+              b'data: {"choices": [{"index": 0,\ndata: "delta": {"content": "b"}}]}\n\n',
+              b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\n', b"data: [DONE]\n\n"]
+    reply = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+             + _chunked(events))
+    server = ScriptedServer([(reply, "keep")])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        client = HttpBackendClient(ForwardConfig())
+        backend = Backend(BackendConfig(url=f"http://127.0.0.1:{server.port}"))
+        chunks = []
+
+        async def on_chunk(chunk):
+            chunks.append(chunk)
+
+        with trio.fail_after(10):
+            answer = await client.complete(backend, "chat.completions", {"model": "m", "stream": True,
+                                                                         "max_tokens": 2}, on_chunk)
+        assert (answer.prompt_tokens, answer.completion_tokens) == (3, 2)
+        assert chunks[0].raw == events[0][6:-2] and chunks[1].raw is None and chunks[1].data["choices"][0]["delta"] == {
+            "content": "b"}
+        assert client.connections_opened == 1
+        await client.aclose()
+        nursery.cancel_scope.cancel()
