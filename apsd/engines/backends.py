@@ -23,7 +23,7 @@ import math
 import os
 import re
 import reprlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
@@ -100,8 +100,8 @@ class BackendChunk:
     raw: bytes | None = None
 
 
-#: Called with each stream chunk as it arrives.
-OnChunk = Callable[[BackendChunk], Awaitable[None]]
+#: Called with each stream chunk as it arrives; it never waits (a plain call: it runs once per relayed chunk).
+OnChunk = Callable[[BackendChunk], None]
 
 #: Names of the metrics that give a backend's load, in order of preference.
 _WAITING = ("vllm:num_requests_waiting", "llamacpp:requests_deferred", "sglang:num_queue_reqs")
@@ -225,7 +225,7 @@ class BackendClient(Protocol):
     async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk,
                        request_id: str = "") -> BackendAnswer:
         """Send one request (``body`` for ``/v1/<api>``, with ``X-Request-Id: request_id``). Streamed
-        (``body["stream"]``): ``on_chunk`` is awaited with each chunk; the answer carries the usage of
+        (``body["stream"]``): ``on_chunk`` is called with each chunk; the answer carries the usage of
         the last one, checked (:class:`UsageBounds`). Raises BackendError, and nothing else for
         anything the backend sends."""
 
@@ -401,7 +401,7 @@ class HttpBackendClient:
                                 usage = chunk["response"].get("usage")
                             started = True
                             # (relayed as sent, but for an event whose JSON spans several data lines)
-                            await on_chunk(BackendChunk(chunk, raw=data if b"\n" not in data else None))
+                            on_chunk(BackendChunk(chunk, raw=data if b"\n" not in data else None))
                         now = trio.current_time()
                         if now - moved >= DEADLINE_STEP_S and started:
                             silence.deadline, moved = now + settings.read_timeout_s + DEADLINE_STEP_S, now
@@ -671,9 +671,9 @@ class SimulatedBackendClient:
                 if sent:
                     await self.clock.sleep(server.tpot_s * n)
                 sent += n
-                await on_chunk(BackendChunk(_simulated_chunk(api, n), tokens=n))
+                on_chunk(BackendChunk(_simulated_chunk(api, n), tokens=n))
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens}
-            await on_chunk(BackendChunk({"object": "chat.completion.chunk", "choices": [], "usage": usage}, tokens=0))
+            on_chunk(BackendChunk({"object": "chat.completion.chunk", "choices": [], "usage": usage}, tokens=0))
             return BackendAnswer(prompt_tokens, tokens)
         finally:
             server.running -= 1

@@ -373,7 +373,7 @@ class ForwardEngine:
         stream = request.stream
         held: list[tuple[dict, bytes | None]] = []
 
-        async def on_chunk(piece: BackendChunk) -> None:
+        def on_chunk(piece: BackendChunk) -> None:
             chunk, raw = piece.data, piece.raw
             text = _chunk_text(chunk)
             tokens = piece.tokens if piece.tokens is not None else 1 if text else 0
@@ -640,8 +640,16 @@ def _chunk_text(chunk: dict) -> str:
     if chunk.get("type") == "response.output_text.delta":
         delta = chunk.get("delta")
         return delta if isinstance(delta, str) else ""
-    text = []
     choices = chunk.get("choices")
+    if type(choices) is list and len(choices) == 1 and type(choices[0]) is dict:   # (nearly every chunk)
+        choice = choices[0]
+        delta = choice.get("delta")
+        content = delta.get("content") if type(delta) is dict else None
+        if type(content) is str:
+            return content
+        text = choice.get("text")
+        return text if type(text) is str else ""
+    text = []
     for choice in choices if isinstance(choices, list) else ():
         if not isinstance(choice, dict):
             continue

@@ -205,11 +205,11 @@ class CountingClient(SimulatedBackendClient):
         sent_body = {key: value for key, value in body.items() if key not in LIMIT_NAMES}
         sent_body["max_tokens"] = tokens
 
-        async def counted(chunk: BackendChunk) -> None:
+        def counted(chunk: BackendChunk) -> None:
             sent = chunk.tokens or 0
             if sent:
                 self._sent(run, prompt, sent)
-            await on_chunk(chunk)
+            on_chunk(chunk)
 
         answer = await super().complete(backend, api, sent_body, counted, request_id)
         if not body.get("stream"):

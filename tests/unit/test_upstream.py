@@ -265,7 +265,7 @@ async def test_the_client_relays_each_events_bytes_as_sent_but_re_serialises_jso
         backend = Backend(BackendConfig(url=f"http://127.0.0.1:{server.port}"))
         chunks = []
 
-        async def on_chunk(chunk):
+        def on_chunk(chunk):
             chunks.append(chunk)
 
         with trio.fail_after(10):
