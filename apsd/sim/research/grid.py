@@ -9,6 +9,7 @@ from pathlib import Path
 
 from apsd.core.config import Config, parse_config
 from apsd.engines import describe
+from apsd.engines.continuous import PROTECT_FACTOR
 from apsd.sim.isolation_grid import (CONCURRENCIES, DURATION_S, FLOOD_LOADS, OUTPUTS, PROMPTS, QUEUE_TIMEOUT_S,
                                      RATIO_GOAL, STEADY_LOAD, STEADY_OUTPUT_TOKENS, THROUGHPUT_GOAL, CellResult,
                                      GridCell, heat_map, sweep)
@@ -73,11 +74,13 @@ def _document(config: Config, results: dict[str, list[CellResult]], seed: int) -
         "",
         *(f"- {summary_line(preset, cells)}" for preset, cells in results.items()),
         "",
-        "Where a cell misses the ratio under `fair`, it is a 64-token prompt: 13 ms of prefill, 23 ms alone with the "
-        "scheduler's 10 ms window. Beside the flood the queue is never empty, so no window is waited, but the step in "
-        "progress is: the others' steps are kept within 2.5 times the steady tenant's own fast step, so at worst "
-        "13 + 33 ms. Keeping them within 2 times would bring these cells under 2x and cost the 64/64 cells up to 12% of "
-        "the engine's work. The engine's bound from dispatch to first token is "
+        "Where a cell misses the ratio under `fair`, the steady tenant has few requests in flight and a short "
+        "prompt, so its time alone is just its own prefill step (13 ms for 64 tokens, 45 ms for 512: no request "
+        "waits for a batch window on this engine). Beside the flood it must also wait out the step in progress "
+        "when it arrives, which no engine can interrupt: the others' steps are kept within "
+        f"{PROTECT_FACTOR:g} times its own prefill step, and a decode step over the flood's sequences can alone "
+        "last longer than a 64-token prefill. Keeping the others' steps within 1 times it instead brought no more "
+        "cells under 2x and cost the 64/64 cells up to 32% of the engine's work. The engine's bound from dispatch to first token is "
         "`apsd.engines.continuous.first_token_bound_s`. Work kept above 100% means the flood alone left the engine "
         "part idle (a flood bound by the KV cache, or by its prefill) and the steady tenant's requests used it.",
         "",
