@@ -214,7 +214,7 @@ def test_the_summary_leads_with_each_tenant_beside_the_others_against_alone(tmp_
     rows = {tuple(c.strip(" `") for c in line.split("|")[1:3]): line.split("|") for line in lines if line.startswith("| `")}
     fifo_ratio = float(rows[("fifo", "steady")][5].strip(" x"))
     fair_ratio = float(rows[("fair", "steady")][5].strip(" x"))
-    assert fair_ratio <= 2.0 < 10 * 2.0 < fifo_ratio
+    assert 1.0 <= fair_ratio and 10 * fair_ratio < fifo_ratio   # (what fair's ratio is bounded by: test_isolation.py)
     report = (out / "report.md").read_text()
     assert report.index("### Isolation") < report.index("### Comparison")
     summary = json.loads((out / "summary.json").read_text())
