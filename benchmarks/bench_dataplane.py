@@ -42,7 +42,8 @@ on first use into its own venv under ~/.cache/apsd, which needs the network once
     .venv/bin/python benchmarks/bench_dataplane.py --quick          # ~4 minutes
     .venv/bin/python benchmarks/bench_dataplane.py --no-litellm     # direct and apsd only
     .venv/bin/python benchmarks/bench_dataplane.py --litellm-venv /tmp/litellm-venv --json out.json
-    .venv/bin/python benchmarks/bench_dataplane.py --apsd-config-extra $'[policy.fixed]\\nwindow_ms = 0.0'
+    .venv/bin/python benchmarks/bench_dataplane.py --apsd-config-extra $'[engine]\\nisolation = false'
+    .venv/bin/python benchmarks/bench_dataplane.py --floor          # also empty apps on apsd's HTTP stack
 
 Most of the time goes to LiteLLM, whose streams relay a few hundred chunks per second here
 (``--measures latency,rate`` leaves the streams out). ``--no-apsd`` measures direct and LiteLLM
@@ -276,6 +277,17 @@ def start_apsd(processes: Processes, backend: str, extra: str) -> tuple[str, int
     return url, process.pid
 
 
+def start_floor(processes: Processes, kind: str) -> tuple[str, int]:
+    """An empty app (``benchmarks/http_floor.py``: ``quart`` or ``asgi``) on the gateway core."""
+    port = free_port()
+    process = processes.start(f"floor-{kind}", ["taskset", "-c", GATEWAY_CORE, sys.executable,
+                                                str(ROOT / "benchmarks" / "http_floor.py"), kind, str(port)])
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(f"floor-{kind}", process, processes,
+               lambda: httpx.post(url + "/v1/chat/completions", json={"model": "standin"}).status_code == 200, 20)
+    return url, process.pid
+
+
 def litellm_venv(given: str | None) -> Path:
     """A venv with ``litellm[proxy]``: ``given``, or one made once under ~/.cache/apsd."""
     if given:
@@ -349,8 +361,10 @@ def start_litellm(processes: Processes, venv: Path, backend: str) -> tuple[str, 
 
 
 class Target:
-    def __init__(self, name: str, url: str, headers: dict[str, str], pid: int) -> None:
+    def __init__(self, name: str, url: str, headers: dict[str, str], pid: int, floor: bool = False) -> None:
         self.name, self.url, self.headers, self.pid = name, url + "/v1/chat/completions", headers, pid
+        #: An empty app (``--floor``): measured at concurrency 1 and in the rate ramp, not in the streams.
+        self.floor = floor
 
 
 def load(binary: Path, target: Target, *args: str, timeout_s: float = 600) -> dict[str, Any]:
@@ -383,7 +397,8 @@ def warm_up(binary: Path, targets: list[Target]) -> None:
         log(f"warming up {target.name}")
         load(binary, target, "--mode", "latency", "--n", "50", "--timeout", "60")
         load(binary, target, "--mode", "latency", "--n", "50", "--stream", "--timeout", "60")
-        load(binary, target, "--mode", "streams", "--streams", "8", "--tokens", "64", "--timeout", "120")
+        if not target.floor:
+            load(binary, target, "--mode", "streams", "--streams", "8", "--tokens", "64", "--timeout", "120")
 
 
 # -- a. latency at concurrency 1 (and d. CPU per request) ---------------------------------------
@@ -498,7 +513,10 @@ def machine() -> dict[str, Any]:
         if line.startswith("model name"):
             model = line.split(":", 1)[1].strip()
             break
-    commit = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+    # (the checkout the measured apsd comes from: the one its venv imports, not necessarily this one)
+    package = subprocess.run([str(Path(APSD).with_name("python")), "-c", "import apsd, os; print(os.path.dirname("
+                              "apsd.__file__))"], capture_output=True, text=True).stdout.strip() or str(ROOT)
+    commit = subprocess.run(["git", "-C", package, "describe", "--always", "--dirty"],
                             capture_output=True, text=True).stdout.strip()
     go = subprocess.run([shutil.which("go") or "/usr/bin/go", "version"], capture_output=True, text=True).stdout.strip()
     return {"cores": os.cpu_count(), "cpu": model, "apsd_commit": commit or "?", "go": go,
@@ -652,6 +670,10 @@ def run(args: argparse.Namespace) -> int:
         if venv:
             url, pid = start_litellm(processes, venv, standin)
             targets.append(Target("LiteLLM", url, {"Authorization": f"Bearer {LITELLM_KEY}"}, pid))
+        if args.floor:
+            for kind, name in (("quart", "Quart-Trio, empty"), ("asgi", "Hypercorn, empty")):
+                url, pid = start_floor(processes, kind)
+                targets.append(Target(name, url, {}, pid, floor=True))
         names = [t.name for t in targets]
         warm_up(binary, targets)
         if "latency" in measures:
@@ -659,7 +681,7 @@ def run(args: argparse.Namespace) -> int:
         if "rate" in measures:
             results["rate"] = measure_rate(binary, targets, duration)
         if "streams" in measures:
-            results["streams"] = measure_streams(binary, targets, stream_rounds)
+            results["streams"] = measure_streams(binary, [t for t in targets if not t.floor], stream_rounds)
         results["cpu"] = {
             "per_1k_requests": {name: v["cpu_ms_per_1k_requests"] for name, v in results.get("latency", {}).items()},
             "per_1k_chunks": results.get("streams", {}).get("cpu_ms_per_1k_chunks", {}),
@@ -700,6 +722,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--litellm-venv", metavar="PATH",
                         help=f"a venv with litellm[proxy] (default: one made once under {CACHE})")
     parser.add_argument("--apsd-config-extra", metavar="TOML", default="", help="TOML appended to apsd's config")
+    parser.add_argument("--floor", action="store_true",
+                        help="also measure empty apps on apsd's HTTP stack (benchmarks/http_floor.py): what it "
+                             "costs with no work at all")
     parser.add_argument("--measures", default="latency,rate,streams",
                         help="which of latency,rate,streams to run (default: all)")
     parser.add_argument("--rounds", type=int, help="rounds of latency (default 3, --quick 2)")
