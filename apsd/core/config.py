@@ -466,7 +466,7 @@ class ForwardConfig:
     health_timeout_s: float = attrs.field(default=5.0, validator=between(0.01, 3600))
     #: From sending a request to its first token (a non-streamed request: to its whole answer).
     first_token_timeout_s: float = attrs.field(default=120.0, validator=between(0.01, 86_400))
-    #: Longest silence between two chunks of a stream.
+    #: Longest silence between two chunks of a stream (found out within a second after it).
     read_timeout_s: float = attrs.field(default=60.0, validator=between(0.01, 86_400))
     #: Times a request whose backend failed before its first token goes back to the queue (and on
     #: to another backend); then 502 ``backend_failed``.

@@ -256,8 +256,8 @@ DRAIN_S = 0.5
 
 
 class HttpBackendClient:
-    """Real servers: requests through an :class:`~apsd.engines.upstream.UpstreamPool` (keep-alive,
-    h11), the small endpoints (health, models, metrics, tokenize) through httpx; timeouts from
+    """Real servers: requests through an :class:`~apsd.engines.upstream.UpstreamPool` (HTTP/1.1
+    keep-alive), the small endpoints (health, models, metrics, tokenize) through httpx; timeouts from
     ``[forward]``."""
 
     def __init__(self, settings: ForwardConfig) -> None:
@@ -386,7 +386,7 @@ class HttpBackendClient:
                         _raise_for_status(backend, response.status, await response.read())
                     async for block in response.iter_bytes():
                         for data in splitter.feed(block):
-                            if data == b"[DONE]":
+                            if data.strip() == b"[DONE]":
                                 done = True
                                 break
                             chunk = _json_object(data)
