@@ -220,10 +220,11 @@ MAX_CHUNK_LINE = 4_096
 class UpstreamPool:
     """Keep-alive connections per server (``scheme://host:port``), most recently used first."""
 
-    def __init__(self, connect_timeout_s: float) -> None:
+    def __init__(self, connect_timeout_s: float, ssl_context: ssl.SSLContext | None = None) -> None:
+        """``ssl_context``: what ``https://`` servers are checked against (default: the system's CA store)."""
         self.connect_timeout_s = connect_timeout_s
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context
         #: Connections opened since the pool was made (how well keep-alive works).
         self.opened = 0
 
@@ -295,7 +296,7 @@ class UpstreamPool:
                     connection, reused = None, False   # (the server closed it while idle: once more)
             yield response
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise UpstreamError(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from None
+            raise UpstreamError(_describe(exc)) from None
         finally:
             if connection is not None and not (response is not None and response.complete and response.keep_alive
                                                and self._give_back(origin, connection)):
@@ -382,6 +383,14 @@ def _response(connection: _Connection, status: int, minor: int, headers: list[tu
     if body.until_close:
         keep_alive = False
     return UpstreamResponse(status=status, headers=headers, connection=connection, body=body, keep_alive=keep_alive)
+
+
+def _describe(exc: BaseException) -> str:
+    """What went wrong, for an operator: the exception and its cause (trio's BrokenResourceError says
+    nothing itself: the socket's or TLS's error is its cause)."""
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    cause = exc.__cause__
+    return f"{text} ({type(cause).__name__}: {cause})" if cause is not None and str(cause) else text
 
 
 class _AnswerStarted(UpstreamError):

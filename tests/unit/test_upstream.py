@@ -4,9 +4,13 @@ splitting on bytes, and the keep-alive pool against a real socket peer that answ
 
 from __future__ import annotations
 
+import functools
+import ssl
+
 import hypothesis.strategies as st
 import pytest
 import trio
+import trustme
 from hypothesis import given, settings
 
 from apsd.engines.upstream import SseSplitter, UpstreamError, UpstreamPool, _BodyDecoder
@@ -89,13 +93,21 @@ class ScriptedServer:
         self.requests: list[bytes] = []
         self.port = 0
 
-    async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, task_status=trio.TASK_STATUS_IGNORED, tls: ssl.SSLContext | None = None) -> None:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
         self.port = listeners[0].socket.getsockname()[1]
+        if tls is not None:
+            listeners = [trio.SSLListener(listener, tls, https_compatible=True) for listener in listeners]
         task_status.started()
         await trio.serve_listeners(self._handle, listeners)
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def _handle(self, stream: trio.abc.Stream) -> None:
+        try:
+            await self._answer(stream)
+        except trio.BrokenResourceError:   # (a client that failed the TLS handshake)
+            pass
+
+    async def _answer(self, stream: trio.abc.Stream) -> None:
         self.connections += 1
         buffer = b""
         async with stream:
@@ -276,4 +288,27 @@ async def test_the_client_relays_each_events_bytes_as_sent_but_re_serialises_jso
             "content": "b"}
         assert client.connections_opened == 1
         await client.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_https_server_is_checked_against_the_ca_and_its_connections_kept():
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_context)
+    trusted = ssl.create_default_context()
+    ca.configure_trust(trusted)
+    server = ScriptedServer([(OK, "keep"), (STREAM, "keep"), (OK, "keep")])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(functools.partial(server.serve, tls=server_context))
+        pool = UpstreamPool(connect_timeout_s=5, ssl_context=trusted)
+        url = f"https://127.0.0.1:{server.port}/v1/chat/completions"
+        with trio.fail_after(10):
+            for _ in range(2):
+                async with pool.request("POST", url, b"{}", []) as response:
+                    assert response.status == 200 and await response.read()
+            assert pool.opened == 1 and server.connections == 1
+            with pytest.raises(UpstreamError, match="CERTIFICATE_VERIFY_FAILED"):   # (the system does not trust it)
+                async with UpstreamPool(connect_timeout_s=5).request("POST", url, b"{}", []):
+                    pass
+        await pool.aclose()
         nursery.cancel_scope.cancel()
