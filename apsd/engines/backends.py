@@ -264,7 +264,9 @@ class HttpBackendClient:
         self.settings = settings
         timeout = httpx.Timeout(connect=settings.connect_timeout_s, read=None, write=settings.connect_timeout_s,
                                 pool=settings.connect_timeout_s)
-        self._client = httpx.AsyncClient(timeout=timeout)
+        # (trust_env=False: like the requests themselves, the health checks go to the backend directly,
+        # whatever HTTP_PROXY says)
+        self._client = httpx.AsyncClient(timeout=timeout, trust_env=False)
         self._pool = UpstreamPool(connect_timeout_s=settings.connect_timeout_s)
 
     @property
