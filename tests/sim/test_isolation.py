@@ -121,15 +121,15 @@ def test_on_the_batch_engine_a_light_tenant_waits_at_most_the_batch_in_progress_
 
 # -- over HTTP ------------------------------------------------------------------------------------
 
-#: The daemon's model runs 4x slower than the wall clock, so that HTTP's own milliseconds are a
-#: quarter as many in the model times the daemon answers with (``ttft_ms``).
-HTTP_TIME_SCALE = 4.0
+#: The daemon's model runs 10x slower than the wall clock, so that HTTP's own milliseconds (and a
+#: loaded machine's) are a tenth as many in the model times the daemon answers with (``ttft_ms``).
+HTTP_TIME_SCALE = 10.0
 
 
-def http_config():
+def http_config(isolation: bool = True):
     tenant = {"rate": 1e9, "burst": 10**12}
-    return make_config({"engine": {"kind": "continuous"}, "gpu": {"time_scale": HTTP_TIME_SCALE}, "server": {"port": 0},
-                        "tenants": {"steady": tenant, "neighbor": tenant}})
+    return make_config({"engine": {"kind": "continuous", "isolation": isolation}, "gpu": {"time_scale": HTTP_TIME_SCALE},
+                        "server": {"port": 0}, "tenants": {"steady": tenant, "neighbor": tenant}})
 
 
 #: The steady tenant's requests: one every STEADY_GAP_S model seconds, STEADY_REQUESTS of them (8 a
@@ -139,7 +139,7 @@ STEADY_GAP_S = 0.125
 STEADY_REQUESTS = 12
 
 
-async def steady_ttfts(flood_per_model_s: float) -> list[float]:
+async def steady_ttfts(flood_per_model_s: float, isolation: bool = True) -> list[float]:
     """Run a daemon; the steady tenant sends STEADY_REQUESTS 64/16-token requests, one every
     STEADY_GAP_S model s, while the neighbour floods at ``flood_per_model_s`` from 0.5 model s before
     the first to the last (each flood request gives up after 1 model s queued); return the steady
@@ -148,7 +148,7 @@ async def steady_ttfts(flood_per_model_s: float) -> list[float]:
     ttfts: list[float] = []
     busiest = 0
     async with trio.open_nursery() as nursery:
-        running = await start_daemon(nursery, http_config())
+        running = await start_daemon(nursery, http_config(isolation))
         limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
         async with httpx.AsyncClient(base_url=running.url, timeout=60, limits=limits) as client:
             async def send(tenant: str, tokens: int, keep: bool) -> None:
@@ -183,9 +183,13 @@ async def steady_ttfts(flood_per_model_s: float) -> list[float]:
     return ttfts
 
 
-async def test_the_daemon_over_http_keeps_the_steady_tenants_time_to_first_token_within_twice_alone():
+async def test_the_daemon_over_http_keeps_the_steady_tenant_within_its_time_alone_and_the_step_in_progress():
+    """Through the daemon's HTTP API, beside a flood that fills the engine, a steady request waits at
+    most for the step in progress more than alone (the engine's rule; the virtual-time tests above
+    check it exactly)."""
     alone = await steady_ttfts(0.0)
     flooded = await steady_ttfts(90.0)  # more than the engine serves (the test checks it fills the engine)
     assert len(alone) == len(flooded) == STEADY_REQUESTS
     print(f"steady p99 ttft: alone {p99(alone):.1f} ms, flooded {p99(flooded):.1f} ms")
-    assert p99(flooded) <= 2 * p99(alone)
+    own_step_ms = deployment_for(http_config()).step_s([(64, 0)], 0, 0) * 1000
+    assert p99(flooded) <= p99(alone) + PROTECT_FACTOR * own_step_ms

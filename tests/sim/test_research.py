@@ -155,7 +155,7 @@ def test_every_run_reports_token_times_and_its_engine(default_research):
 def test_continuous_section_states_what_changes_from_the_runs(default_research):
     out, md = default_research
     section = md[md.index("## On a continuous engine: which conclusions change"):md.index("## The workloads on")]
-    for claim in ("**Utilisation**", "**Cost per 1M tokens**", "**The entropy governor**", "**Starvation**",
+    for claim in ("**Utilisation**", "**Cost per 1M tokens**", "**The batch window**", "**Starvation**",
                   "**Fairness under overload**"):
         assert f"- {claim}" in section, claim
     # The engine and the price it is billed at come from the profiles.
