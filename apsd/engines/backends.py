@@ -4,7 +4,8 @@ Ownership: the forward engine owns one :class:`Backend` per ``[[backends]]`` ent
 state: health, load, requests in flight, statistics) and one :class:`BackendClient`, through
 which every exchange with a server goes. Two clients implement the same protocol:
 
-* :class:`HttpBackendClient` — real servers over HTTP (httpx; streams parsed with httpx-sse).
+* :class:`HttpBackendClient` — real servers over HTTP (requests and their streams on the pooled
+  connections of :mod:`apsd.engines.upstream`; health, models and metrics through httpx).
 * :class:`SimulatedBackendClient` — servers simulated in model time, so the forwarding logic
   (routing, retries, saturation, cancellation) runs in virtual time with the daemon's own code.
 
