@@ -660,7 +660,8 @@ def run(args: argparse.Namespace) -> int:
                                "litellm_version": litellm_version(venv) if venv else None,
                                "settings": {"rounds": rounds, "stream_rounds": stream_rounds, "requests": n,
                                             "rate_duration_s": duration, "rates": RATES, "streams": STREAMS,
-                                            "stream_tokens": STREAM_TOKENS, "apsd_config_extra": args.apsd_config_extra}}
+                                            "stream_tokens": STREAM_TOKENS,
+                                            "apsd_config_extra": args.apsd_config_extra}}
     try:
         standin = start_standin(processes, binary)
         targets = [Target("direct", standin, {}, processes.started[0][1].pid)]

@@ -311,7 +311,8 @@ class UpstreamPool:
             end = buffer.find(b"\r\n\r\n")
             if end < 0:
                 if len(buffer) > MAX_HEAD_BYTES:
-                    raise _AnswerStarted(f"the server's answer has no end of headers in its first {MAX_HEAD_BYTES} bytes")
+                    raise _AnswerStarted(f"the server's answer has no end of headers in its first "
+                                         f"{MAX_HEAD_BYTES} bytes")
                 received = await connection.stream.receive_some(READ_SIZE)
                 if not received:
                     if buffer:
