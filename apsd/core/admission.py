@@ -10,13 +10,17 @@ Checks, in order (the first that fails answers):
 1. shutting down            -> 503 ``shutting_down`` with ``Retry-After``
    its client already left  -> 499 ``client_disconnected`` (no one reads the answer)
 2. unknown tenant           -> 404 ``unknown_tenant``
+   tenant disabled          -> 403 ``tenant_disabled``
+   model not in its list    -> 403 ``model_not_allowed`` (its ``models``, when it has one)
 3. can never be admitted    -> 413 (cost above the tenant's burst, above what the
                                engines can hold — they say, and the batching policy
                                may cap it further — or above the queue's ``max_tokens``)
 4. tenant's queue share full -> 429 ``tenant_queue_full`` with ``Retry-After``
    queue full               -> 503 ``queue_full`` with ``Retry-After`` (``max_requests``
                                requests queued, or this one would pass ``max_tokens``)
-5. bucket short of tokens   -> 429 ``rate_limited`` with ``Retry-After`` and
+5. budget would be passed   -> 429 ``budget_exhausted`` with ``Retry-After`` (the period's
+                               end; :mod:`apsd.core.budget`)
+6. bucket short of tokens   -> 429 ``rate_limited`` with ``Retry-After`` and
                                the IETF ``RateLimit``/``RateLimit-Policy`` fields
 
 A policy that raises in ``refuse_reason`` (check 3) answers 500 ``policy_error``; any
@@ -33,7 +37,8 @@ this replica's slice alone (:mod:`apsd.store.leasing`, "Refusals tell the shared
 Settlement: admission takes a request's whole ``cost_tokens`` (prompt + requested)
 from its bucket. When the request ends, :meth:`Admission.settle` (called by
 :meth:`apsd.core.ledger.Ledger.finish`) gives back what it did not use: everything if it
-never started, the unused output otherwise (see :func:`apsd.core.ledger.billed_tokens`).
+never started, the unused output otherwise (see :func:`apsd.core.ledger.billed_tokens`). A tenant's
+budget is reserved and settled the same way.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import trio
 
 from apsd.core.clock import ModelClock
 from apsd.core.bucket import TokenBucket
+from apsd.core.budget import Budgets
 from apsd.core.config import AdmissionConfig, QueueConfig, TenantConfig
 from apsd.core.ledger import billed_tokens
 from apsd.core.models import InferenceRequest, Outcome, Refusal
@@ -75,6 +81,10 @@ def estimate_tokens(text: str, settings: AdmissionConfig) -> int:
     other_bytes = len(text.encode("utf-8", "surrogatepass")) - ascii_chars
     return math.ceil(ascii_chars / settings.chars_per_token + other_bytes / settings.non_ascii_bytes_per_token)
 
+
+#: A tenant's settings a reconfiguration reports by name when they change (rate and burst are
+#: reported as a re-rating; key hashes never).
+_SETTINGS_REPORTED = ("max_bid", "default_bid", "weight", "models", "budget_tokens", "budget_period", "disabled")
 
 _MAX_HEADER_SECONDS = 2**31 - 1  # what HTTP delta-seconds parsers are required to handle
 
@@ -104,6 +114,8 @@ class Admission:
     #: Where the buckets come from (:mod:`apsd.store`); None: this process's own, full at start.
     store: Store | None = None
     buckets: dict[str, Bucket] = attrs.field(init=False)
+    #: Tenants' budgets (``budget_tokens``): reserved at admission, settled with the bucket.
+    budgets: Budgets = attrs.field(factory=Budgets)
     accepting: bool = True
     _next_seq: int = 0
 
@@ -141,6 +153,11 @@ class Admission:
         tenant = self.tenants.get(request.tenant_id)
         if tenant is None:
             return Refusal(404, "unknown_tenant", f"no tenant named {request.tenant_id!r}", field="tenant_id")
+        if tenant.disabled:
+            return Refusal(403, "tenant_disabled", f"tenant {request.tenant_id!r} is disabled; ask the operator")
+        if tenant.models and request.model is not None and request.model not in tenant.models:
+            return Refusal(403, "model_not_allowed", f"tenant {request.tenant_id!r} may not use model "
+                           f"{request.model!r} (it may use: {', '.join(tenant.models)})", field="model")
         cost = request.cost_tokens
         if cost > tenant.burst:
             return Refusal(413, "exceeds_tenant_burst",
@@ -176,6 +193,8 @@ class Admission:
                            f"the queue holds {self.ledger.queued_tokens} tokens and this request's {cost} would "
                            f"pass its maximum of {self.max_queued_tokens} (queue.max_tokens); retry later",
                            headers={"Retry-After": "1"})
+        if (over_budget := self.budgets.refusal(request.tenant_id, tenant, cost)) is not None:
+            return over_budget
         now = self.clock.now()
         bucket = self.buckets[request.tenant_id]
         if not bucket.try_take(cost, now):
@@ -193,6 +212,7 @@ class Admission:
                            headers=headers)
         request.arrival = now
         request.reserved_tokens = cost
+        self.budgets.reserve(request.tenant_id, tenant, cost)
         request.seq = self._next_seq
         self._next_seq += 1
         return None
@@ -219,8 +239,10 @@ class Admission:
                                                      tokens=min(level, float(tenant.burst)), updated=now)
                 changes.append(f"tenant {name} re-rated (rate {tenant.rate:g}, burst {tenant.burst})")
             old = self.tenants.get(name)
-            if old is not None and (old.max_bid, old.default_bid) != (tenant.max_bid, tenant.default_bid):
-                changes.append(f"tenant {name} bids (max_bid {tenant.max_bid}, default_bid {tenant.default_bid})")
+            settings = [f"{field} {getattr(tenant, field)!r}" for field in _SETTINGS_REPORTED
+                        if old is not None and getattr(old, field) != getattr(tenant, field)]
+            if settings:
+                changes.append(f"tenant {name}: {', '.join(settings)}")
         limits = (queue.max_requests, queue.max_requests_per_tenant, queue.max_tokens)
         if limits != (self.max_queued, self.max_queued_per_tenant, self.max_queued_tokens):
             changes.append(f"queue limits {queue.max_requests} requests, {queue.max_requests_per_tenant} per tenant, "
@@ -235,7 +257,9 @@ class Admission:
         give back what it reserved and did not use, or take what it used beyond (a backend's actual
         prompt can exceed apsd's estimate; the bucket may then go below zero, and the tenant waits
         longer for its next request)."""
-        difference = request.reserved_tokens - billed_tokens(request, outcome)
+        used = billed_tokens(request, outcome)
+        difference = request.reserved_tokens - used
+        self.budgets.settle(request.tenant_id, self.tenants.get(request.tenant_id), request.reserved_tokens, used)
         bucket = self.buckets.get(request.tenant_id)
         if difference and bucket is not None:
             bucket.give_back(difference, now)

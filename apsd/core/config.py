@@ -12,7 +12,7 @@ import re
 import tomllib
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ __all__ = [
     "PolicyConfig",
     "QueueConfig",
     "ServerConfig",
+    "StateConfig",
     "TenantConfig",
     "load_config",
     "parse_section",
@@ -81,6 +82,29 @@ def key_hashes(_inst: object, attribute: attrs.Attribute, value: tuple[str, ...]
 #: them, and say the rule instead.
 SECRET = {"secret": _KEY_HASHES_RULE}
 SECRET_STRING = {"secret": "must be a string"}
+
+
+def either(first: str, second: str):
+    """A validator: the value is ``first`` or ``second``."""
+    def check(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+        if value not in (first, second):
+            raise ValueError(f"must be \"{first}\" or \"{second}\", got {value!r}")
+    return check
+
+
+def one_of(*choices: str) -> Callable[[object, attrs.Attribute, str], None]:
+    def check(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {value!r}")
+    return check
+
+
+def model_names(_inst: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+    for i, item in enumerate(value):
+        if not item.strip():
+            raise ValueError(f"entry [{i}] is empty: a model name is needed")
+    if len(set(value)) != len(value):
+        raise ValueError("the same model is listed twice")
 
 
 def port_number(_inst: object, attribute: attrs.Attribute, value: int) -> None:
@@ -145,6 +169,18 @@ class TenantConfig:
     #: Its share under fair-share policies (``fair``, ``vtc``): a tenant of weight 2 is given twice
     #: the service of a tenant of weight 1 while both are backlogged.
     weight: float = attrs.field(default=1.0, validator=between(1e-3, 1e6))
+    #: The models its requests may name (the OpenAI ``model``); empty: every model. Another is
+    #: refused 403 ``model_not_allowed``.
+    models: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=model_names)
+    #: Tokens (prompt + output) it may use per ``budget_period``, across replicas; 0: no budget.
+    #: Admission reserves a request's whole cost against it and settles what the request used, as
+    #: for the bucket: a request that would pass it is refused 429 ``budget_exhausted``.
+    budget_tokens: int = attrs.field(default=0, validator=between(0, 10**15))
+    #: ``day`` or ``month``, in UTC: when the budget starts again.
+    budget_period: str = attrs.field(default="day", validator=either("day", "month"))
+    #: A disabled tenant's new requests are refused 403 ``tenant_disabled``; those already queued or
+    #: running finish. Its keys and counters are kept.
+    disabled: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.default_bid > self.max_bid:
@@ -217,14 +253,6 @@ class AdmissionConfig:
     max_prompt_tokens: int = attrs.field(default=32_768, validator=between(1, 10**9))
 
 
-def either(first: str, second: str):
-    """A validator: the value is ``first`` or ``second``."""
-    def check(_inst: object, attribute: attrs.Attribute, value: str) -> None:
-        if value not in (first, second):
-            raise ValueError(f"must be \"{first}\" or \"{second}\", got {value!r}")
-    return check
-
-
 def redis_url(_inst: object, attribute: attrs.Attribute, value: str) -> None:
     if value and not re.fullmatch(r"(redis|rediss|unix)://\S+", value):
         raise ValueError(f"must be a redis://, rediss:// or unix:// URL, got {value!r}")
@@ -254,6 +282,49 @@ class StoreConfig:
     def shared(self) -> bool:
         """Replicas share this store (every kind but ``memory``)."""
         return self.kind != "memory"
+
+
+#: Where the state file lives when ``[state] path`` is empty: systemd's ``StateDirectory=``, else
+#: the XDG state directory (see :meth:`StateConfig.sqlite_path`).
+STATE_FILE_NAME = "apsd.db"
+
+
+@attrs.frozen
+class StateConfig:
+    """What apsd keeps across restarts, and where: tenants and keys managed through ``/admin``, the
+    audit log, tenants' bucket levels, budgets' spend and usage history (:mod:`apsd.state`)."""
+
+    #: ``auto``: an embedded SQLite file for a single daemon, Redis (``[store]``'s) when replicas
+    #: share a store; ``sqlite`` or ``redis`` to say so; ``off``: nothing is kept (the admin API then
+    #: refuses changes, and a restart starts from the file alone).
+    kind: str = attrs.field(default="auto", validator=one_of("auto", "sqlite", "redis", "off"))
+    #: The SQLite file; empty: ``$STATE_DIRECTORY/apsd.db`` under systemd, else
+    #: ``$XDG_STATE_HOME/apsd/apsd.db`` (``~/.local/state/apsd/apsd.db``).
+    path: str = ""
+    #: Wall seconds between two writes of usage, bucket levels and budget spend: a ``kill -9`` loses
+    #: at most this much of them (changes through ``/admin`` are written at once).
+    flush_interval_s: float = attrs.field(default=5.0, validator=between(0.05, 3600))
+    #: Wall seconds between two looks for changes another replica made through its ``/admin``.
+    poll_interval_s: float = attrs.field(default=1.0, validator=between(0.05, 3600))
+    #: Days of hourly usage kept; older hours are deleted (0: kept forever).
+    usage_retention_days: int = attrs.field(default=400, validator=between(0, 100_000))
+    #: Days of audit log kept (0: kept forever).
+    audit_retention_days: int = attrs.field(default=0, validator=between(0, 100_000))
+    #: Who wins for a tenant the config file declares. ``seed``: the latest change wins: the file's
+    #: declaration is applied when it is new or differs from the one last applied, and a change made
+    #: through ``/admin`` stays until the file's declaration of that tenant changes. ``authoritative``:
+    #: the file always wins, and ``/admin`` refuses to change or delete the tenants it declares (it
+    #: may still issue and revoke their keys): for a file kept in git.
+    file_tenants: str = attrs.field(default="seed", validator=either("seed", "authoritative"))
+
+    def sqlite_path(self, environ: Mapping[str, str]) -> Path:
+        """The SQLite file this config names, given the process's environment."""
+        if self.path:
+            return Path(self.path).expanduser()
+        if environ.get("STATE_DIRECTORY"):  # (systemd may list several, ':'-separated: the first)
+            return Path(environ["STATE_DIRECTORY"].split(":")[0]) / STATE_FILE_NAME
+        base = environ.get("XDG_STATE_HOME") or str(Path(environ.get("HOME") or Path.home()) / ".local" / "state")
+        return Path(base) / "apsd" / STATE_FILE_NAME
 
 
 @attrs.frozen
@@ -400,13 +471,6 @@ class EngineConfig:
 
 
 
-def one_of(*choices: str) -> Callable[[object, attrs.Attribute, str], None]:
-    def check(_inst: object, attribute: attrs.Attribute, value: str) -> None:
-        if value not in choices:
-            raise ValueError(f"must be one of {', '.join(choices)}, got {value!r}")
-    return check
-
-
 def http_url(_inst: object, attribute: attrs.Attribute, value: str) -> None:
     if not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", value):
         raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
@@ -542,6 +606,7 @@ class Config:
     gpu: GpuConfig = GpuConfig()
     forward: ForwardConfig = ForwardConfig()
     store: StoreConfig = StoreConfig()
+    state: StateConfig = StateConfig()
     backends: tuple[BackendConfig, ...] = ()
     tenants: dict[str, TenantConfig] = attrs.field(factory=_default_tenants)
     #: Where this config came from, for error messages ("<defaults>" if embedded).
@@ -687,6 +752,9 @@ def _check_store(config: Config) -> None:
         if config.gpu.time_scale != 1.0:
             raise ConfigError("gpu.time_scale: a shared store times buckets by Redis's clock, in wall seconds: "
                               'it must be 1 with [store] kind = "redis"')
+    if config.state.kind == "redis" and not config.store.shared:
+        raise ConfigError('state.kind: "redis" keeps the state in [store]\'s Redis: set [store] kind = "redis" '
+                          'and its url (or leave state.kind "auto")')
 
 
 def _check_keys_unique(config: Config) -> None:

@@ -179,6 +179,8 @@ class InferenceRequest:
     # -- progress (the engine's) -----------------------------------------------------------
     #: The engine it was dispatched to (the last one, after a requeue).
     engine_id: int | None = None
+    #: The backend a forwarding engine sent it to (the last one; None: a simulated engine).
+    backend: str | None = None
     #: The dispatch it left the queue in, and how many requests that dispatch held.
     dispatch_id: int | None = None
     dispatch_size: int = 0

@@ -305,6 +305,7 @@ class ForwardEngine:
             self._idle_since.pop(request.tenant_id, None)
             scope = trio.CancelScope()
             self._running[request] = (scope, backend)
+            request.backend = backend.name
             sent = trio.Event()
             self._nursery.start_soon(self._forward, request, backend, scope, previous, sent)
             previous = sent

@@ -75,6 +75,9 @@ class Caller:
     anonymous: bool = False
     #: A metrics key: may read ``/metrics`` and ``/metrics.json``, and nothing else.
     metrics_only: bool = False
+    #: Who this is in the audit log: ``admin:<the first 8 hex digits of its key's hash>`` for an admin
+    #: key (which key, never the key), ``admin:open`` without keys; None for the others.
+    actor: str | None = None
 
     def may_read_tenant(self, tenant_id: str) -> bool:
         return self.admin or self.anonymous or self.tenant == tenant_id
@@ -84,11 +87,9 @@ class Caller:
 
 
 #: The caller when no key is configured: may do everything, as whichever tenant the body names.
-OPEN_ACCESS = Caller(tenant=None, admin=True, anonymous=True)
+OPEN_ACCESS = Caller(tenant=None, admin=True, anonymous=True, actor="admin:open")
 #: The caller a metrics key proves: no tenant, not the admin; reads the metrics only.
 METRICS_READER = Caller(tenant=None, metrics_only=True)
-#: The caller the admin key proves.
-_ADMIN = Caller(tenant=None, admin=True)
 
 
 def _unauthorized(error: str, message: str, challenge: str = _CHALLENGE) -> Refusal:
@@ -107,7 +108,8 @@ class KeyRing:
     def from_config(cls, config: Config) -> KeyRing:
         entries = [(_digest(h), Caller(tenant=name))
                    for name, tenant in sorted(config.tenants.items()) for h in tenant.api_key_hashes]
-        entries += [(_digest(h), _ADMIN) for h in config.auth.admin_key_hashes]
+        entries += [(_digest(h), Caller(tenant=None, admin=True, actor=f"admin:{h[7:15]}"))
+                    for h in config.auth.admin_key_hashes]
         metrics = tuple(_digest(h) for h in config.auth.metrics_key_hashes)
         entries += [(digest, METRICS_READER) for digest in metrics]
         return cls(tuple(entries), metrics)

@@ -23,6 +23,7 @@ re-reads the config file (:meth:`reload`).
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import signal
@@ -47,6 +48,9 @@ from apsd.pipeline import Pipeline, open_pipeline
 from apsd.plugins import PluginError, load_policy_registry, load_profile_registry, make_plugin_manager
 from apsd.core.policy import PolicyRegistry, PolicySet
 from apsd.serve.server import serve_http
+from apsd.policies.fair import tenant_weights
+from apsd.state.keeper import StateKeeper, bucket_levels, open_keeper, restore_buckets
+from apsd.state.usage import UsageRecorder
 
 __all__ = ["Daemon"]
 
@@ -146,6 +150,8 @@ class Daemon:
     overrides: dict[str, Any] = attrs.field(factory=dict)
     #: Why the last reload was refused (None after a successful one); shown in STATUS= until then.
     reload_error: str | None = None
+    #: Tenants and keys managed through ``/admin``, and what outlives a restart (:mod:`apsd.state`).
+    keeper: StateKeeper | None = None
     _ready: bool = False
     _stop: trio.Event = attrs.field(factory=trio.Event)
     _hurry: trio.Event = attrs.field(factory=trio.Event)
@@ -180,48 +186,90 @@ class Daemon:
         log.info("apsd %s starting: config %s", __version__, self.config_path or "<defaults>",
                  extra={"event": "start"})
         raise_open_file_limit()
-        self._log_access(self.config)
         notifier = self.notifier = SystemdNotifier.from_environ()
-        async with open_pipeline(self.config, self.policies, request_id_prefix=None,
-                                 profiles=self.profiles) as pipeline, trio.open_nursery() as nursery:
-            self.pipeline = pipeline
-            if self.handle_signals:
-                await nursery.start(self._watch_signals)
-            http_stop = trio.Event()
-            http_done = trio.Event()
-            binds = await nursery.start(self._serve_http, pipeline, http_stop, http_done)
-            log.info("apsd listening on %s policy=%s tenants=%s engine=%s engines=%d",
-                     ", ".join(binds), "/".join(f"{k}={v}" for k, v in self.policies.names.items()),
-                     ",".join(sorted(self.config.tenants)), engines.describe(self.config).summary, len(pipeline.engines),
-                     extra={"event": "ready"})
-            self._ready = True
-            await notifier.ready(status=self.status_text())  # the HTTP socket listens: ready
-            if notifier.enabled:
-                nursery.start_soon(serve_status, notifier, self.status_text)
-                nursery.start_soon(serve_watchdog, notifier, self._watchdog_probe(pipeline))
-            task_status.started(binds)
-
-            await self._stop.wait()
-            log.info("apsd shutting down: %d requests in flight, grace %.1f s",
-                     len(pipeline.ledger.outstanding), self.config.server.shutdown_grace_s,
-                     extra={"event": "shutdown"})
-            pipeline.close_doors()
-            await notifier.stopping(status=self.status_text())
-            with trio.move_on_after(self.config.server.shutdown_grace_s):
-                async with trio.open_nursery() as drain:  # whichever comes first: idle, or a 2nd signal
-                    async def finish_when(event_wait: Callable[[], Awaitable[object]]) -> None:
-                        await event_wait()
-                        drain.cancel_scope.cancel()
-                    drain.start_soon(finish_when, pipeline.ledger.wait_idle)
-                    drain.start_soon(finish_when, self._hurry.wait)
-            aborted = pipeline.abort_outstanding()
-            pipeline.stop_stages()  # nothing runs, or is billed, after the last answer
-            if aborted:
-                log.warning("answered %d unfinished requests with 503", aborted, extra={"event": "shutdown"})
-            http_stop.set()
-            await http_done.wait()
-            nursery.cancel_scope.cancel()
+        async with open_keeper(self.config) as keeper:
+            self.keeper = keeper
+            effective = keeper.effective()
+            check_exposure(effective)
+            self._log_access(effective)
+            if effective.tenants != self.config.tenants:
+                self.policies = self.registry.build(effective, self.preset)  # (tenants' weights from the state)
+            async with open_pipeline(effective, self.policies, request_id_prefix=None,
+                                     profiles=self.profiles) as pipeline, trio.open_nursery() as nursery:
+                self.pipeline = pipeline
+                await self._keep_state(keeper, pipeline, nursery)
+                await self._serve(pipeline, nursery, notifier, task_status)
         log.info("apsd stopped", extra={"event": "stopped"})
+
+    async def _keep_state(self, keeper: StateKeeper, pipeline: Pipeline, nursery: trio.Nursery) -> None:
+        """Restore what the state kept (bucket levels, budgets' spend), record usage, and run the
+        keeper's flushes and polls; changes through ``/admin`` are applied by :meth:`apply_state`."""
+        saved = await keeper.restore(pipeline.admission.budgets)
+        restored = restore_buckets(pipeline, saved, keeper.wall())
+        if restored:
+            log.info("bucket levels restored for %s", ", ".join(restored), extra={"event": "state"})
+        keeper.usage = UsageRecorder(lambda: pipeline.config.tenants, keeper.wall)
+        keeper.usage.subscribe(pipeline.ledger.events)
+        keeper.apply = self.apply_state
+        await nursery.start(functools.partial(keeper.run, buckets=lambda: bucket_levels(pipeline, keeper.wall())))
+
+    def apply_state(self, effective: Config, why: str) -> None:
+        """Apply an effective configuration the state keeper built (a change through ``/admin`` here
+        or on another replica, a key's expiry): the tenants and keys change, nothing else."""
+        pipeline = self.pipeline
+        if pipeline is None:
+            return
+        effective = attrs.evolve(pipeline.config, tenants=effective.tenants)
+        policies = self.policies
+        try:
+            if tenant_weights(effective) != tenant_weights(pipeline.config):
+                policies = self.registry.build(effective, self.preset)
+        except (ConfigError, PluginError) as exc:
+            log.error("state change not applied (%s): %s", why, exc, extra={"event": "state"})
+            return
+        changes = self._key_changes(pipeline.config, effective) + pipeline.reconfigure(effective, policies)
+        self.policies = policies
+        log.info("%s: %s", why, "; ".join(changes) or "no change", extra={"event": "state"})
+
+    async def _serve(self, pipeline: Pipeline, nursery: trio.Nursery, notifier: SystemdNotifier,
+                     task_status: trio.TaskStatus[list[str]]) -> None:
+        """Serve HTTP until shut down, then drain (the stages' nursery is ``nursery``)."""
+        if self.handle_signals:
+            await nursery.start(self._watch_signals)
+        http_stop = trio.Event()
+        http_done = trio.Event()
+        binds = await nursery.start(self._serve_http, pipeline, http_stop, http_done)
+        log.info("apsd listening on %s policy=%s tenants=%s engine=%s engines=%d",
+                 ", ".join(binds), "/".join(f"{k}={v}" for k, v in self.policies.names.items()),
+                 ",".join(sorted(pipeline.config.tenants)), engines.describe(pipeline.config).summary, len(pipeline.engines),
+                 extra={"event": "ready"})
+        self._ready = True
+        await notifier.ready(status=self.status_text())  # the HTTP socket listens: ready
+        if notifier.enabled:
+            nursery.start_soon(serve_status, notifier, self.status_text)
+            nursery.start_soon(serve_watchdog, notifier, self._watchdog_probe(pipeline))
+        task_status.started(binds)
+
+        await self._stop.wait()
+        log.info("apsd shutting down: %d requests in flight, grace %.1f s",
+                 len(pipeline.ledger.outstanding), self.config.server.shutdown_grace_s,
+                 extra={"event": "shutdown"})
+        pipeline.close_doors()
+        await notifier.stopping(status=self.status_text())
+        with trio.move_on_after(self.config.server.shutdown_grace_s):
+            async with trio.open_nursery() as drain:  # whichever comes first: idle, or a 2nd signal
+                async def finish_when(event_wait: Callable[[], Awaitable[object]]) -> None:
+                    await event_wait()
+                    drain.cancel_scope.cancel()
+                drain.start_soon(finish_when, pipeline.ledger.wait_idle)
+                drain.start_soon(finish_when, self._hurry.wait)
+        aborted = pipeline.abort_outstanding()
+        pipeline.stop_stages()  # nothing runs, or is billed, after the last answer
+        if aborted:
+            log.warning("answered %d unfinished requests with 503", aborted, extra={"event": "shutdown"})
+        http_stop.set()
+        await http_done.wait()
+        nursery.cancel_scope.cancel()
 
     async def reload(self) -> bool:
         """Re-read the config file and apply it atomically (what SIGHUP does).
@@ -245,17 +293,21 @@ class Daemon:
                 log.info("reloaded %s: no change", self.config_path or "<defaults>", extra={"event": "reload"})
                 await self.notifier.ready(status=self.status_text())
                 return True  # same settings: keep the policies (and their state) as they are
-            policies = self.registry.build(config, self.preset)
-        except (ConfigError, PluginError) as exc:
+            self.registry.build(config, self.preset)  # (the file's policies validate before anything changes)
+            assert self.keeper is not None
+            said = await self.keeper.reconcile(config)  # its tenants into the state, by [state] file_tenants
+            effective = self.keeper.effective()
+            policies = self.registry.build(effective, self.preset)
+        except (ConfigError, PluginError, OSError, ConnectionError) as exc:
             self.reload_error = str(exc)
             log.error("reload refused, the running configuration stays: %s", exc,
                       extra={"event": "reload_failed"})
             await self.notifier.ready(status=self.status_text())
             return False
-        self._log_access(config)
-        key_changes = self._key_changes(self.config, config)
-        changes = self.pipeline.reconfigure(config, policies) + key_changes
-        self.config, self.policies, self.reload_error = self.pipeline.config, policies, None
+        self._log_access(effective)
+        key_changes = self._key_changes(self.pipeline.config, effective)
+        changes = said + self.pipeline.reconfigure(effective, policies) + key_changes
+        self.config, self.policies, self.reload_error = config, policies, None
         log.info("reloaded %s: %s", self.config_path or "<defaults>", "; ".join(changes) or "no change",
                  extra={"event": "reload"})
         await self.notifier.ready(status=self.status_text())
@@ -315,7 +367,7 @@ class Daemon:
         config.graceful_timeout = HTTP_GRACEFUL_TIMEOUT_S
         config.keep_alive_timeout = self.config.server.keep_alive_timeout_s
         config.backlog = self.config.server.backlog
-        app = create_app(pipeline)
+        app = create_app(pipeline, keeper=self.keeper)
         # What exists now (config, tenants' books, the app) lives as long as the daemon: leave it out of
         # full collections, whose pauses otherwise grow with the number of tenants. And collect the young
         # generation less often: a relayed chunk makes a few short-lived dicts, and with hundreds of

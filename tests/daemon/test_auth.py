@@ -63,7 +63,7 @@ def test_identify_names_the_owner_or_answers_401():
     ring = KeyRing.from_config(keyed_config())
     assert ring.identify(f"Bearer {KEY_A}") == Caller(tenant="tenant_a")
     assert ring.identify(f"bearer  {KEY_A2}") == Caller(tenant="tenant_a")
-    assert ring.identify(f"Bearer {ADMIN}") == Caller(tenant=None, admin=True)
+    assert ring.identify(f"Bearer {ADMIN}") == Caller(tenant=None, admin=True, actor="admin:" + hash_key(ADMIN)[7:15])
     assert ring.identify(f"Bearer {SCRAPER}") == METRICS_READER == Caller(tenant=None, metrics_only=True)
     for header, error in [(None, "missing_api_key"), ("", "missing_api_key"), (f"Basic {KEY_A}", "invalid_authorization"),
                           (f"Bearer {KEY_A} extra", "invalid_authorization"), ("Bearer é", "invalid_authorization"),

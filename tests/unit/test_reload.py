@@ -95,7 +95,7 @@ async def test_reload_names_bid_and_gateway_changes_and_keeps_the_backends(autoj
         new = make_config({"gateway": {"default_max_tokens": 64}, "forward": {"max_retries": 5},
                            "tenants": {"a": {"rate": BIG.rate, "burst": BIG.burst, "max_bid": 3, "default_bid": 2}}})
         changes = pipeline.reconfigure(new, build_policies(new))
-        assert "tenant a bids (max_bid 3, default_bid 2)" in changes
+        assert "tenant a: max_bid 3, default_bid 2" in changes
         assert "gateway.default_max_tokens 64" in changes
         assert "[forward] and [[backends]] need a restart to change (kept as before)" in changes
         assert pipeline.config.forward.max_retries == 2 and pipeline.config.tenants["a"].max_bid == 3

@@ -5,7 +5,8 @@ One blueprint per protocol:
 * :mod:`apsd.serve.http.infer`: apsd's own ``POST /infer``;
 * :mod:`apsd.serve.http.openai`: the OpenAI-compatible ``/v1/chat/completions``, ``/v1/completions``
   and ``/v1/models``;
-* :mod:`apsd.serve.http.ops`: ``/health``, ``/ready``, ``/metrics``, ``/metrics.json``, ``/tenants/<id>/status``.
+* :mod:`apsd.serve.http.ops`: ``/health``, ``/ready``, ``/metrics``, ``/metrics.json``, ``/tenants/<id>/status``;
+* :mod:`apsd.serve.http.admin`: the operator's ``/admin`` (tenants, keys, audit, usage).
 
 What they share (the app's state, the :func:`~apsd.serve.http.common.authenticated` decorator, body
 parsing, answers) is in :mod:`apsd.serve.http.common`.
@@ -37,7 +38,8 @@ from werkzeug.exceptions import HTTPException
 from apsd.core.models import Refusal
 from apsd.pipeline import Pipeline
 from apsd.serve.prometheus import exporter_for
-from apsd.serve.http import infer, openai, ops
+from apsd.serve.http import admin, infer, openai, ops
+from apsd.state.keeper import StateKeeper
 from apsd.serve.http.common import HttpState, ShieldResponseEnd, error_response, read_unread_body
 from apsd.serve.http.infer import parse_infer_body
 from apsd.serve.http.ops import metrics_document
@@ -54,8 +56,9 @@ def _answer_for_path(refusal: Refusal) -> Response:
     return error_response(refusal)
 
 
-def create_app(pipeline: Pipeline) -> QuartTrio:
-    """The API over ``pipeline``; the app is cheap, make one per pipeline."""
+def create_app(pipeline: Pipeline, *, keeper: StateKeeper | None = None) -> QuartTrio:
+    """The API over ``pipeline`` (and ``/admin`` over the daemon's ``keeper``); the app is cheap,
+    make one per pipeline."""
     app = QuartTrio("apsd")
     app.config["MAX_CONTENT_LENGTH"] = pipeline.config.server.max_body_bytes
     app.config["BODY_TIMEOUT"] = pipeline.config.server.body_timeout_s  # then 408 request_timeout
@@ -64,8 +67,9 @@ def create_app(pipeline: Pipeline) -> QuartTrio:
     app.asgi_app = ShieldResponseEnd(app.asgi_app,  # type: ignore[method-assign]
                                      send_timeout_s=pipeline.config.server.send_timeout_s)
     # the exporter is made before serving: its histograms see every dispatch
-    app.extensions["apsd"] = HttpState(pipeline=pipeline, exporter=exporter_for(pipeline), created=openai.unix_time())
-    for blueprint in (infer.blueprint, openai.blueprint, ops.blueprint):
+    app.extensions["apsd"] = HttpState(pipeline=pipeline, exporter=exporter_for(pipeline), created=openai.unix_time(),
+                                       keeper=keeper)
+    for blueprint in (infer.blueprint, openai.blueprint, ops.blueprint, admin.blueprint):
         app.register_blueprint(blueprint)
 
     @app.before_request

@@ -18,7 +18,7 @@ import json
 import math
 import re
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import trio
@@ -31,6 +31,9 @@ from apsd.core.config import Config
 from apsd.core.models import Refusal
 from apsd.pipeline import Pipeline
 from apsd.serve.prometheus import PrometheusExporter
+
+if TYPE_CHECKING:
+    from apsd.state.keeper import StateKeeper
 
 __all__ = ["BodyError", "HttpState", "REQUEST_ID_HEADER", "client_request_id", "MAX_TENANT_ID_CHARS", "MAX_TOKENS_REQUESTED", "ShieldResponseEnd",
            "authenticated", "check_prompt_length", "error_response", "http_state", "json_response",
@@ -74,6 +77,8 @@ class HttpState:
     exporter: PrometheusExporter
     created: int
     keyring: KeyRingCache = attrs.field(factory=KeyRingCache)
+    #: The daemon's state keeper (tenants and keys managed through ``/admin``); None without a daemon.
+    keeper: StateKeeper | None = None
 
     def identify(self, authorization: list[str]) -> Caller | Refusal:
         return self.keyring.get(self.pipeline.config).identify_headers(authorization)
@@ -201,8 +206,8 @@ async def read_unread_body() -> bool:
 
 
 def rounded(value: Any, key: str = "") -> Any:
-    """``value`` with every float rounded for an answer: milliseconds (keys ending ``_ms``) to the
-    microsecond, US dollars (``_usd``) to the nano-dollar, anything else to 6 significant digits.
+    """``value`` with every float rounded for an answer: milliseconds (keys ending ``_ms``) and Unix
+    times (``_at``, ``at``, ``from``, ``to``) to the microsecond and the millisecond, US dollars (``_usd``) to the nano-dollar, anything else to 6 significant digits.
 
     Binary floats print as ``0.00042480468749999994``; no client needs those digits, and the
     figures are model estimates anyway. Non-finite floats become null (JSON has no NaN).
@@ -210,7 +215,7 @@ def rounded(value: Any, key: str = "") -> Any:
     if isinstance(value, float):
         if not math.isfinite(value):
             return None
-        if key.endswith("_ms"):
+        if key.endswith("_ms") or key.endswith("_at") or key in ("at", "from", "to"):  # (times: Unix seconds)
             return round(value, 3)
         if key.endswith("_usd"):
             return round(value, 9)

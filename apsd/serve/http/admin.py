@@ -1,0 +1,377 @@
+"""The operator's API under ``/admin``: tenants, keys, the audit log and usage, live.
+
+Every endpoint needs the admin key (403 ``admin_only`` for any other key; without keys, on
+loopback, it is open). Bodies and answers are JSON; :data:`OPENAPI` (``GET /admin/openapi.json``)
+describes them, the tenant's fields taken from :class:`~apsd.core.config.TenantConfig` itself. A
+change is written to the state with its audit entry (:mod:`apsd.state.keeper`), applied here at
+once, and on every other replica within ``[state] poll_interval_s``; none needs a reload.
+
+Errors are apsd's ``{"error", "message", "field"}``: 400 for a body that is not a JSON object,
+422 ``invalid_field`` naming the field for a value the config file would refuse too (the same
+validation), 404 for an unknown tenant or key, 409 for a conflict (``tenant_exists``,
+``declared_in_file``, ``admin_key_required``, ``state_off``).
+
+An issued key is in the answer to ``POST /admin/tenants/<name>/keys`` and nowhere else: the state
+keeps its hash, lists show its id and first characters, the audit log and the log name it by id.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+from quart import Blueprint, Response, request
+
+from apsd.core.config import TenantConfig
+from apsd.core.models import Refusal
+from apsd.serve.auth import Caller
+from apsd.serve.http.common import BodyError, authenticated, error_response, http_state, json_response, parse_json_object
+from apsd.state.keeper import AdminError, StateKeeper
+from apsd.state.records import settings_dict
+from apsd.state.usage import HOUR_S, summarize, to_csv
+
+__all__ = ["blueprint", "openapi_document"]
+
+blueprint = Blueprint("admin", __name__, url_prefix="/admin")
+
+#: Most audit entries one answer lists.
+MAX_AUDIT_LIMIT = 1000
+#: The longest span one usage query may cover.
+MAX_USAGE_SPAN_S = 400 * 86_400
+
+
+def _keeper() -> StateKeeper:
+    keeper = http_state().keeper
+    if keeper is None:  # (an app made without a daemon: tests of the other blueprints)
+        raise AdminError(503, "state_unavailable", "this server keeps no state")
+    return keeper
+
+
+def _actor(caller: Caller) -> str:
+    return caller.actor or "admin"
+
+
+def _refused(exc: AdminError | BodyError) -> Response:
+    refusal = exc.refusal if isinstance(exc, BodyError) else Refusal(exc.status, exc.error, exc.message,
+                                                                      field=exc.field)
+    http_state().pipeline.ledger.count_refusal(None, refusal.error)
+    return error_response(refusal)
+
+
+async def _body() -> dict[str, Any]:
+    return parse_json_object(await request.get_data(cache=False))
+
+
+def tenant_view(keeper: StateKeeper, name: str) -> dict[str, Any] | None:
+    """A tenant's settings, where they come from, its keys and its live figures (None: no such tenant)."""
+    pipeline = http_state().pipeline
+    tenant = pipeline.config.tenants.get(name)
+    if tenant is None:
+        return None
+    status = pipeline.tenant_status(name)
+    keys = keeper.keys(name)
+    declared = name in keeper.file_config.tenants
+    return {"name": name, **settings_dict(tenant), "source": keeper.tenant_source(name),
+            "declared_in_file": declared,
+            "keys": {"issued": len(keys), "active": sum(k["active"] for k in keys),
+                     "in_file": len(keeper.file_config.tenants[name].api_key_hashes) if declared else 0},
+            "live": None if status is None else {
+                "tokens_available": round(status.tokens_available, 3), "queued": status.queued,
+                "running": status.running, "admitted": status.admitted, "completed": status.completed,
+                "rejected": status.rejected, "prompt_tokens": status.prompt_tokens,
+                "generated_tokens": status.generated_tokens,
+                "budget_used": pipeline.admission.budgets.used(name, tenant) if tenant.budget_tokens else None}}
+
+
+# -- tenants ---------------------------------------------------------------------------------------
+
+@blueprint.get("/tenants")
+@authenticated(admin=True)
+async def list_tenants(caller: Caller) -> Any:
+    try:
+        keeper = _keeper()
+    except AdminError as exc:
+        return _refused(exc)
+    names = sorted(http_state().pipeline.config.tenants)
+    return json_response({"tenants": [tenant_view(keeper, name) for name in names]})
+
+
+@blueprint.post("/tenants")
+@authenticated(admin=True)
+async def create_tenant(caller: Caller) -> Any:
+    try:
+        keeper = _keeper()
+        record = await keeper.create_tenant(_actor(caller), await _body())
+    except (AdminError, BodyError) as exc:
+        return _refused(exc)
+    return json_response(tenant_view(keeper, record.name), status=201,
+                         headers={"Location": f"/admin/tenants/{record.name}"})
+
+
+@blueprint.get("/tenants/<name>")
+@authenticated(admin=True)
+async def get_tenant(name: str, caller: Caller) -> Any:
+    try:
+        view = tenant_view(_keeper(), name)
+    except AdminError as exc:
+        return _refused(exc)
+    if view is None:
+        return _refused(AdminError(404, "unknown_tenant", f"no tenant named {name!r}"))
+    return json_response(view)
+
+
+@blueprint.patch("/tenants/<name>")
+@authenticated(admin=True)
+async def update_tenant(name: str, caller: Caller) -> Any:
+    try:
+        keeper = _keeper()
+        await keeper.update_tenant(_actor(caller), name, await _body())
+    except (AdminError, BodyError) as exc:
+        return _refused(exc)
+    return json_response(tenant_view(keeper, name))
+
+
+@blueprint.delete("/tenants/<name>")
+@authenticated(admin=True)
+async def delete_tenant(name: str, caller: Caller) -> Any:
+    try:
+        await _keeper().delete_tenant(_actor(caller), name)
+    except AdminError as exc:
+        return _refused(exc)
+    return Response(status=204)
+
+
+# -- keys ------------------------------------------------------------------------------------------
+
+@blueprint.post("/tenants/<name>/keys")
+@authenticated(admin=True)
+async def issue_key(name: str, caller: Caller) -> Any:
+    try:
+        keeper = _keeper()
+        body = await _body() if await request.get_data(cache=True) else {}
+        record, key = await keeper.issue_key(_actor(caller), name, body)
+    except (AdminError, BodyError) as exc:
+        return _refused(exc)
+    view = next(k for k in keeper.keys(name) if k["id"] == record.key_id)
+    return json_response({**view, "key": key}, status=201, headers={"Cache-Control": "no-store"})
+
+
+@blueprint.get("/tenants/<name>/keys")
+@authenticated(admin=True)
+async def tenant_keys(name: str, caller: Caller) -> Any:
+    try:
+        keeper = _keeper()
+        if name not in keeper.snapshot.tenants and name not in http_state().pipeline.config.tenants:
+            raise AdminError(404, "unknown_tenant", f"no tenant named {name!r}")
+    except AdminError as exc:
+        return _refused(exc)
+    return json_response({"keys": keeper.keys(name)})
+
+
+@blueprint.get("/keys")
+@authenticated(admin=True)
+async def list_keys(caller: Caller) -> Any:
+    try:
+        keeper = _keeper()
+    except AdminError as exc:
+        return _refused(exc)
+    return json_response({"keys": keeper.keys(request.args.get("tenant"))})
+
+
+@blueprint.delete("/keys/<key_id>")
+@authenticated(admin=True)
+async def revoke_key(key_id: str, caller: Caller) -> Any:
+    try:
+        keeper = _keeper()
+        record = await keeper.revoke_key(_actor(caller), key_id)
+    except AdminError as exc:
+        return _refused(exc)
+    return json_response(next(k for k in keeper.keys() if k["id"] == record.key_id))
+
+
+# -- audit and usage -------------------------------------------------------------------------------
+
+def _int_arg(name: str, default: int | None, low: int, high: int) -> int | None:
+    raw = request.args.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise AdminError(400, "invalid_parameter", f"{name} must be an integer, got {raw[:40]!r}", name) from None
+    if not low <= value <= high:
+        raise AdminError(400, "invalid_parameter", f"{name} must be between {low} and {high}", name)
+    return value
+
+
+@blueprint.get("/audit")
+@authenticated(admin=True)
+async def audit(caller: Caller) -> Any:
+    """Newest first; ``?target=`` (a tenant, or ``key:<id>``), ``?limit=`` (1-1000, default 100),
+    ``?before=`` (an entry id: the page after)."""
+    try:
+        keeper = _keeper()
+        if keeper.store is None:
+            return json_response({"entries": []})
+        limit = _int_arg("limit", 100, 1, MAX_AUDIT_LIMIT)
+        before = _int_arg("before", None, 1, 2**62)
+        entries = await keeper.store.audit(target=request.args.get("target"), limit=limit or 100, before_id=before)
+    except AdminError as exc:
+        return _refused(exc)
+    return json_response({"entries": [entry.view() for entry in entries]})
+
+
+def _time_arg(name: str, default: float) -> float:
+    """A time parameter: Unix seconds, or an ISO 8601 date or time (UTC unless it says otherwise)."""
+    raw = request.args.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+        if math.isfinite(value):
+            return value
+    except ValueError:
+        pass
+    import datetime
+
+    try:
+        moment = datetime.datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError:
+        raise AdminError(400, "invalid_parameter", f"{name} must be Unix seconds or an ISO 8601 date or time "
+                         f"(2026-11-26, 2026-11-26T14:00Z), got {raw[:40]!r}", name) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.timezone.utc)
+    return moment.timestamp()
+
+
+@blueprint.get("/usage")
+@authenticated(admin=True)
+async def usage(caller: Caller) -> Any:
+    """``?tenant=&from=&to=&group_by=hour|day&by=model&format=json|csv`` (default: every tenant,
+    the last 24 hours by hour, JSON)."""
+    try:
+        keeper = _keeper()
+        now = keeper.wall()
+        end = _time_arg("to", now)
+        start = _time_arg("from", end - 86_400)
+        group_by = request.args.get("group_by", "hour")
+        if group_by not in ("hour", "day"):
+            raise AdminError(400, "invalid_parameter", "group_by must be hour or day", "group_by")
+        view = request.args.get("format", "json")
+        if view not in ("json", "csv"):
+            raise AdminError(400, "invalid_parameter", "format must be json or csv", "format")
+        by = request.args.get("by", "")
+        if by not in ("", "model"):
+            raise AdminError(400, "invalid_parameter", "by must be model (or absent)", "by")
+        if not start < end:
+            raise AdminError(400, "invalid_parameter", "from must be before to", "from")
+        if end - start > MAX_USAGE_SPAN_S:
+            raise AdminError(400, "invalid_parameter", "from and to may be at most 400 days apart", "from")
+        tenant = request.args.get("tenant") or None
+        rows = {} if keeper.store is None else await keeper.store.usage(
+            tenant=tenant, start=int(start) // HOUR_S * HOUR_S, end=int(end))
+        if keeper.usage is not None:  # (what the next flush will add: the answer is current)
+            for key, fields in keeper.usage.pending().items():
+                if (tenant is None or key.tenant == tenant) and start // HOUR_S * HOUR_S <= key.hour < end:
+                    merged = rows.setdefault(key, {})
+                    for field, amount in fields.items():
+                        merged[field] = merged.get(field, 0) + amount
+        summaries = summarize(rows, group_by=group_by, by_model=by == "model")
+    except AdminError as exc:
+        return _refused(exc)
+    if view == "csv":
+        return Response(to_csv(summaries), status=200, content_type="text/csv; charset=utf-8",
+                        headers={"Content-Disposition": 'attachment; filename="apsd-usage.csv"'})
+    return json_response({"from": start, "to": end, "group_by": group_by, "rows": summaries})
+
+
+# -- the description -------------------------------------------------------------------------------
+
+_JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean"}
+
+
+def _tenant_schema() -> dict[str, Any]:
+    from apsd.reference import field_comments
+
+    comments = field_comments(TenantConfig)
+    properties: dict[str, Any] = {"name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+                                           "description": "The tenant's name (cannot change)."}}
+    for field in attrs.fields(attrs.resolve_types(TenantConfig)):
+        if field.name == "api_key_hashes":
+            continue
+        schema: dict[str, Any] = ({"type": "array", "items": {"type": "string"}} if field.name == "models"
+                                  else {"type": _JSON_TYPES.get(field.type, "string")})  # type: ignore[arg-type]
+        if field.default is not attrs.NOTHING:
+            default = field.default
+            schema["default"] = list(default) if isinstance(default, tuple) else default
+        schema["description"] = comments.get(field.name, "")
+        properties[field.name] = schema
+    return {"type": "object", "properties": properties, "required": ["name", "rate", "burst"],
+            "additionalProperties": False}
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3.1 description of ``/admin``."""
+    error = {"$ref": "#/components/schemas/Error"}
+    answers = {"401": {"description": "no valid key", "content": {"application/json": {"schema": error}}},
+               "403": {"description": "not the admin key", "content": {"application/json": {"schema": error}}}}
+
+    def op(summary: str, ok: str, *, body: str | None = None, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+        operation: dict[str, Any] = {"summary": summary, "responses": {ok: {"description": "done"}, **answers}}
+        for status in extra:
+            operation["responses"][status] = {"description": "refused",
+                                              "content": {"application/json": {"schema": error}}}
+        if body:
+            operation["requestBody"] = {"content": {"application/json": {"schema": {"$ref": body}}}}
+        return operation
+
+    name = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "apsd admin API", "version": "1"},
+        "security": [{"bearer": []}],
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {
+                "Tenant": _tenant_schema(),
+                "TenantPatch": {**_tenant_schema(), "required": []},
+                "KeyRequest": {"type": "object", "additionalProperties": False, "properties": {
+                    "label": {"type": "string", "maxLength": 200},
+                    "expires_in_s": {"type": "number", "description": "Seconds from now until it stops working."},
+                    "expires_at": {"type": "number", "description": "Unix seconds when it stops working."}}},
+                "Error": {"type": "object", "properties": {"error": {"type": "string"}, "message": {"type": "string"},
+                                                           "field": {"type": "string"}}},
+            },
+        },
+        "paths": {
+            "/admin/tenants": {"get": op("List tenants with their settings, source, keys and live figures", "200"),
+                               "post": op("Create a tenant", "201", body="#/components/schemas/Tenant",
+                                          extra=("400", "409", "422"))},
+            "/admin/tenants/{name}": {
+                "parameters": name,
+                "get": op("Read a tenant", "200", extra=("404",)),
+                "patch": op("Change some of a tenant's settings (disabled: true disables it)", "200",
+                            body="#/components/schemas/TenantPatch", extra=("400", "404", "409", "422")),
+                "delete": op("Delete a tenant (its keys are revoked)", "204", extra=("404", "409"))},
+            "/admin/tenants/{name}/keys": {
+                "parameters": name,
+                "get": op("List a tenant's issued keys (id and prefix, never the key)", "200", extra=("404",)),
+                "post": op("Issue a key: the answer's key field is shown this once", "201",
+                           body="#/components/schemas/KeyRequest", extra=("400", "404", "409", "422"))},
+            "/admin/keys": {"get": op("List issued keys (?tenant=)", "200")},
+            "/admin/keys/{key_id}": {
+                "parameters": [{"name": "key_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "delete": op("Revoke a key", "200", extra=("404",))},
+            "/admin/audit": {"get": op("The audit log, newest first (?target=&limit=&before=)", "200", extra=("400",))},
+            "/admin/usage": {"get": op("Usage per tenant and hour or day (?tenant=&from=&to=&group_by=hour|day"
+                                       "&by=model&format=json|csv)", "200", extra=("400",))},
+            "/admin/openapi.json": {"get": op("This description", "200")},
+        },
+    }
+
+
+@blueprint.get("/openapi.json")
+@authenticated(admin=True)
+async def openapi(caller: Caller) -> Any:
+    return json_response(openapi_document())

@@ -1,0 +1,488 @@
+"""The state keeper: tenants and keys managed live, and what outlives a restart.
+
+Ownership: the daemon opens one keeper (:func:`open_keeper`) before its pipeline, runs
+:meth:`StateKeeper.run` in its nursery, and gives it a way to apply a configuration
+(``apply``: rebuild the policies if weights changed, then :meth:`apsd.pipeline.Pipeline.reconfigure`,
+the same path as a SIGHUP reload). The admin API (:mod:`apsd.serve.http.admin`) calls the
+keeper's operations; each one is written to the store, with its audit entry, before it is
+applied here and answered. Other replicas see the store's version move within
+``[state] poll_interval_s`` and apply the same.
+
+**The effective configuration** is the config file's, with its ``[tenants]`` replaced by the
+stored tenants, each with its keys: the file's ``api_key_hashes`` for a tenant the file declares,
+and the keys issued through ``/admin`` that are neither revoked nor expired (an expired key stops
+working within ``poll_interval_s`` of its expiry).
+
+**Who wins for a tenant the file declares** (``[state] file_tenants``):
+
+* ``seed`` (the default): the latest change wins. At start and at each reload, a declaration that
+  is new, or differs from the one last applied (:func:`apsd.state.records.file_digest`), is
+  applied; a change made through ``/admin`` since stays until the file's declaration of that
+  tenant changes. A tenant the file stops declaring is deleted (one created through ``/admin`` is not).
+* ``authoritative``: the file always wins, and ``/admin`` refuses to change or delete the tenants
+  it declares (409 ``declared_in_file``); it may still add tenants and issue and revoke keys.
+
+**Kept across restarts**, every ``[state] flush_interval_s`` (and at a clean stop): usage
+(:mod:`apsd.state.usage`), each tenant's bucket level with its time (with the memory store; a
+restart refills the bucket for the time it was down, at its rate, rather than handing out a full
+burst), and budgets' spend. A ``kill -9`` loses at most one interval of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from apsd.core.bucket import TokenBucket
+from apsd.core.budget import Budgets
+from apsd.core.config import Config, ConfigError, TenantConfig
+from apsd.state.records import (KEY_PREFIX_CHARS, AuditEntry, KeyRecord, TenantRecord, file_digest, key_view,
+                                settings_dict, tenant_from_settings)
+from apsd.state.store import Change, DeleteTenant, PutKey, PutTenant, Snapshot, StateStore
+from apsd.state.usage import HOUR_S, UsageRecorder
+
+if TYPE_CHECKING:
+    from apsd.pipeline import Pipeline
+
+__all__ = ["AdminError", "StateKeeper", "TENANT_NAME", "bucket_levels", "open_keeper", "restore_buckets",
+           "state_store_for"]
+
+log = logging.getLogger("apsd.state")
+
+#: What a tenant created through ``/admin`` may be called (it appears in URLs, logs and labels).
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+#: The longest label a key may have.
+MAX_LABEL_CHARS = 200
+#: The longest a key may be issued for (ten years).
+MAX_KEY_LIFETIME_S = 10 * 365 * 86_400
+
+
+@attrs.define(auto_exc=True)
+class AdminError(Exception):
+    """An admin operation refused: the status, error code, message and the field at fault."""
+
+    status: int
+    error: str
+    message: str
+    field: str | None = None
+
+
+def _bad(message: str, field: str | None) -> AdminError:
+    return AdminError(422, "invalid_field" if field else "invalid_request", message, field)
+
+
+def _config_error(exc: ConfigError) -> AdminError:
+    """A validation error from :func:`apsd.core.config.parse_section` as a 400 naming its field."""
+    message = str(exc)
+    field = message.split(":", 1)[0].split(".")[-1].split("[")[0] if ":" in message else None
+    return _bad(message, field)
+
+
+def state_store_for(config: Config, environ: Mapping[str, str]) -> StateStore | None:
+    """The store ``[state]`` asks for (None: ``off``)."""
+    kind = config.state.kind
+    if kind == "auto":
+        kind = "redis" if config.store.shared else "sqlite"
+    if kind == "off":
+        return None
+    if kind == "redis":
+        from apsd.state.redis import RedisStateStore
+
+        return RedisStateStore(config.store.url, config.store.key_prefix)
+    from apsd.state.sqlite import SqliteState
+
+    return SqliteState(config.state.sqlite_path(environ))
+
+
+@asynccontextmanager
+async def open_keeper(config: Config, *, environ: Mapping[str, str] | None = None,
+                      wall: Callable[[], float] = time.time) -> AsyncIterator[StateKeeper]:
+    """Open the state ``[state]`` names, seed it from ``config``'s tenants, yield the keeper, and
+    close the state on the way out. ConfigError if it cannot be opened or read (the message names
+    the file or server)."""
+    from apsd.state.sqlite import StateFileError
+
+    try:
+        store = state_store_for(config, os.environ if environ is None else environ)
+    except StateFileError as exc:
+        raise ConfigError(f"state: {exc}") from None
+    keeper = StateKeeper(store=store, file_config=config, wall=wall)
+    try:
+        if store is not None:
+            try:
+                await keeper.reconcile(config)
+            except (OSError, ConnectionError) as exc:
+                raise ConfigError(f"state: cannot read the state at {store.where}: {exc}") from None
+            log.info("state kept in %s (%s): %d tenants, %d keys issued", store.where, store.kind,
+                     len(keeper.snapshot.tenants), len(keeper.snapshot.keys), extra={"event": "state"})
+        yield keeper
+    finally:
+        await keeper.close()
+
+
+@attrs.define(eq=False)
+class StateKeeper:
+    store: StateStore | None
+    #: The config file's configuration (command-line overrides applied), as last loaded.
+    file_config: Config
+    wall: Callable[[], float] = time.time
+    snapshot: Snapshot = attrs.field(factory=lambda: Snapshot({}, (), 0))
+    #: Applies an effective configuration to the running daemon (set by the daemon).
+    apply: Callable[[Config, str], None] | None = None
+    budgets: Budgets | None = None
+    usage: UsageRecorder | None = None
+    _lock: trio.Lock = attrs.field(factory=trio.Lock)
+    _built_at: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.store is not None
+
+    # -- the effective configuration ----------------------------------------------------------
+    def effective(self) -> Config:
+        """The config file's configuration with the stored tenants and their keys (see the module)."""
+        self._built_at = now = self.wall()
+        if self.store is None:
+            return self.file_config
+        issued: dict[str, list[str]] = {}
+        for key in self.snapshot.keys:
+            if key.active(now):
+                issued.setdefault(key.tenant, []).append(key.key_hash)
+        tenants = {}
+        for name, record in sorted(self.snapshot.tenants.items()):
+            declared = self.file_config.tenants.get(name)
+            hashes = (declared.api_key_hashes if declared is not None else ()) + tuple(issued.get(name, ()))
+            tenants[name] = attrs.evolve(record.settings, api_key_hashes=tuple(dict.fromkeys(hashes)))
+        return attrs.evolve(self.file_config, tenants=tenants)
+
+    def _next_expiry(self) -> float | None:
+        """When the first key that worked at the last :meth:`effective` expires (None: none will)."""
+        return min((k.expires_at for k in self.snapshot.keys if k.revoked_at is None
+                    and k.expires_at is not None and k.expires_at > self._built_at), default=None)
+
+    def _apply(self, why: str) -> None:
+        if self.apply is not None:
+            self.apply(self.effective(), why)
+
+    # -- the config file ----------------------------------------------------------------------
+    async def reconcile(self, config: Config) -> list[str]:
+        """Write the file's tenants into the store by the ``file_tenants`` rule (at start and at each
+        reload); returns what changed, by name. Does not apply anything (the caller does)."""
+        self.file_config = config
+        if self.store is None:
+            return []
+        async with self._lock:
+            self.snapshot = await self.store.load()
+            now = self.wall()
+            authoritative = config.state.file_tenants == "authoritative"
+            changes: list[Change] = []
+            audit: list[AuditEntry] = []
+            said: list[str] = []
+            for name, declared in sorted(config.tenants.items()):
+                digest = file_digest(declared)
+                record = self.snapshot.tenants.get(name)
+                settings = attrs.evolve(declared, api_key_hashes=())
+                if record is not None and record.file_digest == digest and (
+                        not authoritative or record.settings == settings):
+                    continue  # (seed: unchanged in the file since last applied; the store's values stand)
+                new = TenantRecord(name, settings, "file", digest, record.created_at if record else now, now)
+                if record is not None and record.settings == settings and record.origin == "file":
+                    changes.append(PutTenant(new))  # (the digest moved with the keys only: no audit)
+                    continue
+                changes.append(PutTenant(new))
+                audit.append(AuditEntry(now, "file", "tenant.update" if record else "tenant.create", name,
+                                        settings_dict(record.settings) if record else None, settings_dict(settings)))
+                said.append(f"tenant {name} {'updated' if record else 'created'} from {config.source}")
+            for name, record in sorted(self.snapshot.tenants.items()):
+                if record.origin == "file" and name not in config.tenants:
+                    changes.append(DeleteTenant(name))
+                    changes += self._revocations(name, now)
+                    audit.append(AuditEntry(now, "file", "tenant.delete", name, settings_dict(record.settings)))
+                    said.append(f"tenant {name} deleted: {config.source} no longer declares it")
+            if changes:
+                await self.store.write(changes, audit)
+                self.snapshot = await self.store.load()
+            return said
+
+    def _revocations(self, tenant: str, now: float) -> list[Change]:
+        return [PutKey(attrs.evolve(k, revoked_at=now)) for k in self.snapshot.keys
+                if k.tenant == tenant and k.revoked_at is None]
+
+    # -- admin operations ---------------------------------------------------------------------
+    def _writable(self) -> StateStore:
+        if self.store is None:
+            raise AdminError(409, "state_off", '[state] kind = "off": nothing is kept, so nothing can be changed '
+                             "through /admin; change the config file and reload")
+        return self.store
+
+    def _guard_file(self, name: str) -> None:
+        if self.file_config.state.file_tenants == "authoritative" and name in self.file_config.tenants:
+            raise AdminError(409, "declared_in_file", f"tenant {name!r} is declared in {self.file_config.source}, "
+                             "which is authoritative ([state] file_tenants): change it there and reload")
+
+    def _record(self, name: str) -> TenantRecord:
+        record = self.snapshot.tenants.get(name)
+        if record is None:
+            raise AdminError(404, "unknown_tenant", f"no tenant named {name!r}")
+        return record
+
+    async def _commit(self, changes: list[Change], audit: list[AuditEntry], why: str) -> None:
+        store = self._writable()
+        await store.write(changes, audit)
+        self.snapshot = await store.load()
+        self._apply(why)
+
+    async def create_tenant(self, actor: str, body: Mapping[str, Any]) -> TenantRecord:
+        self._writable()
+        name = body.get("name")
+        if not isinstance(name, str) or not TENANT_NAME.fullmatch(name):
+            raise _bad("name: required: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
+                       "name")
+        settings = {k: v for k, v in body.items() if k != "name"}
+        try:
+            tenant = tenant_from_settings(settings)
+        except ConfigError as exc:
+            raise _config_error(exc) from None
+        async with self._lock:
+            if name in self.snapshot.tenants:
+                raise AdminError(409, "tenant_exists", f"a tenant named {name!r} exists; PATCH it instead", "name")
+            self._guard_file(name)
+            now = self.wall()
+            record = TenantRecord(name, tenant, "admin", None, now, now)
+            await self._commit([PutTenant(record)],
+                               [AuditEntry(now, actor, "tenant.create", name, None, settings_dict(tenant))],
+                               f"tenant {name} created by {actor}")
+            return record
+
+    async def update_tenant(self, actor: str, name: str, patch: Mapping[str, Any]) -> TenantRecord:
+        self._writable()
+        async with self._lock:
+            record = self._record(name)
+            self._guard_file(name)
+            if "name" in patch and patch["name"] != name:
+                raise _bad("name: a tenant cannot be renamed (create another, then delete this one)", "name")
+            merged = settings_dict(record.settings) | {k: v for k, v in patch.items() if k != "name"}
+            try:
+                tenant = tenant_from_settings(merged)
+            except ConfigError as exc:
+                raise _config_error(exc) from None
+            if tenant == record.settings:
+                return record
+            now = self.wall()
+            new = attrs.evolve(record, settings=tenant, updated_at=now)
+            await self._commit([PutTenant(new)], [AuditEntry(now, actor, "tenant.update", name,
+                                                             settings_dict(record.settings), settings_dict(tenant))],
+                               f"tenant {name} updated by {actor}")
+            return new
+
+    async def delete_tenant(self, actor: str, name: str) -> None:
+        self._writable()
+        async with self._lock:
+            record = self._record(name)
+            self._guard_file(name)
+            now = self.wall()
+            await self._commit([DeleteTenant(name), *self._revocations(name, now)],
+                               [AuditEntry(now, actor, "tenant.delete", name, settings_dict(record.settings))],
+                               f"tenant {name} deleted by {actor}")
+
+    async def issue_key(self, actor: str, tenant: str, body: Mapping[str, Any]) -> tuple[KeyRecord, str]:
+        """A new key for ``tenant`` (body: optional ``label``, and ``expires_in_s`` or ``expires_at``);
+        returns its record and the key, which is never stored nor shown again."""
+        from apsd.serve.auth import hash_key, new_key
+
+        self._writable()
+        unknown = sorted(set(body) - {"label", "expires_in_s", "expires_at"})
+        if unknown:
+            raise _bad(f"{unknown[0]}: unknown field (fields: label, expires_in_s, expires_at)", unknown[0])
+        label = body.get("label", "")
+        if not isinstance(label, str) or len(label) > MAX_LABEL_CHARS or any(ord(c) < 32 for c in label):
+            raise _bad(f"label: must be a string of at most {MAX_LABEL_CHARS} printable characters", "label")
+        now = self.wall()
+        expires_at = self._expiry(body, now)
+        if not (self.file_config.auth.admin_key_hashes):
+            raise AdminError(409, "admin_key_required", "issuing a key turns authentication on, and no admin key "
+                             "is configured, so /admin would lock you out: add [auth] admin_key_hashes "
+                             "('apsd hash-key --new') to the config file and reload first")
+        async with self._lock:
+            self._record(tenant)
+            key = new_key()
+            record = KeyRecord(key_id="key_" + secrets.token_hex(6), tenant=tenant, prefix=key[:KEY_PREFIX_CHARS],
+                               key_hash=hash_key(key), label=label, created_at=now, expires_at=expires_at)
+            await self._commit([PutKey(record)],
+                               [AuditEntry(now, actor, "key.issue", f"key:{record.key_id}", None, key_view(record, now))],
+                               f"key {record.key_id} issued to tenant {tenant} by {actor}")
+            return record, key
+
+    @staticmethod
+    def _expiry(body: Mapping[str, Any], now: float) -> float | None:
+        if "expires_in_s" in body and "expires_at" in body:
+            raise _bad("expires_at: give expires_in_s or expires_at, not both", "expires_at")
+        for field, base in (("expires_in_s", now), ("expires_at", 0.0)):
+            if field not in body or body[field] is None:
+                continue
+            value = body[field]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise _bad(f"{field}: must be a number of seconds", field)
+            at = base + float(value)
+            if not now < at <= now + MAX_KEY_LIFETIME_S:
+                raise _bad(f"{field}: the key must expire in the future, within ten years", field)
+            return at
+        return None
+
+    async def revoke_key(self, actor: str, key_id: str) -> KeyRecord:
+        self._writable()
+        async with self._lock:
+            record = next((k for k in self.snapshot.keys if k.key_id == key_id), None)
+            if record is None:
+                raise AdminError(404, "unknown_key", f"no key with id {key_id!r}")
+            if record.revoked_at is not None:
+                return record
+            now = self.wall()
+            revoked = attrs.evolve(record, revoked_at=now)
+            await self._commit([PutKey(revoked)],
+                               [AuditEntry(now, actor, "key.revoke", f"key:{key_id}", key_view(record, now),
+                                           key_view(revoked, now))],
+                               f"key {key_id} of tenant {record.tenant} revoked by {actor}")
+            return revoked
+
+    # -- reads --------------------------------------------------------------------------------
+    def tenant_source(self, name: str) -> str:
+        record = self.snapshot.tenants.get(name)
+        return record.origin if record is not None else "file"
+
+    def keys(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        now = self.wall()
+        return [key_view(k, now) for k in self.snapshot.keys if tenant is None or k.tenant == tenant]
+
+    # -- background ---------------------------------------------------------------------------
+    async def run(self, *, buckets: Callable[[], Mapping[str, tuple[float, float]]],
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Flush (usage, buckets, spend) and look for other replicas' changes until cancelled; a last
+        flush on the way out. ``buckets`` gives tenant -> (tokens, Unix seconds) to keep."""
+        task_status.started()
+        if self.store is None:
+            await trio.sleep_forever()
+        settings = self.file_config.state
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._every, settings.flush_interval_s, lambda: self.flush(buckets()))
+                nursery.start_soon(self._every, settings.poll_interval_s, self.poll)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+                await self.flush(buckets())
+
+    @staticmethod
+    async def _every(interval: float, work: Callable[[], Any]) -> None:
+        while True:
+            await trio.sleep(interval)
+            try:
+                await work()
+            except Exception as exc:  # a store that cannot be reached now may be reachable later
+                log.warning("state: %s failed: %s", getattr(work, "__name__", "flush"), exc, extra={"event": "state"})
+
+    async def poll(self) -> None:
+        """Apply changes another replica (or process) made, and expiries."""
+        assert self.store is not None
+        version = await self.store.version()
+        expiry = self._next_expiry()
+        if version != self.snapshot.version:
+            async with self._lock:
+                self.snapshot = await self.store.load()
+            self._apply("tenants or keys changed in the state")
+        elif expiry is not None and expiry <= self.wall():
+            self._apply("a key expired")
+
+    async def flush(self, buckets: Mapping[str, tuple[float, float]]) -> None:
+        """Write usage, bucket levels and budget spend (what a kill -9 would lose)."""
+        store = self.store
+        if store is None:
+            return
+        if self.usage is not None and (rows := self.usage.take()):
+            try:
+                await store.add_usage(rows)
+            except BaseException:
+                self.usage.give_back(rows)
+                raise
+        await store.save_buckets(buckets)
+        if self.budgets is not None:
+            await self._exchange_spend(store)
+        now = self.wall()
+        settings = self.file_config.state
+        await store.prune(usage_before=int(now - settings.usage_retention_days * 86_400) // HOUR_S * HOUR_S
+                          if settings.usage_retention_days else None,
+                          audit_before=now - settings.audit_retention_days * 86_400
+                          if settings.audit_retention_days else None)
+
+    async def _exchange_spend(self, store: StateStore) -> None:
+        budgets = self.budgets
+        assert budgets is not None
+        settled = budgets.take_settled()
+        try:
+            totals = await store.add_spend(settled)
+        except BaseException:
+            budgets.untake(settled)  # (kept for the next flush)
+            raise
+        tenants = self.effective_tenants()
+        wanted = [(tenant, key) for tenant, key in budgets.periods().items() if (tenant, key) not in totals]
+        totals |= await store.spend(wanted)
+        for (tenant, key), spent in totals.items():
+            if tenant in tenants:
+                budgets.set_spent(tenant, tenants[tenant], key, spent)
+
+    def effective_tenants(self) -> dict[str, TenantConfig]:
+        return {name: record.settings for name, record in self.snapshot.tenants.items()} if self.store else dict(
+            self.file_config.tenants)
+
+    async def restore(self, budgets: Budgets) -> dict[str, tuple[float, float]]:
+        """At start: the budgets' spend of the current periods, and the saved bucket levels."""
+        self.budgets = budgets
+        if self.store is None:
+            return {}
+        tenants = {name: t for name, t in self.effective_tenants().items() if t.budget_tokens}
+        from apsd.core.budget import period_key
+
+        now = self.wall()
+        keys = [(name, period_key(t.budget_period, now)) for name, t in tenants.items()]
+        for (name, key), spent in (await self.store.spend(keys)).items():
+            budgets.set_spent(name, tenants[name], key, spent)
+        return await self.store.load_buckets()
+
+    async def close(self) -> None:
+        if self.store is not None:
+            with trio.CancelScope(shield=True):
+                await self.store.close()
+
+
+def bucket_levels(pipeline: Pipeline, wall: float) -> dict[str, tuple[float, float]]:
+    """Each tenant's bucket level now, with the Unix time ``wall`` (this process's own buckets only:
+    shared ones live in Redis)."""
+    if pipeline.store.kind != "memory":
+        return {}
+    now = pipeline.clock.now()
+    return {name: (bucket.level(now), wall) for name, bucket in pipeline.admission.buckets.items()}
+
+
+def restore_buckets(pipeline: Pipeline, saved: Mapping[str, tuple[float, float]], wall: float) -> list[str]:
+    """Set each tenant's bucket to its saved level plus what its rate refilled since (model seconds:
+    wall seconds over ``gpu.time_scale``), capped at its burst; returns the tenants restored."""
+    if pipeline.store.kind != "memory":
+        return []
+    now = pipeline.clock.now()
+    restored = []
+    for name, (tokens, at) in sorted(saved.items()):
+        bucket = pipeline.admission.buckets.get(name)
+        if not isinstance(bucket, TokenBucket):
+            continue
+        elapsed = max(0.0, wall - at) / pipeline.clock.time_scale
+        bucket.tokens, bucket.updated = min(bucket.burst, tokens + elapsed * bucket.rate), now
+        restored.append(name)
+    return restored

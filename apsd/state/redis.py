@@ -1,0 +1,184 @@
+"""The state in Redis: what replicas sharing ``[store] kind = "redis"`` keep together.
+
+The same Redis server and key prefix as the shared buckets (:mod:`apsd.store.redis`), which
+already outlive a replica's restart there (so no bucket levels are saved here). Keys, under
+``<prefix>:state:``:
+
+* ``tenants`` and ``keys``: hashes of JSON records (by tenant name, by key id);
+* ``audit``: a sorted set of JSON entries scored by their id, ``audit:seq`` the last id;
+* ``version``: moved by every change to tenants or keys, which each replica polls;
+* ``spend:<tenant>:<period>``: budget spend (expires 40 days after its last change);
+* ``usage:<hour>:<row>``: a hash of usage fields per row, indexed by hour in ``usage:index``.
+
+A change and its audit entries are written by one Lua script, atomically.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from contextlib import AsyncExitStack
+from typing import Any
+
+from apsd.state.records import (AuditEntry, UsageKey, audit_to_json, key_from_json, key_to_json, tenant_from_json,
+                                tenant_to_json)
+from apsd.state.store import Change, DeleteTenant, PutKey, PutTenant, Snapshot, UsageRows
+
+__all__ = ["RedisStateStore"]
+
+WRITE_SCRIPT = """
+local n = tonumber(ARGV[1])
+local i = 2
+for _ = 1, n do
+  local op, name, record = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  if op == 'put_tenant' then redis.call('HSET', KEYS[1], name, record)
+  elseif op == 'delete_tenant' then redis.call('HDEL', KEYS[1], name)
+  else redis.call('HSET', KEYS[2], name, record) end
+  i = i + 3
+end
+local entries = tonumber(ARGV[i])
+i = i + 1
+for _ = 1, entries do
+  local id = redis.call('INCR', KEYS[4])
+  redis.call('ZADD', KEYS[3], id, '{"entry_id": ' .. id .. string.sub(ARGV[i], 15))
+  i = i + 1
+end
+return redis.call('INCR', KEYS[5])
+"""
+
+SPEND_TTL_S = 40 * 86_400
+
+
+class RedisStateStore:
+    kind = "redis"
+
+    def __init__(self, url: str, prefix: str) -> None:
+        from apsd.store.redis import RedisState  # (its constructor quiets coredis's logger)
+
+        RedisState(url, prefix)
+        self._url = url
+        self.where = url.split("@")[-1]  # (no credentials in logs)
+        self._p = f"{prefix}:state"
+        self._stack = AsyncExitStack()
+        self._client: Any = None
+
+    async def _redis(self) -> Any:
+        if self._client is None:
+            import coredis
+
+            client = coredis.Redis.from_url(self._url, decode_responses=True)
+            await self._stack.enter_async_context(client)
+            self._client = client
+        return self._client
+
+    async def load(self) -> Snapshot:
+        redis = await self._redis()
+        tenants = await redis.hgetall(f"{self._p}:tenants")
+        keys = await redis.hgetall(f"{self._p}:keys")
+        return Snapshot({name: tenant_from_json(json.loads(v)) for name, v in tenants.items()},
+                        tuple(sorted((key_from_json(json.loads(v)) for v in keys.values()), key=lambda k: k.key_id)),
+                        await self.version())
+
+    async def version(self) -> int:
+        redis = await self._redis()
+        return int(await redis.get(f"{self._p}:version") or 0)
+
+    async def write(self, changes: Sequence[Change], audit: Sequence[AuditEntry]) -> None:
+        args: list[str] = [str(len(changes))]
+        for change in changes:
+            match change:
+                case PutTenant(record):
+                    args += ["put_tenant", record.name, json.dumps(tenant_to_json(record))]
+                case DeleteTenant(name):
+                    args += ["delete_tenant", name, ""]
+                case PutKey(record):
+                    args += ["put_key", record.key_id, json.dumps(key_to_json(record))]
+        args.append(str(len(audit)))
+        for entry in audit:  # (entry_id first, as the script expects: it writes the real one there)
+            fields = audit_to_json(entry)
+            fields.pop("entry_id")
+            args.append('{"entry_id": 0, ' + json.dumps(fields)[1:])
+        redis = await self._redis()
+        await redis.eval(WRITE_SCRIPT, keys=[f"{self._p}:{k}" for k in ("tenants", "keys", "audit", "audit:seq",
+                                                                         "version")], args=args)
+
+    async def audit(self, *, target: str | None = None, limit: int = 100,
+                    before_id: int | None = None) -> list[AuditEntry]:
+        redis = await self._redis()
+        found: list[AuditEntry] = []
+        top = f"({before_id}" if before_id is not None else "+inf"
+        while len(found) < limit:
+            batch = await redis.zrevrangebyscore(f"{self._p}:audit", top, "-inf", offset=0, count=500)
+            if not batch:
+                break
+            for member in batch:
+                entry = AuditEntry(**json.loads(member))
+                if target is None or entry.target == target:
+                    found.append(entry)
+                top = f"({entry.entry_id}"
+        return found[:limit]
+
+    async def save_buckets(self, levels: Mapping[str, tuple[float, float]]) -> None:
+        """Nothing: the shared buckets live in Redis already."""
+
+    async def load_buckets(self) -> dict[str, tuple[float, float]]:
+        return {}
+
+    async def add_spend(self, deltas: Mapping[tuple[str, str], int]) -> dict[tuple[str, str], int]:
+        redis = await self._redis()
+        totals = {}
+        for (tenant, period), tokens in deltas.items():
+            key = f"{self._p}:spend:{tenant}:{period}"
+            totals[(tenant, period)] = int(await redis.incrby(key, int(tokens)))
+            await redis.expire(key, SPEND_TTL_S)
+        return totals
+
+    async def spend(self, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], int]:
+        redis = await self._redis()
+        return {(tenant, period): int(await redis.get(f"{self._p}:spend:{tenant}:{period}") or 0)
+                for tenant, period in keys}
+
+    def _row_key(self, key: UsageKey) -> str:
+        return f"{self._p}:usage:{key.hour}:{json.dumps([key.tenant, key.model, key.backend])}"
+
+    async def add_usage(self, rows: UsageRows) -> None:
+        redis = await self._redis()
+        async with redis.pipeline(transaction=True) as pipe:
+            for key, fields in rows.items():
+                row = self._row_key(key)
+                for field, amount in fields.items():
+                    pipe.hincrbyfloat(row, field, float(amount))
+                pipe.zadd(f"{self._p}:usage:index", {row: key.hour})
+
+    async def usage(self, *, tenant: str | None, start: int, end: int) -> dict[UsageKey, dict[str, float]]:
+        redis = await self._redis()
+        rows = await redis.zrangebyscore(f"{self._p}:usage:index", start, f"({end}")
+        found: dict[UsageKey, dict[str, float]] = {}
+        prefix = f"{self._p}:usage:"
+        for row in rows:
+            hour, names = row[len(prefix):].split(":", 1)
+            name, model, backend = json.loads(names)
+            if tenant is not None and name != tenant:
+                continue
+            fields = await redis.hgetall(row)
+            found[UsageKey(int(hour), name, model, backend)] = {f: float(v) for f, v in fields.items()}
+        return found
+
+    async def prune(self, *, usage_before: int | None, audit_before: float | None) -> None:
+        redis = await self._redis()
+        if usage_before is not None:
+            old = await redis.zrangebyscore(f"{self._p}:usage:index", "-inf", f"({usage_before}")
+            if old:
+                await redis.delete(old)
+                await redis.zrem(f"{self._p}:usage:index", old)
+        if audit_before is not None:
+            while batch := await redis.zrangebyscore(f"{self._p}:audit", "-inf", "+inf", offset=0, count=200):
+                stale = [m for m in batch if json.loads(m)["at"] < audit_before]
+                if stale:
+                    await redis.zrem(f"{self._p}:audit", stale)
+                if len(stale) < len(batch):
+                    break
+
+    async def close(self) -> None:
+        self._client = None
+        await self._stack.aclose()

@@ -1,0 +1,225 @@
+"""The state in an embedded SQLite file: what a single daemon keeps (``[state] kind = "sqlite"``).
+
+The file is opened in WAL mode with ``synchronous = FULL``: every committed transaction is on
+disk when the commit returns, so a ``kill -9`` (or a power cut) loses nothing committed. What is
+not committed yet is what the keeper holds in memory between two flushes (usage, bucket levels,
+budget spend: at most ``[state] flush_interval_s`` of them); changes through ``/admin`` are
+committed before they are answered.
+
+Python's :mod:`sqlite3` does the work, on one connection that a lock guards, in a worker thread
+(:func:`trio.to_thread.run_sync`): a slow disk never stalls the event loop. The schema is created
+on first open and carries a version (``PRAGMA user_version``); a file written by a newer apsd is
+refused rather than misread.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import trio
+
+from apsd.state.records import (AuditEntry, KeyRecord, UsageKey, audit_to_json, key_from_json, key_to_json,
+                                tenant_from_json, tenant_to_json)
+from apsd.state.store import Change, DeleteTenant, PutKey, PutTenant, Snapshot, UsageRows
+
+__all__ = ["SCHEMA_VERSION", "SqliteState", "StateFileError"]
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS tenants (name TEXT PRIMARY KEY, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS api_keys (key_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS audit (
+    entry_id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, target TEXT NOT NULL, entry TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS audit_target ON audit (target, entry_id);
+CREATE TABLE IF NOT EXISTS buckets (tenant TEXT PRIMARY KEY, tokens REAL NOT NULL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS spend (
+    tenant TEXT NOT NULL, period TEXT NOT NULL, tokens INTEGER NOT NULL, PRIMARY KEY (tenant, period));
+CREATE TABLE IF NOT EXISTS usage (
+    hour INTEGER NOT NULL, tenant TEXT NOT NULL, model TEXT NOT NULL, backend TEXT NOT NULL,
+    field TEXT NOT NULL, value REAL NOT NULL,
+    PRIMARY KEY (hour, tenant, model, backend, field)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS usage_tenant ON usage (tenant, hour);
+INSERT OR IGNORE INTO meta VALUES ('version', 0);
+"""
+
+T = TypeVar("T")
+
+
+class StateFileError(Exception):
+    """The state file cannot be opened or used (the message names the file)."""
+
+
+class SqliteState:
+    """The state in the SQLite file at ``path`` (created with its directory if missing)."""
+
+    kind = "sqlite"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.where = str(path)
+        self._lock = threading.Lock()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+            self._db.execute("PRAGMA journal_mode = WAL")
+            self._db.execute("PRAGMA synchronous = FULL")
+            found = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if found > SCHEMA_VERSION:
+                raise StateFileError(f"{path}: written by a newer apsd (schema {found}; this one knows "
+                                     f"{SCHEMA_VERSION}); use that apsd, or another [state] path")
+            self._db.executescript(_SCHEMA)
+            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except (sqlite3.Error, OSError) as exc:
+            raise StateFileError(f"{path}: cannot open the state file: {exc}") from None
+        try:  # (the file holds key hashes and usage: the owner only)
+            path.chmod(0o600)
+        except OSError:
+            pass
+
+    async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        def locked() -> T:
+            with self._lock:
+                return work(self._db)
+        return await trio.to_thread.run_sync(locked)
+
+    @staticmethod
+    def _transaction(db: sqlite3.Connection, work: Callable[[], T]) -> T:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            result = work()
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+        return result
+
+    # -- tenants, keys, audit -------------------------------------------------------------------
+    async def load(self) -> Snapshot:
+        def read(db: sqlite3.Connection) -> Snapshot:
+            tenants = {name: tenant_from_json(json.loads(record))
+                       for name, record in db.execute("SELECT name, record FROM tenants")}
+            keys = tuple(key_from_json(json.loads(record))
+                         for (record,) in db.execute("SELECT record FROM api_keys ORDER BY key_id"))
+            return Snapshot(tenants, keys, _version(db))
+        return await self._run(read)
+
+    async def version(self) -> int:
+        return await self._run(_version)
+
+    async def write(self, changes: Sequence[Change], audit: Sequence[AuditEntry]) -> None:
+        def apply(db: sqlite3.Connection) -> None:
+            def work() -> None:
+                for change in changes:
+                    match change:
+                        case PutTenant(record):
+                            db.execute("INSERT OR REPLACE INTO tenants VALUES (?, ?)",
+                                       (record.name, json.dumps(tenant_to_json(record))))
+                        case DeleteTenant(name):
+                            db.execute("DELETE FROM tenants WHERE name = ?", (name,))
+                        case PutKey(record):
+                            db.execute("INSERT OR REPLACE INTO api_keys VALUES (?, ?, ?)",
+                                       (record.key_id, record.tenant, json.dumps(key_to_json(record))))
+                for entry in audit:
+                    cursor = db.execute("INSERT INTO audit (at, target, entry) VALUES (?, ?, '')",
+                                        (entry.at, entry.target))
+                    stored = audit_to_json(entry) | {"entry_id": cursor.lastrowid}
+                    db.execute("UPDATE audit SET entry = ? WHERE entry_id = ?", (json.dumps(stored), cursor.lastrowid))
+                db.execute("UPDATE meta SET value = value + 1 WHERE name = 'version'")
+            self._transaction(db, work)
+        await self._run(apply)
+
+    async def audit(self, *, target: str | None = None, limit: int = 100,
+                    before_id: int | None = None) -> list[AuditEntry]:
+        def read(db: sqlite3.Connection) -> list[AuditEntry]:
+            where, args = ["entry_id < ?"], [before_id if before_id is not None else 2**62]
+            if target is not None:
+                where.append("target = ?")
+                args.append(target)
+            rows = db.execute(f"SELECT entry FROM audit WHERE {' AND '.join(where)} ORDER BY entry_id DESC LIMIT ?",
+                              (*args, limit))
+            return [AuditEntry(**json.loads(entry)) for (entry,) in rows]
+        return await self._run(read)
+
+    # -- buckets, spend, usage ------------------------------------------------------------------
+    async def save_buckets(self, levels: Mapping[str, tuple[float, float]]) -> None:
+        def save(db: sqlite3.Connection) -> None:
+            self._transaction(db, lambda: db.executemany(
+                "INSERT OR REPLACE INTO buckets VALUES (?, ?, ?)",
+                [(tenant, tokens, at) for tenant, (tokens, at) in levels.items()]))
+        if levels:
+            await self._run(save)
+
+    async def load_buckets(self) -> dict[str, tuple[float, float]]:
+        return await self._run(lambda db: {tenant: (tokens, at) for tenant, tokens, at
+                                           in db.execute("SELECT tenant, tokens, at FROM buckets")})
+
+    async def add_spend(self, deltas: Mapping[tuple[str, str], int]) -> dict[tuple[str, str], int]:
+        def add(db: sqlite3.Connection) -> dict[tuple[str, str], int]:
+            def work() -> dict[tuple[str, str], int]:
+                totals = {}
+                for (tenant, period), tokens in deltas.items():
+                    db.execute("INSERT INTO spend VALUES (?, ?, ?) ON CONFLICT (tenant, period) "
+                               "DO UPDATE SET tokens = tokens + excluded.tokens", (tenant, period, tokens))
+                    totals[(tenant, period)] = db.execute(
+                        "SELECT tokens FROM spend WHERE tenant = ? AND period = ?", (tenant, period)).fetchone()[0]
+                return totals
+            return self._transaction(db, work)
+        return await self._run(add) if deltas else {}
+
+    async def spend(self, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], int]:
+        def read(db: sqlite3.Connection) -> dict[tuple[str, str], int]:
+            found = {}
+            for tenant, period in keys:
+                row = db.execute("SELECT tokens FROM spend WHERE tenant = ? AND period = ?", (tenant, period)).fetchone()
+                found[(tenant, period)] = row[0] if row else 0
+            return found
+        return await self._run(read)
+
+    async def add_usage(self, rows: UsageRows) -> None:
+        def add(db: sqlite3.Connection) -> None:
+            values = [(key.hour, key.tenant, key.model, key.backend, field, amount)
+                      for key, fields in rows.items() for field, amount in fields.items()]
+            self._transaction(db, lambda: db.executemany(
+                "INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (hour, tenant, model, backend, field) "
+                "DO UPDATE SET value = value + excluded.value", values))
+        if rows:
+            await self._run(add)
+
+    async def usage(self, *, tenant: str | None, start: int, end: int) -> dict[UsageKey, dict[str, float]]:
+        def read(db: sqlite3.Connection) -> dict[UsageKey, dict[str, float]]:
+            query = "SELECT hour, tenant, model, backend, field, value FROM usage WHERE hour >= ? AND hour < ?"
+            args: list[Any] = [start, end]
+            if tenant is not None:
+                query += " AND tenant = ?"
+                args.append(tenant)
+            found: dict[UsageKey, dict[str, float]] = {}
+            for hour, name, model, backend, field, value in db.execute(query, args):
+                found.setdefault(UsageKey(hour, name, model, backend), {})[field] = value
+            return found
+        return await self._run(read)
+
+    async def prune(self, *, usage_before: int | None, audit_before: float | None) -> None:
+        def prune(db: sqlite3.Connection) -> None:
+            def work() -> None:
+                if usage_before is not None:
+                    db.execute("DELETE FROM usage WHERE hour < ?", (usage_before,))
+                if audit_before is not None:
+                    db.execute("DELETE FROM audit WHERE at < ?", (audit_before,))
+            self._transaction(db, work)
+        await self._run(prune)
+
+    async def close(self) -> None:
+        def close(db: sqlite3.Connection) -> None:
+            db.close()
+        await self._run(close)
+
+
+def _version(db: sqlite3.Connection) -> int:
+    return int(db.execute("SELECT value FROM meta WHERE name = 'version'").fetchone()[0])
