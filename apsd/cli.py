@@ -3,6 +3,8 @@
 * ``apsd [--policy PRESET] [--host H] [--port N] [--log-level L] [--log-format F] [--log-prompts] [CONFIG]``
   runs the daemon (:mod:`apsd.serve.daemon`) until SIGTERM or SIGINT.
 * ``apsd hash-key [--new]`` makes an API key's hash for the config (:mod:`apsd.serve.auth`).
+* ``apsd usage [--tenant T] [--from WHEN] [--to WHEN] [--group-by hour|day]`` prints a running
+  daemon's usage history (``GET /admin/usage``; the admin key from ``APSD_ADMIN_KEY``).
 * ``apsd plugins [--json]`` lists every registered plugin and what it provides.
 * ``apsd simulate [--workload W | --trace FILE] [--policy P ...]`` compares policies on one workload in
   virtual time and writes a report (:mod:`apsd.sim.runner`, :mod:`apsd.sim.report`); with
@@ -61,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Without CONFIG, apsd runs on its embedded defaults (the same as config/apsd.toml). "
         "'apsd hash-key --new' makes an API key and its hash; 'apsd plugins' lists the installed policy plugins (APSD_PLUGINS=name,... limits which load); "
         "'apsd simulate --help' compares policies in virtual time; 'apsd profile --help' measures a GPU and "
-        "model on the roofline model; 'apsd research' regenerates docs/research.md.",
+        "model on the roofline model; 'apsd research' regenerates docs/research.md; 'apsd usage' prints a running "
+        "daemon's usage per tenant and hour.",
     )
     parser.add_argument("config", nargs="?", metavar="CONFIG", help="TOML config file")
     parser.add_argument("--policy", metavar="PRESET",
@@ -129,6 +132,63 @@ def hash_key_main(argv: Sequence[str]) -> int:
         parser.exit(2, f"apsd hash-key: error: a key must be at least {MIN_KEY_CHARS} characters of "
                        "A-Z a-z 0-9 - . _ ~ + / (a Bearer token); use 'apsd hash-key --new' for a random one\n")
     print(hash_key(key))
+    return 0
+
+
+def usage_main(argv: Sequence[str]) -> int:
+    """``apsd usage``: a running daemon's usage history (``GET /admin/usage``), as a table, CSV or JSON."""
+    import httpx
+
+    from apsd.state.usage import CSV_COLUMNS
+
+    parser = argparse.ArgumentParser(
+        prog="apsd usage",
+        description="Print a running daemon's usage per tenant and hour or day (GET /admin/usage): requests "
+                    "by outcome, refusals, tokens, cost and latency percentiles. The admin key is read from "
+                    "the environment variable APSD_ADMIN_KEY (not from the command line, where the process "
+                    "list would show it); without keys configured (loopback) none is needed.",
+        epilog="Example: APSD_ADMIN_KEY=... apsd usage --tenant team-a --from 2026-11-01 --group-by day --format csv")
+    parser.add_argument("--url", default="http://127.0.0.1:8002", help="the daemon (default: %(default)s)")
+    parser.add_argument("--tenant", help="one tenant (default: every tenant)")
+    parser.add_argument("--from", dest="start", metavar="WHEN",
+                        help="start: Unix seconds or an ISO 8601 date or time, UTC (default: 24 hours before --to)")
+    parser.add_argument("--to", dest="end", metavar="WHEN", help="end (default: now)")
+    parser.add_argument("--group-by", choices=("hour", "day"), default="hour", help="(default: %(default)s)")
+    parser.add_argument("--by-model", action="store_true", help="one row per model and backend too")
+    parser.add_argument("--format", choices=("table", "csv", "json"), default="table", help="(default: %(default)s)")
+    args = parser.parse_args(argv)
+    params = {"group_by": args.group_by, "format": "csv" if args.format == "csv" else "json"}
+    for name, value in (("tenant", args.tenant), ("from", args.start), ("to", args.end)):
+        if value:
+            params[name] = value
+    if args.by_model:
+        params["by"] = "model"
+    key = os.environ.get("APSD_ADMIN_KEY", "")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        answer = httpx.get(args.url.rstrip("/") + "/admin/usage", params=params, headers=headers, timeout=30,
+                           trust_env=False)
+    except httpx.HTTPError as exc:
+        parser.exit(1, f"apsd usage: error: cannot reach {args.url}: {exc}\n")
+    if answer.status_code != 200:
+        try:
+            message = answer.json().get("message", answer.text)
+        except ValueError:
+            message = answer.text[:200]
+        parser.exit(1, f"apsd usage: error: {args.url} answered {answer.status_code}: {message}\n")
+    if args.format != "table":
+        sys.stdout.write(answer.text if args.format == "csv" else json.dumps(answer.json(), indent=2) + "\n")
+        return 0
+    rows = answer.json()["rows"]
+    columns = [c for c in CSV_COLUMNS if c not in ("refused_by_error",) and (args.by_model or c not in
+                                                                              ("model", "backend"))]
+    cells = [[("" if row[c] is None else str(row[c])) for c in columns] for row in rows]
+    widths = [max([len(c)] + [len(line[i]) for line in cells]) for i, c in enumerate(columns)]
+    for line in [columns, *cells]:
+        print("  ".join(value.rjust(width) if i >= 2 else value.ljust(width)
+                        for i, (value, width) in enumerate(zip(line, widths))).rstrip())
+    if not rows:
+        print("(no usage in that period)", file=sys.stderr)
     return 0
 
 
@@ -445,6 +505,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return hash_key_main(argv[1:])
     if argv[:1] == ["profile"]:
         return profile_main(argv[1:])
+    if argv[:1] == ["usage"]:
+        return usage_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_format, prompts=args.log_prompts)
