@@ -112,7 +112,10 @@ class Scheduler:
         self._use_queue(self.policies.aging)
 
     def use_policies(self, policies: PolicySet) -> None:
-        """Switch to new policies (a reload): queued requests move to the new queue in admission order."""
+        """Switch to new policies (a reload): queued requests move to the new queue in admission order.
+        The policies already in use: nothing to do (a change to tenants' keys or limits keeps them)."""
+        if policies is self.policies:
+            return
         now = self.clock.now()
         try:
             waiting = sorted((r for r in self.queue if not r.answered), key=lambda r: r.seq)

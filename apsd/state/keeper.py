@@ -62,6 +62,8 @@ log = logging.getLogger("apsd.state")
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 #: The longest label a key may have.
 MAX_LABEL_CHARS = 200
+#: Seconds between two deletions of usage and audit entries past their retention.
+PRUNE_INTERVAL_S = 3600.0
 #: The longest a key may be issued for (ten years).
 MAX_KEY_LIFETIME_S = 10 * 365 * 86_400
 
@@ -142,6 +144,7 @@ class StateKeeper:
     usage: UsageRecorder | None = None
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
     _built_at: float = 0.0
+    _pruned_at: float = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -382,24 +385,58 @@ class StateKeeper:
 
     @staticmethod
     async def _every(interval: float, work: Callable[[], Any]) -> None:
+        """``work`` every ``interval`` seconds; a failure (a store that cannot be reached now may be
+        reachable later) is logged at WARNING once, then at DEBUG until it works again."""
+        failing = False
+        what = getattr(work, "__name__", "flush")
         while True:
             await trio.sleep(interval)
             try:
                 await work()
-            except Exception as exc:  # a store that cannot be reached now may be reachable later
-                log.warning("state: %s failed: %s", getattr(work, "__name__", "flush"), exc, extra={"event": "state"})
+            except Exception as exc:
+                while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+                    exc = exc.exceptions[0]
+                log.log(logging.DEBUG if failing else logging.WARNING, "state: %s failed (retried every %g s): %s: %s",
+                        what, interval, type(exc).__name__, exc, extra={"event": "state"})
+                failing = True
+            else:
+                if failing:
+                    log.warning("state: %s works again", what, extra={"event": "state"})
+                failing = False
 
     async def poll(self) -> None:
         """Apply changes another replica (or process) made, and expiries."""
         assert self.store is not None
         version = await self.store.version()
         expiry = self._next_expiry()
-        if version != self.snapshot.version:
+        if version < self.snapshot.version:
+            await self._write_back(version)
+        elif version != self.snapshot.version:
             async with self._lock:
                 self.snapshot = await self.store.load()
             self._apply("tenants or keys changed in the state")
         elif expiry is not None and expiry <= self.wall():
             self._apply("a key expired")
+
+    async def _write_back(self, version: int) -> None:
+        """The store went back in time (a Redis restarted without persistence, or restored from an
+        older dump): write back the tenants and keys this replica knows, so that no tenant or key
+        made through ``/admin`` is lost while one replica remembers it."""
+        assert self.store is not None
+        async with self._lock:
+            known = self.snapshot
+            log.warning("state: %s went back from version %d to %d (restarted without its data?): writing back "
+                        "the %d tenants and %d keys this replica knows", self.store.where, known.version, version,
+                        len(known.tenants), len(known.keys), extra={"event": "state"})
+            stored = await self.store.load()
+            changes: list[Change] = [PutTenant(r) for name, r in sorted(known.tenants.items())
+                                     if name not in stored.tenants]
+            present = {k.key_id for k in stored.keys}
+            changes += [PutKey(k) for k in known.keys if k.key_id not in present]
+            await self.store.write(changes, [AuditEntry(self.wall(), "state", "state.restore", self.store.where,
+                                                        {"version": known.version}, {"version": version})])
+            self.snapshot = await self.store.load()
+        self._apply("the state was written back")
 
     async def flush(self, buckets: Mapping[str, tuple[float, float]]) -> None:
         """Write usage, bucket levels and budget spend (what a kill -9 would lose)."""
@@ -416,6 +453,9 @@ class StateKeeper:
         if self.budgets is not None:
             await self._exchange_spend(store)
         now = self.wall()
+        if now - self._pruned_at < PRUNE_INTERVAL_S:
+            return
+        self._pruned_at = now
         settings = self.file_config.state
         await store.prune(usage_before=int(now - settings.usage_retention_days * 86_400) // HOUR_S * HOUR_S
                           if settings.usage_retention_days else None,

@@ -16,9 +16,11 @@ A change and its audit entries are written by one Lua script, atomically.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
+
+from coredis.tokens import PureToken
 
 from apsd.state.records import (AuditEntry, UsageKey, audit_to_json, key_from_json, key_to_json, tenant_from_json,
                                 tenant_to_json)
@@ -59,29 +61,29 @@ class RedisStateStore:
         self._url = url
         self.where = url.split("@")[-1]  # (no credentials in logs)
         self._p = f"{prefix}:state"
-        self._stack = AsyncExitStack()
-        self._client: Any = None
 
-    async def _redis(self) -> Any:
-        if self._client is None:
-            import coredis
+    @asynccontextmanager
+    async def _redis(self) -> AsyncIterator[Any]:
+        """A connection for one operation. (Each opens its own: the keeper's operations come from
+        several tasks, the admin API's handlers among them, and a coredis client's connection pool
+        belongs to the task that opened it. They are rare: a poll a second, a flush every few.)"""
+        import coredis
 
-            client = coredis.Redis.from_url(self._url, decode_responses=True)
-            await self._stack.enter_async_context(client)
-            self._client = client
-        return self._client
+        async with coredis.Redis.from_url(self._url, decode_responses=True) as client:
+            yield client
 
     async def load(self) -> Snapshot:
-        redis = await self._redis()
-        tenants = await redis.hgetall(f"{self._p}:tenants")
-        keys = await redis.hgetall(f"{self._p}:keys")
+        async with self._redis() as redis:
+            tenants = await redis.hgetall(f"{self._p}:tenants")
+            keys = await redis.hgetall(f"{self._p}:keys")
+            version = int(await redis.get(f"{self._p}:version") or 0)
         return Snapshot({name: tenant_from_json(json.loads(v)) for name, v in tenants.items()},
                         tuple(sorted((key_from_json(json.loads(v)) for v in keys.values()), key=lambda k: k.key_id)),
-                        await self.version())
+                        version)
 
     async def version(self) -> int:
-        redis = await self._redis()
-        return int(await redis.get(f"{self._p}:version") or 0)
+        async with self._redis() as redis:
+            return int(await redis.get(f"{self._p}:version") or 0)
 
     async def write(self, changes: Sequence[Change], audit: Sequence[AuditEntry]) -> None:
         args: list[str] = [str(len(changes))]
@@ -98,24 +100,25 @@ class RedisStateStore:
             fields = audit_to_json(entry)
             fields.pop("entry_id")
             args.append('{"entry_id": 0, ' + json.dumps(fields)[1:])
-        redis = await self._redis()
-        await redis.eval(WRITE_SCRIPT, keys=[f"{self._p}:{k}" for k in ("tenants", "keys", "audit", "audit:seq",
-                                                                         "version")], args=args)
+        keys = [f"{self._p}:{k}" for k in ("tenants", "keys", "audit", "audit:seq", "version")]
+        async with self._redis() as redis:
+            await redis.eval(WRITE_SCRIPT, keys=keys, args=args)
 
     async def audit(self, *, target: str | None = None, limit: int = 100,
                     before_id: int | None = None) -> list[AuditEntry]:
-        redis = await self._redis()
         found: list[AuditEntry] = []
         top = f"({before_id}" if before_id is not None else "+inf"
-        while len(found) < limit:
-            batch = await redis.zrevrangebyscore(f"{self._p}:audit", top, "-inf", offset=0, count=500)
-            if not batch:
-                break
-            for member in batch:
-                entry = AuditEntry(**json.loads(member))
-                if target is None or entry.target == target:
-                    found.append(entry)
-                top = f"({entry.entry_id}"
+        async with self._redis() as redis:
+            while len(found) < limit:
+                batch = await redis.zrange(f"{self._p}:audit", top, "-inf", sortby=PureToken.BYSCORE, rev=True,
+                                           offset=0, count=500)
+                if not batch:
+                    break
+                for member in batch:
+                    entry = AuditEntry(**json.loads(member))
+                    if target is None or entry.target == target:
+                        found.append(entry)
+                    top = f"({entry.entry_id}"
         return found[:limit]
 
     async def save_buckets(self, levels: Mapping[str, tuple[float, float]]) -> None:
@@ -125,60 +128,67 @@ class RedisStateStore:
         return {}
 
     async def add_spend(self, deltas: Mapping[tuple[str, str], int]) -> dict[tuple[str, str], int]:
-        redis = await self._redis()
         totals = {}
-        for (tenant, period), tokens in deltas.items():
-            key = f"{self._p}:spend:{tenant}:{period}"
-            totals[(tenant, period)] = int(await redis.incrby(key, int(tokens)))
-            await redis.expire(key, SPEND_TTL_S)
+        if not deltas:
+            return totals
+        async with self._redis() as redis:
+            for (tenant, period), tokens in deltas.items():
+                key = f"{self._p}:spend:{tenant}:{period}"
+                totals[(tenant, period)] = int(await redis.incrby(key, int(tokens)))
+                await redis.expire(key, SPEND_TTL_S)
         return totals
 
     async def spend(self, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], int]:
-        redis = await self._redis()
-        return {(tenant, period): int(await redis.get(f"{self._p}:spend:{tenant}:{period}") or 0)
-                for tenant, period in keys}
+        if not keys:
+            return {}
+        async with self._redis() as redis:
+            return {(tenant, period): int(await redis.get(f"{self._p}:spend:{tenant}:{period}") or 0)
+                    for tenant, period in keys}
 
     def _row_key(self, key: UsageKey) -> str:
         return f"{self._p}:usage:{key.hour}:{json.dumps([key.tenant, key.model, key.backend])}"
 
     async def add_usage(self, rows: UsageRows) -> None:
-        redis = await self._redis()
-        async with redis.pipeline(transaction=True) as pipe:
-            for key, fields in rows.items():
-                row = self._row_key(key)
-                for field, amount in fields.items():
-                    pipe.hincrbyfloat(row, field, float(amount))
-                pipe.zadd(f"{self._p}:usage:index", {row: key.hour})
+        if not rows:
+            return
+        async with self._redis() as redis:
+            async with redis.pipeline(transaction=True) as pipe:
+                for key, fields in rows.items():
+                    row = self._row_key(key)
+                    for field, amount in fields.items():
+                        pipe.hincrbyfloat(row, field, float(amount))
+                    pipe.zadd(f"{self._p}:usage:index", {row: key.hour})
 
     async def usage(self, *, tenant: str | None, start: int, end: int) -> dict[UsageKey, dict[str, float]]:
-        redis = await self._redis()
-        rows = await redis.zrangebyscore(f"{self._p}:usage:index", start, f"({end}")
         found: dict[UsageKey, dict[str, float]] = {}
         prefix = f"{self._p}:usage:"
-        for row in rows:
-            hour, names = row[len(prefix):].split(":", 1)
-            name, model, backend = json.loads(names)
-            if tenant is not None and name != tenant:
-                continue
-            fields = await redis.hgetall(row)
-            found[UsageKey(int(hour), name, model, backend)] = {f: float(v) for f, v in fields.items()}
+        async with self._redis() as redis:
+            rows = await redis.zrange(f"{self._p}:usage:index", start, f"({end}", sortby=PureToken.BYSCORE)
+            for row in rows:
+                hour, names = row[len(prefix):].split(":", 1)
+                name, model, backend = json.loads(names)
+                if tenant is not None and name != tenant:
+                    continue
+                fields = await redis.hgetall(row)
+                found[UsageKey(int(hour), name, model, backend)] = {f: float(v) for f, v in fields.items()}
         return found
 
     async def prune(self, *, usage_before: int | None, audit_before: float | None) -> None:
-        redis = await self._redis()
-        if usage_before is not None:
-            old = await redis.zrangebyscore(f"{self._p}:usage:index", "-inf", f"({usage_before}")
-            if old:
-                await redis.delete(old)
-                await redis.zrem(f"{self._p}:usage:index", old)
-        if audit_before is not None:
-            while batch := await redis.zrangebyscore(f"{self._p}:audit", "-inf", "+inf", offset=0, count=200):
-                stale = [m for m in batch if json.loads(m)["at"] < audit_before]
-                if stale:
-                    await redis.zrem(f"{self._p}:audit", stale)
-                if len(stale) < len(batch):
-                    break
+        async with self._redis() as redis:
+            if usage_before is not None:
+                old = await redis.zrange(f"{self._p}:usage:index", "-inf", f"({usage_before}",
+                                         sortby=PureToken.BYSCORE)
+                if old:
+                    await redis.delete(old)
+                    await redis.zrem(f"{self._p}:usage:index", old)
+            if audit_before is not None:
+                while batch := await redis.zrange(f"{self._p}:audit", "-inf", "+inf", sortby=PureToken.BYSCORE,
+                                                  offset=0, count=200):
+                    stale = [m for m in batch if json.loads(m)["at"] < audit_before]
+                    if stale:
+                        await redis.zrem(f"{self._p}:audit", stale)
+                    if len(stale) < len(batch):
+                        break
 
     async def close(self) -> None:
-        self._client = None
-        await self._stack.aclose()
+        """Nothing: every operation closes its own connection."""

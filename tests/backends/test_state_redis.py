@@ -1,0 +1,54 @@
+"""Two replicas sharing a real Redis: a tenant, a key, a revocation and usage made on one are
+live on the other, with no reload."""
+
+from __future__ import annotations
+
+import httpx
+import trio
+
+from apsd.serve.auth import hash_key
+
+from tests.backends.test_store import replicas, store_config
+from tests.helpers import infer_body, wait_until
+from tests.redis_server import open_redis_server
+
+ADMIN = "admin-key-" + "r" * 30
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}
+
+
+async def test_two_replicas_share_tenants_keys_audit_and_usage_through_redis():
+    async with open_redis_server() as redis:
+        config = store_config(redis.url, {"team-a": {"rate": 1e4, "burst": 10_000}},
+                              auth={"admin_key_hashes": [hash_key(ADMIN)]},
+                              state={"poll_interval_s": 0.1, "flush_interval_s": 0.1})
+        async with replicas(config, 2) as (first, second):
+            assert first.daemon.keeper.store.kind == "redis"
+            made = await first.client.post("/admin/tenants", headers=ADMIN_HEADERS,
+                                            json={"name": "team-b", "rate": 1e4, "burst": 10_000})
+            assert made.status_code == 201
+            key = (await first.client.post("/admin/tenants/team-b/keys", headers=ADMIN_HEADERS, json={})).json()
+            await wait_until(lambda: "team-b" in second.daemon.pipeline.config.tenants
+                             and hash_key(key["key"]) in second.daemon.pipeline.config.tenants["team-b"].api_key_hashes,
+                             limit_s=10)
+            auth = {"Authorization": f"Bearer {key['key']}"}
+            for daemon in (first, second, second):
+                answer = await daemon.client.post("/infer", headers=auth, json=infer_body(None))
+                assert answer.status_code == 200, answer.text
+
+            async def usage_rows() -> list[dict]:
+                answer = await first.client.get("/admin/usage", headers=ADMIN_HEADERS, params={"tenant": "team-b"})
+                return answer.json()["rows"]
+
+            with trio.fail_after(10):  # the second replica's usage reaches the first through Redis
+                while sum(r["completed"] for r in await usage_rows()) != 3:
+                    await trio.sleep(0.1)
+
+            await second.client.delete(f"/admin/keys/{key['id']}", headers=ADMIN_HEADERS)  # revoked on the other
+            await wait_until(lambda: hash_key(key["key"]) not in first.daemon.pipeline.config.tenants["team-b"]
+                             .api_key_hashes, limit_s=10)
+            assert (await first.client.post("/infer", headers=auth, json=infer_body(None))).status_code == 401
+            audit = (await first.client.get("/admin/audit", headers=ADMIN_HEADERS)).json()["entries"]
+            assert [e["action"] for e in audit[:3]] == ["key.revoke", "key.issue", "tenant.create"]
+            async with httpx.AsyncClient() as client:  # (the same entries, whichever replica is asked)
+                again = await client.get(second.url + "/admin/audit", headers=ADMIN_HEADERS)
+            assert again.json()["entries"] == audit
