@@ -171,6 +171,7 @@ _NAMED_VALIDATORS: dict[str, Callable[[], str]] = {
     "redis_url": lambda: "empty, or a `redis://`, `rediss://` or `unix://` URL",
     "http_url": lambda: "an `http://` or `https://` URL",
     "engine_kind": _engine_kinds,
+    "model_names": lambda: "model names, none empty, none twice",
 }
 
 
