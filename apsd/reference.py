@@ -40,7 +40,7 @@ from unittest import mock
 import attrs
 
 from apsd.core import config as config_module
-from apsd.core.config import Config
+from apsd.core.config import Config, field_comments
 
 __all__ = ["PAGES", "ROOT", "generate", "main", "stale_pages"]
 
@@ -94,24 +94,6 @@ def code(text: str) -> str:
 
 
 # -- the configuration ------------------------------------------------------------------------------
-
-def field_comments(cls: type) -> dict[str, str]:
-    """The ``#:`` comment block right above each field of class ``cls``, as one line per field."""
-    lines = textwrap.dedent(inspect.getsource(cls)).splitlines()
-    classdef = ast.parse("\n".join(lines)).body[0]
-    assert isinstance(classdef, ast.ClassDef)
-    comments: dict[str, str] = {}
-    for node in classdef.body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            block: list[str] = []
-            above = node.lineno - 2  # (0-based index of the line above the field)
-            while above >= 0 and lines[above].strip().startswith("#:"):
-                block.insert(0, lines[above].strip()[2:].strip())
-                above -= 1
-            if block:
-                comments[node.target.id] = " ".join(block)
-    return comments
-
 
 _SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean"}
 _PLURALS = {"string": "strings", "integer": "integers", "number": "numbers", "boolean": "booleans"}

@@ -22,19 +22,19 @@ Periods are UTC calendar days or months of the wall clock.
 from __future__ import annotations
 
 import datetime
-import time
 from collections.abc import Callable
 
 import attrs
 
+from apsd.core.clock import calendar_time
 from apsd.core.config import TenantConfig
 from apsd.core.models import Refusal
 
-__all__ = ["Budgets", "period_key", "period_end"]
+__all__ = ["Budgets", "period_end", "period_key"]
 
 
 def _utc(wall: float) -> datetime.datetime:
-    return datetime.datetime.fromtimestamp(wall, datetime.timezone.utc)
+    return datetime.datetime.fromtimestamp(wall, datetime.UTC)
 
 
 def period_key(period: str, wall: float) -> str:
@@ -72,7 +72,7 @@ class Budgets:
     """Every budgeted tenant's account for its current period."""
 
     #: Unix seconds now (a test passes its own).
-    wall: Callable[[], float] = time.time
+    wall: Callable[[], float] = calendar_time
     _accounts: dict[str, _Account] = attrs.field(factory=dict)
 
     def _account(self, tenant_id: str, tenant: TenantConfig) -> _Account:

@@ -3,10 +3,13 @@
 Every stage reads time through a :class:`ModelClock`, which is
 ``trio.current_time()`` rescaled by ``gpu.time_scale``. Under
 ``trio.testing.MockClock(autojump_threshold=0)`` the whole pipeline therefore
-runs as a deterministic discrete-event simulation with no code change.
+runs as a deterministic discrete-event simulation with no code change. The calendar (which day it
+is, in UTC) is another matter: :func:`calendar_time`.
 """
 
 from __future__ import annotations
+
+import time
 
 import attrs
 import trio
@@ -44,3 +47,10 @@ class ModelClock:
 
     async def sleep_until(self, model_time: float) -> None:
         await trio.sleep_until(self.deadline(model_time))
+
+
+def calendar_time() -> float:
+    """Unix seconds now: the calendar, never a duration. What it decides: the UTC day or month a
+    budget counts in, the hour usage is added to, when an issued key expires, when an audit entry
+    was made. (Everything that is timed reads a :class:`ModelClock`.)"""
+    return time.time()

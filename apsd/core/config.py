@@ -8,7 +8,10 @@ Errors are :class:`ConfigError` with one message naming the file and the key
 
 from __future__ import annotations
 
+import ast
+import inspect
 import re
+import textwrap
 import tomllib
 import types
 import typing
@@ -33,8 +36,27 @@ __all__ = [
     "StateConfig",
     "TenantConfig",
     "load_config",
+    "field_comments",
     "parse_section",
 ]
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """The ``#:`` comment block right above each field of class ``cls``, as one line per field."""
+    lines = textwrap.dedent(inspect.getsource(cls)).splitlines()
+    classdef = ast.parse("\n".join(lines)).body[0]
+    assert isinstance(classdef, ast.ClassDef)
+    comments: dict[str, str] = {}
+    for node in classdef.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            block: list[str] = []
+            above = node.lineno - 2  # (0-based index of the line above the field)
+            while above >= 0 and lines[above].strip().startswith("#:"):
+                block.insert(0, lines[above].strip()[2:].strip())
+                above -= 1
+            if block:
+                comments[node.target.id] = " ".join(block)
+    return comments
 
 
 class ConfigError(Exception):

@@ -31,37 +31,19 @@ import hashlib
 import hmac
 import ipaddress
 import re
-import secrets
 
 import attrs
 
 from apsd.core.config import KEY_HASH_PATTERN, Config, ConfigError
+from apsd.core.keys import MIN_KEY_CHARS, TOKEN, hash_key, is_usable_key, new_key
 from apsd.core.models import Refusal
 
 __all__ = ["Caller", "KeyRing", "METRICS_READER", "OPEN_ACCESS", "check_exposure", "hash_key", "is_loopback",
            "is_usable_key", "new_key", "KEY_HASH_PATTERN", "MIN_KEY_CHARS"]
 
-#: Shortest key ``apsd hash-key`` accepts: a key is a secret token, not a password.
-MIN_KEY_CHARS = 24
-#: The bearer token grammar of RFC 6750 section 2.1 (b64token): what a key may consist of.
-_TOKEN = r"[A-Za-z0-9\-._~+/]+=*"
+_TOKEN = TOKEN
 _BEARER = re.compile(rf"[Bb][Ee][Aa][Rr][Ee][Rr] +({_TOKEN}) *")
 _CHALLENGE = 'Bearer realm="apsd"'
-
-
-def hash_key(key: str) -> str:
-    """The ``sha256:<hex>`` form the config stores for ``key``."""
-    return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
-
-
-def is_usable_key(key: str) -> bool:
-    """Whether ``key`` can be an API key: a bearer token of at least :data:`MIN_KEY_CHARS` characters."""
-    return len(key) >= MIN_KEY_CHARS and re.fullmatch(_TOKEN, key) is not None
-
-
-def new_key() -> str:
-    """A fresh random key (256 bits, URL-safe; the ``apsd_`` prefix makes leaked keys easy to grep for)."""
-    return "apsd_" + secrets.token_urlsafe(32)
 
 
 @attrs.frozen

@@ -34,27 +34,23 @@ import logging
 import os
 import re
 import secrets
-import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import trio
 
-from apsd.core.bucket import TokenBucket
 from apsd.core.budget import Budgets
+from apsd.core.clock import calendar_time
 from apsd.core.config import Config, ConfigError, TenantConfig
+from apsd.core.keys import hash_key, new_key
 from apsd.state.records import (KEY_PREFIX_CHARS, AuditEntry, KeyRecord, TenantRecord, file_digest, key_view,
                                 settings_dict, tenant_from_settings)
 from apsd.state.store import Change, DeleteTenant, PutKey, PutTenant, Snapshot, StateStore
 from apsd.state.usage import HOUR_S, UsageRecorder
 
-if TYPE_CHECKING:
-    from apsd.pipeline import Pipeline
-
-__all__ = ["AdminError", "StateKeeper", "TENANT_NAME", "bucket_levels", "open_keeper", "restore_buckets",
-           "state_store_for"]
+__all__ = ["TENANT_NAME", "AdminError", "StateKeeper", "open_keeper", "state_store_for"]
 
 log = logging.getLogger("apsd.state")
 
@@ -107,7 +103,7 @@ def state_store_for(config: Config, environ: Mapping[str, str]) -> StateStore | 
 
 @asynccontextmanager
 async def open_keeper(config: Config, *, environ: Mapping[str, str] | None = None,
-                      wall: Callable[[], float] = time.time) -> AsyncIterator[StateKeeper]:
+                      wall: Callable[[], float] = calendar_time) -> AsyncIterator[StateKeeper]:
     """Open the state ``[state]`` names, seed it from ``config``'s tenants, yield the keeper, and
     close the state on the way out. ConfigError if it cannot be opened or read (the message names
     the file or server)."""
@@ -136,7 +132,7 @@ class StateKeeper:
     store: StateStore | None
     #: The config file's configuration (command-line overrides applied), as last loaded.
     file_config: Config
-    wall: Callable[[], float] = time.time
+    wall: Callable[[], float] = calendar_time
     snapshot: Snapshot = attrs.field(factory=lambda: Snapshot({}, (), 0))
     #: Applies an effective configuration to the running daemon (set by the daemon).
     apply: Callable[[Config, str], None] | None = None
@@ -300,8 +296,6 @@ class StateKeeper:
     async def issue_key(self, actor: str, tenant: str, body: Mapping[str, Any]) -> tuple[KeyRecord, str]:
         """A new key for ``tenant`` (body: optional ``label``, and ``expires_in_s`` or ``expires_at``);
         returns its record and the key, which is never stored nor shown again."""
-        from apsd.serve.auth import hash_key, new_key
-
         self._writable()
         unknown = sorted(set(body) - {"label", "expires_in_s", "expires_at"})
         if unknown:
@@ -321,7 +315,8 @@ class StateKeeper:
             record = KeyRecord(key_id="key_" + secrets.token_hex(6), tenant=tenant, prefix=key[:KEY_PREFIX_CHARS],
                                key_hash=hash_key(key), label=label, created_at=now, expires_at=expires_at)
             await self._commit([PutKey(record)],
-                               [AuditEntry(now, actor, "key.issue", f"key:{record.key_id}", None, key_view(record, now))],
+                               [AuditEntry(now, actor, "key.issue", f"key:{record.key_id}", None,
+                                           key_view(record, now))],
                                f"key {record.key_id} issued to tenant {tenant} by {actor}")
             return record, key
 
@@ -362,7 +357,7 @@ class StateKeeper:
         record = self.snapshot.tenants.get(name)
         return record.origin if record is not None else "file"
 
-    def keys(self, tenant: str | None = None) -> list[dict[str, Any]]:
+    def key_views(self, tenant: str | None = None) -> list[dict[str, Any]]:
         now = self.wall()
         return [key_view(k, now) for k in self.snapshot.keys if tenant is None or k.tenant == tenant]
 
@@ -501,28 +496,3 @@ class StateKeeper:
             with trio.CancelScope(shield=True):
                 await self.store.close()
 
-
-def bucket_levels(pipeline: Pipeline, wall: float) -> dict[str, tuple[float, float]]:
-    """Each tenant's bucket level now, with the Unix time ``wall`` (this process's own buckets only:
-    shared ones live in Redis)."""
-    if pipeline.store.kind != "memory":
-        return {}
-    now = pipeline.clock.now()
-    return {name: (bucket.level(now), wall) for name, bucket in pipeline.admission.buckets.items()}
-
-
-def restore_buckets(pipeline: Pipeline, saved: Mapping[str, tuple[float, float]], wall: float) -> list[str]:
-    """Set each tenant's bucket to its saved level plus what its rate refilled since (model seconds:
-    wall seconds over ``gpu.time_scale``), capped at its burst; returns the tenants restored."""
-    if pipeline.store.kind != "memory":
-        return []
-    now = pipeline.clock.now()
-    restored = []
-    for name, (tokens, at) in sorted(saved.items()):
-        bucket = pipeline.admission.buckets.get(name)
-        if not isinstance(bucket, TokenBucket):
-            continue
-        elapsed = max(0.0, wall - at) / pipeline.clock.time_scale
-        bucket.tokens, bucket.updated = min(bucket.burst, tokens + elapsed * bucket.rate), now
-        restored.append(name)
-    return restored

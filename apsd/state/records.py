@@ -17,9 +17,9 @@ import attrs
 
 from apsd.core.config import ConfigError, TenantConfig, parse_section
 
-__all__ = ["AuditEntry", "KeyRecord", "LATENCY_BOUNDS_MS", "TenantRecord", "UsageKey", "audit_from_json",
-           "audit_to_json", "file_digest", "key_from_json", "key_to_json", "tenant_from_json", "tenant_to_json",
-           "histogram_bucket", "key_view", "percentile", "settings_dict", "tenant_from_settings"]
+__all__ = ["LATENCY_BOUNDS_MS", "AuditEntry", "KeyRecord", "TenantRecord", "UsageKey", "audit_from_json",
+           "audit_to_json", "file_digest", "histogram_bucket", "key_from_json", "key_to_json", "key_view",
+           "percentile", "settings_dict", "tenant_from_json", "tenant_from_settings", "tenant_to_json"]
 
 #: Characters of a key shown in lists (``apsd_`` and 7 of its random ones): tells keys apart, and
 #: leaves 250 bits unknown.

@@ -55,9 +55,6 @@ class RedisStateStore:
     kind = "redis"
 
     def __init__(self, url: str, prefix: str) -> None:
-        from apsd.store.redis import RedisState  # (its constructor quiets coredis's logger)
-
-        RedisState(url, prefix)
         self._url = url
         self.where = url.split("@")[-1]  # (no credentials in logs)
         self._p = f"{prefix}:state"
@@ -151,13 +148,12 @@ class RedisStateStore:
     async def add_usage(self, rows: UsageRows) -> None:
         if not rows:
             return
-        async with self._redis() as redis:
-            async with redis.pipeline(transaction=True) as pipe:
-                for key, fields in rows.items():
-                    row = self._row_key(key)
-                    for field, amount in fields.items():
-                        pipe.hincrbyfloat(row, field, float(amount))
-                    pipe.zadd(f"{self._p}:usage:index", {row: key.hour})
+        async with self._redis() as redis, redis.pipeline(transaction=True) as pipe:
+            for key, fields in rows.items():
+                row = self._row_key(key)
+                for field, amount in fields.items():
+                    pipe.hincrbyfloat(row, field, float(amount))
+                pipe.zadd(f"{self._p}:usage:index", {row: key.hour})
 
     async def usage(self, *, tenant: str | None, start: int, end: int) -> dict[UsageKey, dict[str, float]]:
         found: dict[UsageKey, dict[str, float]] = {}

@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 
 import trio
 
-from apsd.state.records import (AuditEntry, KeyRecord, UsageKey, audit_to_json, key_from_json, key_to_json,
-                                tenant_from_json, tenant_to_json)
+from apsd.state.records import (AuditEntry, UsageKey, audit_to_json, key_from_json, key_to_json, tenant_from_json,
+                                tenant_to_json)
 from apsd.state.store import Change, DeleteTenant, PutKey, PutTenant, Snapshot, UsageRows
 
 __all__ = ["SCHEMA_VERSION", "SqliteState", "StateFileError"]
@@ -177,7 +177,8 @@ class SqliteState:
         def read(db: sqlite3.Connection) -> dict[tuple[str, str], int]:
             found = {}
             for tenant, period in keys:
-                row = db.execute("SELECT tokens FROM spend WHERE tenant = ? AND period = ?", (tenant, period)).fetchone()
+                row = db.execute("SELECT tokens FROM spend WHERE tenant = ? AND period = ?",
+                                 (tenant, period)).fetchone()
                 found[(tenant, period)] = row[0] if row else 0
             return found
         return await self._run(read)

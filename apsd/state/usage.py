@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from apsd.core.clock import calendar_time
 from apsd.core.events import EventBus
 from apsd.core.models import Completion, InferenceRequest, Outcome, Refusal
 from apsd.state.records import UsageKey, histogram_bucket, percentile
@@ -37,7 +38,7 @@ HOUR_S = 3600
 class UsageRecorder:
     """Gathers usage between two flushes, in memory (bounded by tenants x models x backends x hours)."""
 
-    def __init__(self, tenants: Callable[[], Mapping[str, object]], wall: Callable[[], float] = time.time) -> None:
+    def __init__(self, tenants: Callable[[], Mapping[str, object]], wall: Callable[[], float] = calendar_time) -> None:
         #: The configured tenants now: a refusal of any other name is not a row (a client cannot grow this).
         self._tenants = tenants
         self._wall = wall

@@ -7,7 +7,6 @@ import httpx
 import trio
 
 from apsd.serve.auth import hash_key
-
 from tests.backends.test_store import replicas, store_config
 from tests.helpers import infer_body, wait_until
 from tests.redis_server import open_redis_server

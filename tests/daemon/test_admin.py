@@ -16,7 +16,6 @@ from apsd.core.config import AuthConfig, ServerConfig, StateConfig, TenantConfig
 from apsd.serve.auth import hash_key
 from apsd.serve.http import create_app
 from apsd.serve.http.admin import openapi_document
-
 from tests.helpers import FAST_GPU, infer_body, make_config, start_apsd, start_daemon, wait_until
 
 ADMIN = "admin-key-" + "a" * 30
@@ -225,7 +224,7 @@ burst = 10000
     finally:
         process.send_signal(signal.SIGKILL)
         await process.wait()
-    process, url, seen = await start_apsd(str(config))
+    process, url, _ = await start_apsd(str(config))
     try:
         async with httpx.AsyncClient(base_url=url, headers=ADMIN_HEADERS, timeout=30) as client:
             tenant = (await client.get("/admin/tenants/slow")).json()

@@ -24,8 +24,9 @@ def test_no_asyncio_anywhere():
 
 
 #: The simulator times its own speed (wall seconds around trio.run, outside the virtual clock).
-#: OpenAI answers carry ``created``, a Unix timestamp (apsd.serve.http.openai.unix_time; it times nothing).
-WALL_CLOCK_ALLOWED = {("runner.py", "perf_counter"), ("openai.py", "time")}
+#: OpenAI answers carry ``created``, a Unix timestamp (apsd.serve.http.openai.unix_time; it times nothing);
+#: the calendar (budget periods, usage hours, key expiry) is apsd.core.clock.calendar_time.
+WALL_CLOCK_ALLOWED = {("runner.py", "perf_counter"), ("openai.py", "time"), ("clock.py", "time")}
 
 
 def test_time_comes_only_from_trio():

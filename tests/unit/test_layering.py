@@ -5,7 +5,8 @@ Layers, lowest first (a module may import its own layer's package and anything l
 
 0. ``apsd.core`` — a request's life (admission, scheduler, ledger) and the interfaces the rest
    implements (engine, policy, store, hooks); values (config, models, streams, clock).
-1. ``apsd.engines``, ``apsd.policies``, ``apsd.store`` — implementations; none imports another.
+1. ``apsd.engines``, ``apsd.policies``, ``apsd.store``, ``apsd.state`` — implementations; none imports
+   another.
 2. ``apsd.plugins`` — discovers plugins and builds the policies and profiles they register.
 3. ``apsd.pipeline`` — the one place that wires the stages together.
 4. ``apsd.serve`` (the daemon and its HTTP API), ``apsd.sim`` (the simulator) — neither imports the other.
@@ -23,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "apsd"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("apsd.core",),
-    ("apsd.engines", "apsd.policies", "apsd.store"),
+    ("apsd.engines", "apsd.policies", "apsd.store", "apsd.state"),
     ("apsd.plugins",),
     ("apsd.pipeline",),
     ("apsd.serve", "apsd.sim"),

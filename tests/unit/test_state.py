@@ -17,7 +17,6 @@ from apsd.state.records import AuditEntry, KeyRecord, TenantRecord, UsageKey, hi
 from apsd.state.sqlite import SqliteState
 from apsd.state.store import PutKey, PutTenant
 from apsd.state.usage import CSV_COLUMNS, UsageRecorder, summarize, to_csv
-
 from tests.helpers import make_config
 
 ADMIN = "admin-key-" + "a" * 30
@@ -45,7 +44,8 @@ async def test_sqlite_keeps_records_audit_usage_spend_and_buckets_across_a_reope
     tenant = TenantRecord("a", TenantConfig(rate=5, burst=50, weight=2), "admin", None, T0, T0)
     key = KeyRecord("key_1", "a", "apsd_abcdefg", hash_key("k" * 30), "ci", T0)
     await store.write([PutTenant(tenant), PutKey(key)],
-                      [AuditEntry(T0, "admin:x", "tenant.create", "a"), AuditEntry(T0 + 1, "admin:x", "key.issue", "key:key_1")])
+                      [AuditEntry(T0, "admin:x", "tenant.create", "a"),
+                       AuditEntry(T0 + 1, "admin:x", "key.issue", "key:key_1")])
     row = UsageKey(int(T0) // 3600 * 3600, "a", "m", "b0")
     await store.add_usage({row: {"completed": 2, "ttft.10": 1}})
     await store.add_usage({row: {"completed": 3, "refused.rate_limited": 1}})
@@ -117,7 +117,7 @@ async def test_authoritative_the_file_always_wins_and_admin_may_not_change_its_t
                 await operation
             assert refused.value.error in ("declared_in_file", "tenant_exists")
         await keeper.create_tenant("admin:x", {"name": "b", "rate": 1, "burst": 10})  # others: allowed
-        record, key = await keeper.issue_key("admin:x", "a", {})  # keys of the file's tenants: allowed
+        _, key = await keeper.issue_key("admin:x", "a", {})  # keys of the file's tenants: allowed
         assert hash_key(key) in keeper.effective().tenants["a"].api_key_hashes
 
 
@@ -150,7 +150,7 @@ async def test_keys_are_issued_revoked_and_expire(tmp_path):
         applied = []
         keeper.apply = lambda config, why: applied.append((config, why))
         forever, key1 = await keeper.issue_key("admin:x", "a", {"label": "ci"})
-        brief, key2 = await keeper.issue_key("admin:x", "a", {"expires_in_s": 60})
+        _, key2 = await keeper.issue_key("admin:x", "a", {"expires_in_s": 60})
         hashes = applied[-1][0].tenants["a"].api_key_hashes
         assert {hash_key(key1), hash_key(key2)} <= set(hashes) and key1.startswith(forever.prefix)
         wall.now += 61
@@ -158,7 +158,7 @@ async def test_keys_are_issued_revoked_and_expire(tmp_path):
         assert applied[-1][1] == "a key expired" and hash_key(key2) not in applied[-1][0].tenants["a"].api_key_hashes
         await keeper.revoke_key("admin:x", forever.key_id)
         assert hash_key(key1) not in keeper.effective().tenants["a"].api_key_hashes
-        assert [k["active"] for k in keeper.keys("a")] == [False, False]
+        assert [k["active"] for k in keeper.key_views("a")] == [False, False]
         for body, field in (({"expires_in_s": -5}, "expires_in_s"), ({"expires_at": T0 - 1}, "expires_at"),
                             ({"expires_in_s": "soon"}, "expires_in_s"), ({"label": "x\n"}, "label"),
                             ({"colour": "red"}, "colour"), ({"expires_in_s": 5, "expires_at": T0 + 9}, "expires_at")):

@@ -23,10 +23,11 @@ from typing import Any
 import attrs
 from quart import Blueprint, Response, request
 
-from apsd.core.config import TenantConfig
+from apsd.core.config import TenantConfig, field_comments
 from apsd.core.models import Refusal
 from apsd.serve.auth import Caller
-from apsd.serve.http.common import BodyError, authenticated, error_response, http_state, json_response, parse_json_object
+from apsd.serve.http.common import (BodyError, authenticated, error_response, http_state, json_response,
+                                    parse_json_object)
 from apsd.state.keeper import AdminError, StateKeeper
 from apsd.state.records import settings_dict
 from apsd.state.usage import HOUR_S, summarize, to_csv
@@ -70,7 +71,7 @@ def tenant_view(keeper: StateKeeper, name: str) -> dict[str, Any] | None:
     if tenant is None:
         return None
     status = pipeline.tenant_status(name)
-    keys = keeper.keys(name)
+    keys = keeper.key_views(name)
     declared = name in keeper.file_config.tenants
     return {"name": name, **settings_dict(tenant), "source": keeper.tenant_source(name),
             "declared_in_file": declared,
@@ -153,7 +154,7 @@ async def issue_key(name: str, caller: Caller) -> Any:
         record, key = await keeper.issue_key(_actor(caller), name, body)
     except (AdminError, BodyError) as exc:
         return _refused(exc)
-    view = next(k for k in keeper.keys(name) if k["id"] == record.key_id)
+    view = next(k for k in keeper.key_views(name) if k["id"] == record.key_id)
     return json_response({**view, "key": key}, status=201, headers={"Cache-Control": "no-store"})
 
 
@@ -166,7 +167,7 @@ async def tenant_keys(name: str, caller: Caller) -> Any:
             raise AdminError(404, "unknown_tenant", f"no tenant named {name!r}")
     except AdminError as exc:
         return _refused(exc)
-    return json_response({"keys": keeper.keys(name)})
+    return json_response({"keys": keeper.key_views(name)})
 
 
 @blueprint.get("/keys")
@@ -176,7 +177,7 @@ async def list_keys(caller: Caller) -> Any:
         keeper = _keeper()
     except AdminError as exc:
         return _refused(exc)
-    return json_response({"keys": keeper.keys(request.args.get("tenant"))})
+    return json_response({"keys": keeper.key_views(request.args.get("tenant"))})
 
 
 @blueprint.delete("/keys/<key_id>")
@@ -187,7 +188,7 @@ async def revoke_key(key_id: str, caller: Caller) -> Any:
         record = await keeper.revoke_key(_actor(caller), key_id)
     except AdminError as exc:
         return _refused(exc)
-    return json_response(next(k for k in keeper.keys() if k["id"] == record.key_id))
+    return json_response(next(k for k in keeper.key_views() if k["id"] == record.key_id))
 
 
 # -- audit and usage -------------------------------------------------------------------------------
@@ -236,12 +237,12 @@ def _time_arg(name: str, default: float) -> float:
     import datetime
 
     try:
-        moment = datetime.datetime.fromisoformat(raw.replace("Z", "+00:00"))
+        moment = datetime.datetime.fromisoformat(raw)
     except ValueError:
         raise AdminError(400, "invalid_parameter", f"{name} must be Unix seconds or an ISO 8601 date or time "
                          f"(2026-11-26, 2026-11-26T14:00Z), got {raw[:40]!r}", name) from None
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=datetime.timezone.utc)
+        moment = moment.replace(tzinfo=datetime.UTC)
     return moment.timestamp()
 
 
@@ -292,8 +293,6 @@ _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean"}
 
 
 def _tenant_schema() -> dict[str, Any]:
-    from apsd.reference import field_comments
-
     comments = field_comments(TenantConfig)
     properties: dict[str, Any] = {"name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
                                            "description": "The tenant's name (cannot change)."}}
@@ -366,6 +365,8 @@ def openapi_document() -> dict[str, Any]:
             "/admin/audit": {"get": op("The audit log, newest first (?target=&limit=&before=)", "200", extra=("400",))},
             "/admin/usage": {"get": op("Usage per tenant and hour or day (?tenant=&from=&to=&group_by=hour|day"
                                        "&by=model&format=json|csv)", "200", extra=("400",))},
+            "/admin/status": {"get": op("What the status page (/ui) shows, now: tenants, backends, engine, "
+                                        "fairness history, usage per day", "200")},
             "/admin/openapi.json": {"get": op("This description", "200")},
         },
     }
