@@ -28,8 +28,7 @@ import gc
 import logging
 import signal
 import socket
-from collections.abc import Awaitable, Callable
-
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import attrs
@@ -37,19 +36,20 @@ import hypercorn.config
 import pluggy
 import trio
 
-from apsd.serve.http import create_app
-from apsd.core.version import VERSION as __version__
-from apsd.serve.auth import KeyRing, check_exposure
-from apsd.core.config import Config, ConfigError, load_config
-from apsd.serve.notify import ProgressProbe, SystemdNotifier, serve_status, serve_watchdog, status_line
 from apsd import engines
+from apsd.core.bucket import TokenBucket
+from apsd.core.config import Config, ConfigError, load_config
+from apsd.core.policy import PolicyRegistry, PolicySet
+from apsd.core.version import VERSION as __version__
 from apsd.engines.profiles import ProfileRegistry
 from apsd.pipeline import Pipeline, open_pipeline
 from apsd.plugins import PluginError, load_policy_registry, load_profile_registry, make_plugin_manager
-from apsd.core.policy import PolicyRegistry, PolicySet
-from apsd.serve.server import serve_http
 from apsd.policies.fair import tenant_weights
-from apsd.state.keeper import StateKeeper, bucket_levels, open_keeper, restore_buckets
+from apsd.serve.auth import KeyRing, check_exposure
+from apsd.serve.http import create_app
+from apsd.serve.notify import ProgressProbe, SystemdNotifier, serve_status, serve_watchdog, status_line
+from apsd.serve.server import serve_http
+from apsd.state.keeper import StateKeeper, open_keeper
 from apsd.state.usage import UsageRecorder
 
 __all__ = ["Daemon"]
@@ -129,6 +129,32 @@ def _shared_port_bind(host: str, port: int) -> str:
         sock.close()
         raise
     return f"fd://{sock.detach()}"
+
+
+def bucket_levels(pipeline: Pipeline, wall: float) -> dict[str, tuple[float, float]]:
+    """Each tenant's bucket level now, with the Unix time ``wall`` (this process's own buckets only:
+    shared ones live in Redis)."""
+    if pipeline.store.kind != "memory":
+        return {}
+    now = pipeline.clock.now()
+    return {name: (bucket.level(now), wall) for name, bucket in pipeline.admission.buckets.items()}
+
+
+def restore_buckets(pipeline: Pipeline, saved: Mapping[str, tuple[float, float]], wall: float) -> list[str]:
+    """Set each tenant's bucket to its saved level plus what its rate refilled since (model seconds:
+    wall seconds over ``gpu.time_scale``), capped at its burst; returns the tenants restored."""
+    if pipeline.store.kind != "memory":
+        return []
+    now = pipeline.clock.now()
+    restored = []
+    for name, (tokens, at) in sorted(saved.items()):
+        bucket = pipeline.admission.buckets.get(name)
+        if not isinstance(bucket, TokenBucket):
+            continue
+        elapsed = max(0.0, wall - at) / pipeline.clock.time_scale
+        bucket.tokens, bucket.updated = min(bucket.burst, tokens + elapsed * bucket.rate), now
+        restored.append(name)
+    return restored
 
 
 @attrs.define(eq=False)
