@@ -285,8 +285,8 @@ class StoreConfig:
     """Where tenants' buckets and fair-share counters live: this process (``memory``), or Redis,
     shared by every replica (``redis``: :mod:`apsd.store`)."""
 
-    #: ``memory``: this process's own buckets, full again after a restart; ``redis``: shared by
-    #: every replica through Redis, where they outlive a replica's restart.
+    #: ``memory``: this process's own buckets (their levels kept in ``[state]`` across restarts);
+    #: ``redis``: shared by every replica through Redis, where they outlive a replica's restart.
     kind: str = attrs.field(default="memory", validator=either("memory", "redis"))
     #: The Redis server (``redis://host:6379/0``); required with ``kind = "redis"``.
     url: str = attrs.field(default="", validator=redis_url)
