@@ -3,6 +3,7 @@ concurrency, and what survives ``kill -9``."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import signal
@@ -16,7 +17,7 @@ from apsd.core.config import AuthConfig, ServerConfig, StateConfig, TenantConfig
 from apsd.serve.auth import hash_key
 from apsd.serve.http import create_app
 from apsd.serve.http.admin import openapi_document
-from tests.helpers import FAST_GPU, infer_body, make_config, start_apsd, start_daemon, wait_until
+from tests.helpers import FAST_GPU, infer_body, make_config, run_cli, start_apsd, start_daemon, wait_until
 
 ADMIN = "admin-key-" + "a" * 30
 FILE_KEY = "file-tenant-key-" + "f" * 20
@@ -211,7 +212,7 @@ flush_interval_s = 0.2
 rate = 1000
 burst = 10000
 """)
-    process, url, _ = await start_apsd(str(config))
+    process, url, first_log = await start_apsd(str(config))
     try:
         async with httpx.AsyncClient(base_url=url, headers=ADMIN_HEADERS, timeout=30) as client:
             await client.post("/admin/tenants", json={"name": "slow", "rate": 0.01, "burst": 1000})
@@ -224,7 +225,9 @@ burst = 10000
     finally:
         process.send_signal(signal.SIGKILL)
         await process.wait()
-    process, url, _ = await start_apsd(str(config))
+        while chunk := await process.stderr.receive_some():
+            first_log.append(chunk)
+    process, url, second_log = await start_apsd(str(config))
     try:
         async with httpx.AsyncClient(base_url=url, headers=ADMIN_HEADERS, timeout=30) as client:
             tenant = (await client.get("/admin/tenants/slow")).json()
@@ -234,9 +237,23 @@ burst = 10000
             assert refused.status_code == 429 and refused.json()["error"] == "rate_limited"  # the key works
             usage = (await client.get("/admin/usage", params={"tenant": "slow"})).json()["rows"]
             assert sum(r["completed"] for r in usage) == 4 and sum(r["refused"] for r in usage) == 1
+            table = await trio.to_thread.run_sync(functools.partial(
+                run_cli, "usage", "--url", url, "--tenant", "slow", "--group-by", "day", env={"APSD_ADMIN_KEY": ADMIN}))
+            assert table.returncode == 0, table.stderr
+            header, row = table.stdout.splitlines()
+            assert header.split()[:6] == ["period", "tenant", "requests", "completed", "failed", "cancelled"]
+            assert row.split()[1:4] == ["slow", "5", "4"]
+            refused = await trio.to_thread.run_sync(functools.partial(
+                run_cli, "usage", "--url", url, env={"APSD_ADMIN_KEY": "wrong-key-" + "w" * 20}))
+            assert refused.returncode == 1 and "answered 401" in refused.stderr
     finally:
         process.send_signal(signal.SIGTERM)
         await process.wait()
+        while chunk := await process.stderr.receive_some():
+            second_log.append(chunk)
+    logged = b"".join(first_log + second_log).decode()
+    assert "key key_" in logged and "issued to tenant slow" in logged  # (the log names keys by id ...)
+    assert key not in logged and ADMIN not in logged and hash_key(key)[7:] not in logged  # (... never by value)
 
 
 def _flushed_usage(path) -> int:
