@@ -42,6 +42,7 @@ from apsd.core.ledger import Ledger, LedgerStatistics
 from apsd.core.models import Dispatch, InferenceRequest, Refusal
 from apsd.core.policy import PolicySet
 from apsd.core.scheduler import Scheduler
+from apsd.core.service_window import FairnessView, watch_for
 from apsd.store import Store, build_store
 
 __all__ = ["GovernorView", "Health", "Pipeline", "PipelineStatistics", "TenantStatus", "open_pipeline"]
@@ -411,6 +412,14 @@ class Pipeline:
             time_scale=self.clock.time_scale,
             governor=self.governor_view(),
         )
+
+    def fairness_view(self, *, idle: bool = True) -> FairnessView:
+        """Fairness now, in model time: each configured tenant's output tokens over the last
+        minute, its share of them beside its weight's share, its queued and running requests; the
+        window's Jain index, and the queue by priority band (:mod:`apsd.core.service_window`).
+        ``idle=False``: only the tenants with work (in time proportional to their number, not to
+        the tenants configured). Service counts from the first call (or the exporter's making)."""
+        return watch_for(self.ledger).view(self.clock.now(), self.config.tenants, idle=idle)
 
     def tenant_status(self, tenant_id: str) -> TenantStatus | None:
         tenant = self.config.tenants.get(tenant_id)

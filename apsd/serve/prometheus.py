@@ -17,9 +17,11 @@ moment in the trio thread, in time proportional to the tenants whose figures mov
 last scrape (the ledger's and the observer's :class:`~apsd.core.ledger.ChangeLog`; histograms are
 handed over copy-on-write), so one scrape still sees one consistent moment; then a worker
 thread renders the lines of those tenants only, reuses every other tenant's from the last
-scrape, and joins them. The event loop goes on serving meanwhile. The output is byte for byte
-prometheus_client's own (:meth:`PrometheusExporter.collect`, kept as the reference;
-``tests/daemon/test_prometheus.py`` compares them).
+scrape, and joins them (the service window's per-tenant lines, for the tenants with work in it,
+are rendered there at every scrape: they are copied in time proportional to those tenants). The
+event loop goes on serving meanwhile. The output is byte for byte prometheus_client's own
+(:meth:`PrometheusExporter.collect`, kept as the reference; ``tests/daemon/test_prometheus.py``
+compares them).
 
 Metrics (``tenant`` is a configured tenant's name)::
 
@@ -31,12 +33,17 @@ Metrics (``tenant`` is a configured tenant's name)::
                                                        requests, and those cancelled while running:
                                                        what they used); phase: prompt, generated
     apsd_tenant_cost_usd_total{tenant}        counter  cost of what the tenant was charged
+    apsd_tenant_queue_depth{tenant}           gauge    the tenant's requests waiting for dispatch (its
+                                                       apsd_requests_in_flight{state="queued"}, by itself)
     apsd_cost_usd_total                       counter  cost of every engine's busy time
     apsd_batches_total                        counter  micro-batches that finished running
     apsd_gpu_busy_seconds_total               counter  summed over engines
     apsd_gpu_busy_ratio                       gauge    busy / (engines * elapsed), since start
     apsd_gpus                                 gauge    GPUs behind the engines
     apsd_queue_depth                          gauge    requests waiting for dispatch
+    apsd_queue_depth_band{band}               gauge    the same by band of their priority bid; band: 1-3,
+                                                       4-6, 7-10 (always these three; they add up to
+                                                       apsd_queue_depth)
     apsd_queue_tokens                         gauge    their prompt + requested tokens (queue.max_tokens)
     apsd_queue_wait_seconds{tenant}           histogram arrival to dispatch, per dispatch
     apsd_ttft_seconds{tenant}                 histogram arrival to first token, per started request
@@ -66,7 +73,12 @@ Metrics (``tenant`` is a configured tenant's name)::
     apsd_governor_state{state}                gauge    1 for the current state, 0 for every other
                                                        state the governor declares (``states``) or
                                                        reported before (ERROR when it raised)
-    apsd_fairness_jain                        gauge    (no sample while there is nothing to compare)
+    apsd_fairness_jain                        gauge    since start, over tenants with admitted work, of
+                                                       output tokens / rate (no sample while there is
+                                                       nothing to compare)
+    apsd_fairness_jain_window                 gauge    over the service window, tenants with work in it, of
+                                                       window tokens / weight (no sample: none was served)
+    apsd_service_window_seconds               gauge    the window's length: 60 model seconds
     apsd_conservation_ok                      gauge    1 when admitted == completed + failed +
                                                        cancelled + queued + running, else 0
     apsd_store_info{kind}                     gauge    memory or redis (``[store]``)
@@ -78,6 +90,18 @@ Metrics (``tenant`` is a configured tenant's name)::
     apsd_store_leased_tokens                  gauge    tokens this replica holds leased
     apsd_accepting                            gauge    1 while admitting, 0 once draining
     apsd_policy_info{aging,governor,batching,preset}  gauge 1: the policies in force
+    apsd_tenant_service_window_tokens{tenant} gauge    output tokens served to the tenant in the window
+    apsd_tenant_service_share{tenant}         gauge    its share of the window's tokens (0 to 1)
+    apsd_tenant_weight_share{tenant}          gauge    its weight / the weights of tenants with work in the
+                                                       window (what fair share promises it when backlogged)
+
+The service window (:mod:`apsd.core.service_window`): output tokens of finished requests, counted
+at the model second they finished, over the last 60 model seconds in one-second buckets. A tenant
+has work in the window when it was served in it or has requests queued or running now; the three
+per-tenant window families have samples for those tenants only (a tenant that stopped drops out a
+window later), so their series come and go, bounded by the configured tenants. Compare
+``apsd_tenant_service_share`` with ``apsd_tenant_weight_share``: under ``fair`` (or ``vtc``) they
+match while the tenants stay backlogged.
 
 ``outcome`` mixes one entry and three exits: ``admitted`` and ``rejected`` split the
 requests received, and an admitted request later adds one to ``completed``, ``failed``
@@ -123,6 +147,7 @@ from werkzeug.http import parse_accept_header
 from apsd.core.events import EventBus
 from apsd.core.ledger import ChangeLog
 from apsd.core.models import Completion, Dispatch, InferenceRequest, Outcome
+from apsd.core.service_window import WINDOW_S, WorkingRow, watch_for
 
 if TYPE_CHECKING:
     from apsd.engines.backends import BackendStatistics
@@ -244,6 +269,18 @@ _TOKENS = ("apsd_tokens_total", ("Tokens charged to the tenant, by phase (prompt
                                 "completed requests, and those cancelled while running, used"))
 _TENANT_COST = ("apsd_tenant_cost_usd_total", ("Cost in USD of what the tenant was charged (its share of its "
                                               "engines' time)"))
+_TENANT_QUEUE = ("apsd_tenant_queue_depth", ("Requests of the tenant waiting for dispatch (its "
+                                             "apsd_requests_in_flight with state queued, on its own)"))
+#: (name, documentation) of the per-tenant gauges of the service window, in exposition order (the last
+#: families): samples only for tenants with work in the window (:mod:`apsd.core.service_window`).
+_WINDOW_FAMILIES = (
+    ("apsd_tenant_service_window_tokens", (f"Output tokens served to the tenant in the last {WINDOW_S:g} model "
+                                           "seconds (tenants with work in the window: served in it, or with "
+                                           "requests queued or running)")),
+    ("apsd_tenant_service_share", "The tenant's share of the output tokens served in the window (0 to 1)"),
+    ("apsd_tenant_weight_share", ("The tenant's weight / the sum of the weights of the tenants with work in the "
+                                  "window: the share fair-share policies give it while it stays backlogged")),
+)
 #: (name, documentation, bucket bounds) of the per-tenant histograms, in exposition order.
 _TENANT_HISTOGRAMS: tuple[tuple[str, str, tuple[float, ...]], ...] = (
     ("apsd_queue_wait_seconds", "Model seconds from admission to dispatch, per dispatch", QUEUE_WAIT_BUCKETS),
@@ -294,6 +331,8 @@ class _TenantHistograms:
 #: (``_OUTCOMES``' order), (error, count) pairs sorted, queued, running, prompt and generated tokens, cost.
 _CounterRow = tuple[int, int, int, int, int, tuple[tuple[str, int], ...], int, int, int, int, float]
 #: One tenant's histograms as a scrape shows them: its bucket counts and sums (``_TenantHistograms``).
+#: Where each of ``_WINDOW_FAMILIES``' values is in a :data:`~apsd.core.service_window.WorkingRow`.
+_WINDOW_FIELDS = (2, 3, 4)
 _HistogramsRow = tuple["array.array[int]", "array.array[float]"]
 
 
@@ -331,6 +370,26 @@ class _Scrape:
     #: (a few dozen samples: rendered by prometheus_client itself, in the trio thread).
     middle: bytes
     end: bytes
+    #: The tenants with work in the service window (the last families, rendered with the others').
+    window: list[WorkingRow]
+
+
+@attrs.frozen
+class _FairnessNow:
+    """The service window's figures as a scrape shows them: the tenants with work only, in time
+    proportional to their number (:meth:`~apsd.core.service_window.FairnessWatch.working`; the
+    figures of :meth:`~apsd.pipeline.Pipeline.fairness_view`)."""
+
+    window_s: float
+    jain_window: float | None
+    rows: list[WorkingRow]
+    bands: dict[str, int]
+
+    @classmethod
+    def of(cls, pipeline: Pipeline) -> _FairnessNow:
+        watch = watch_for(pipeline.ledger)
+        rows, jain = watch.working(pipeline.clock.now(), pipeline.config.tenants)
+        return cls(window_s=watch.window.length_s, jain_window=jain, rows=rows, bands=watch.bands())
 
 
 @attrs.define(eq=False)
@@ -370,7 +429,8 @@ def _header(kind: type[Metric], name: str, documentation: str) -> bytes:
 
 _COUNTER_HEADERS = (_header(CounterMetricFamily, *_REQUESTS), _header(CounterMetricFamily, *_REJECTIONS),
                     _header(GaugeMetricFamily, *_IN_FLIGHT), _header(CounterMetricFamily, *_TOKENS),
-                    _header(CounterMetricFamily, *_TENANT_COST))
+                    _header(CounterMetricFamily, *_TENANT_COST), _header(GaugeMetricFamily, *_TENANT_QUEUE))
+_WINDOW_HEADERS = tuple(_header(GaugeMetricFamily, name, documentation) for name, documentation in _WINDOW_FAMILIES)
 _HISTOGRAM_HEADERS = tuple(_header(HistogramMetricFamily, name, documentation)
                            for name, documentation, _ in _TENANT_HISTOGRAMS)
 #: Per histogram family: each ``_bucket`` line's start, up to the tenant label.
@@ -387,14 +447,24 @@ def _counter_chunks(tenant: str, row: _CounterRow, attributed: bool = True) -> t
     rejections = "".join([f'apsd_rejections_total{{error="{_escape(error)}",{label}}} {_number(count)}\n'
                           for error, count in row[5]])
     if not attributed:
-        return requests.encode(), rejections.encode(), b"", b"", b""
+        return requests.encode(), rejections.encode(), b"", b"", b"", b""
     _, _, _, _, _, _, queued, running, prompt, generated, cost = row
     return (requests.encode(), rejections.encode(),
             (f'apsd_requests_in_flight{{state="queued",{label}}} {_number(queued)}\n'
              f'apsd_requests_in_flight{{state="running",{label}}} {_number(running)}\n').encode(),
             (f'apsd_tokens_total{{phase="prompt",{label}}} {_number(prompt)}\n'
              f'apsd_tokens_total{{phase="generated",{label}}} {_number(generated)}\n').encode(),
-            f'apsd_tenant_cost_usd_total{{{label}}} {_number(cost)}\n'.encode())
+            f'apsd_tenant_cost_usd_total{{{label}}} {_number(cost)}\n'.encode(),
+            f'apsd_tenant_queue_depth{{{label}}} {_number(queued)}\n'.encode())
+
+
+def _window_chunks(rows: Sequence[WorkingRow]) -> list[bytes]:
+    """The lines of each ``_WINDOW_FAMILIES`` family, headers included."""
+    chunks = []
+    for (name, _), header, field in zip(_WINDOW_FAMILIES, _WINDOW_HEADERS, _WINDOW_FIELDS):
+        lines = [f'{name}{{tenant="{_escape(row[0])}"}} {_number(row[field])}\n' for row in rows]
+        chunks += [header, "".join(lines).encode()]
+    return chunks
 
 
 def _histogram_chunks(tenant: str, row: _HistogramsRow) -> tuple[bytes, ...]:
@@ -467,6 +537,7 @@ def _render(scrape: _Scrape, chunks: _Chunks, *, in_worker: bool = False) -> byt
         parts.append(header)
         parts.extend([tenant_chunks[index] for tenant_chunks in rendered])
     parts.append(scrape.end)
+    parts += _window_chunks(scrape.window)
     return b"".join(parts)
 
 
@@ -486,6 +557,7 @@ class PrometheusExporter:
         self._pipeline = weakref.ref(pipeline)
         self.observer = HistogramObserver(pipeline.ledger.tenants)
         self.observer.subscribe(pipeline.ledger.events)
+        watch_for(pipeline.ledger)  # (the service window counts from now: before the daemon serves)
         self._states_seen: dict[str, None] = {}
         self._tenants_with_histograms = 0
         self._chunks = _Chunks()
@@ -529,10 +601,11 @@ class PrometheusExporter:
         families rendered. Time: proportional to the tenants that changed, not to all of them."""
         ledger, observer = pipeline.ledger, self.observer
         statistics = pipeline.statistics()  # the JSON view's figures, so both views agree
-        middle = generate_latest(_Families(self._middle_families(pipeline, statistics)))
+        fairness = _FairnessNow.of(pipeline)
+        middle = generate_latest(_Families(self._middle_families(pipeline, statistics, fairness)))
         self._histograms_for_every_tenant(ledger.tenants)
         histogram_tenants = observer.sorted_tenants()
-        end = generate_latest(_Families(self._end_families(pipeline, statistics)))
+        end = generate_latest(_Families(self._end_families(pipeline, statistics, fairness)))
         stats = ledger.tenants
         # (tenants are only ever added, to both: a count that differs means some have no chunks yet)
         changed = stats if len(chunks.counters) != len(stats) else ledger.changes.since(chunks.counters_mark)
@@ -542,7 +615,8 @@ class PrometheusExporter:
         histograms = {tenant: every[tenant].share() for tenant in changed}
         return _Scrape(tenants=list(stats), counters=counters, counters_mark=ledger.changes.mark,
                        unattributed=_counter_row(ledger.unattributed), histogram_tenants=list(histogram_tenants),
-                       histograms=histograms, histograms_mark=observer.changes.mark, middle=middle, end=end)
+                       histograms=histograms, histograms_mark=observer.changes.mark, middle=middle, end=end,
+                       window=fairness.rows)
 
     def _histograms_for_every_tenant(self, tenants: Mapping[str, object]) -> None:
         """Every configured tenant has its histogram series from the start (the ledger only ever
@@ -558,12 +632,14 @@ class PrometheusExporter:
         if pipeline is None:
             return
         statistics = pipeline.statistics()  # the JSON view's figures, so both views agree
+        fairness = _FairnessNow.of(pipeline)
         yield from self._tenant_counter_families(pipeline.ledger)
-        yield from self._middle_families(pipeline, statistics)
+        yield from self._middle_families(pipeline, statistics, fairness)
         for tenant in pipeline.ledger.tenants:  # every configured tenant has its series from the start
             self.observer.histograms_for(tenant)
         yield from self._tenant_histogram_families()
-        yield from self._end_families(pipeline, statistics)
+        yield from self._end_families(pipeline, statistics, fairness)
+        yield from self._window_families(fairness)
 
     @staticmethod
     def _tenant_counter_families(ledger: Ledger) -> Iterator[Metric]:
@@ -573,6 +649,7 @@ class PrometheusExporter:
         in_flight = _Samples()
         tokens = _Samples()
         tenant_cost = _Samples()
+        tenant_queue = _Samples()
         for tenant, stats in per_tenant:
             attributed = stats is not ledger.unattributed
             for outcome in _OUTCOMES:
@@ -587,12 +664,14 @@ class PrometheusExporter:
                 tokens.add((tenant, "prompt"), stats.prompt_tokens)
                 tokens.add((tenant, "generated"), stats.generated_tokens)
                 tenant_cost.add((tenant,), stats.cost_usd)
+                tenant_queue.add((tenant,), stats.queued)
 
         yield requests.family(CounterMetricFamily, *_REQUESTS, ["tenant", "outcome"])
         yield rejections.family(CounterMetricFamily, *_REJECTIONS, ["tenant", "error"])
         yield in_flight.family(GaugeMetricFamily, *_IN_FLIGHT, ["tenant", "state"])
         yield tokens.family(CounterMetricFamily, *_TOKENS, ["tenant", "phase"])
         yield tenant_cost.family(CounterMetricFamily, *_TENANT_COST, ["tenant"])
+        yield tenant_queue.family(GaugeMetricFamily, *_TENANT_QUEUE, ["tenant"])
 
     def _tenant_histogram_families(self) -> Iterator[Metric]:
         histograms = sorted(self.observer.tenants.items())
@@ -603,7 +682,17 @@ class PrometheusExporter:
             yield family
 
     @staticmethod
-    def _middle_families(pipeline: Pipeline, statistics: PipelineStatistics) -> Iterator[Metric]:
+    def _window_families(fairness: _FairnessNow) -> Iterator[Metric]:
+        """The per-tenant gauges of the service window (the last families)."""
+        for (name, documentation), field in zip(_WINDOW_FAMILIES, _WINDOW_FIELDS):
+            family = GaugeMetricFamily(name, documentation, labels=["tenant"])
+            for row in fairness.rows:
+                family.add_metric([row[0]], row[field])
+            yield family
+
+    @staticmethod
+    def _middle_families(pipeline: Pipeline, statistics: PipelineStatistics,
+                         fairness: _FairnessNow) -> Iterator[Metric]:
         """The totals and queue families (between the per-tenant counters and histograms)."""
         ledger = pipeline.ledger
         books = statistics.books
@@ -619,10 +708,17 @@ class PrometheusExporter:
         yield GaugeMetricFamily("apsd_gpus", "GPUs behind the engines", value=statistics.gpus)
         yield GaugeMetricFamily("apsd_queue_depth", "Requests waiting for dispatch",
                                 value=statistics.queue_depth)
+        bands = GaugeMetricFamily("apsd_queue_depth_band", "Requests waiting for dispatch, by the band of their "
+                                  "priority bid (always the three bands; they add up to apsd_queue_depth)",
+                                  labels=["band"])
+        for band, count in fairness.bands.items():
+            bands.add_metric([band], count)
+        yield bands
         yield GaugeMetricFamily("apsd_queue_tokens", "Prompt + requested tokens of the requests waiting "
                                 "for dispatch (bounded by queue.max_tokens)", value=books.tokens.queued)
 
-    def _end_families(self, pipeline: Pipeline, statistics: PipelineStatistics) -> Iterator[Metric]:
+    def _end_families(self, pipeline: Pipeline, statistics: PipelineStatistics,
+                      fairness_now: _FairnessNow) -> Iterator[Metric]:
         """Every family after the per-tenant histograms."""
         books = statistics.books
         batch_size = HistogramMetricFamily("apsd_batch_size", "Requests per micro-batch, per batch that ran")
@@ -640,6 +736,16 @@ class PrometheusExporter:
         if jain is not None:
             fairness.add_metric([], jain)
         yield fairness
+        window = GaugeMetricFamily(
+            "apsd_fairness_jain_window", "Jain's index over the tenants with work in the service window of output "
+            "tokens served in it / weight (1: service in proportion to weight; 1/n: one tenant got everything)")
+        if fairness_now.jain_window is not None:
+            window.add_metric([], fairness_now.jain_window)
+        yield window
+        yield GaugeMetricFamily("apsd_service_window_seconds", "Model seconds the service window spans (of the "
+                                "apsd_tenant_service_*, apsd_tenant_weight_share and apsd_fairness_jain_window "
+                                "families)",
+                                value=fairness_now.window_s)
         yield GaugeMetricFamily("apsd_conservation_ok",
                                 "1 when admitted == completed + failed + cancelled + queued + running",
                                 value=1 if books.requests.conservation_ok else 0)
@@ -661,7 +767,8 @@ class PrometheusExporter:
         yield info
         yield GaugeMetricFamily("apsd_store_available", "1 while the shared store can be reached (always 1 in memory)",
                                 value=1 if store.available else 0)
-        yield CounterMetricFamily("apsd_store_outages", "Times the shared store became unreachable", value=store.outages)
+        yield CounterMetricFamily("apsd_store_outages", "Times the shared store became unreachable",
+                                  value=store.outages)
         yield CounterMetricFamily("apsd_store_syncs", "Exchanges with the shared store that succeeded",
                                   value=store.syncs)
         yield CounterMetricFamily("apsd_store_sync_failures", "Exchanges with the shared store that failed",
