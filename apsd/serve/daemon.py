@@ -47,6 +47,7 @@ from apsd.plugins import PluginError, load_policy_registry, load_profile_registr
 from apsd.policies.fair import tenant_weights
 from apsd.serve.auth import KeyRing, check_exposure
 from apsd.serve.http import create_app
+from apsd.serve.http.ui import sampler_for
 from apsd.serve.notify import ProgressProbe, SystemdNotifier, serve_status, serve_watchdog, status_line
 from apsd.serve.server import serve_http
 from apsd.state.keeper import StateKeeper, open_keeper
@@ -264,6 +265,7 @@ class Daemon:
             await nursery.start(self._watch_signals)
         http_stop = trio.Event()
         http_done = trio.Event()
+        nursery.start_soon(sampler_for(pipeline).run)  # the status page's fairness history (/ui)
         binds = await nursery.start(self._serve_http, pipeline, http_stop, http_done)
         log.info("apsd listening on %s policy=%s tenants=%s engine=%s engines=%d",
                  ", ".join(binds), "/".join(f"{k}={v}" for k, v in self.policies.names.items()),

@@ -6,7 +6,8 @@ One blueprint per protocol:
 * :mod:`apsd.serve.http.openai`: the OpenAI-compatible ``/v1/chat/completions``, ``/v1/completions``
   and ``/v1/models``;
 * :mod:`apsd.serve.http.ops`: ``/health``, ``/ready``, ``/metrics``, ``/metrics.json``, ``/tenants/<id>/status``;
-* :mod:`apsd.serve.http.admin`: the operator's ``/admin`` (tenants, keys, audit, usage).
+* :mod:`apsd.serve.http.admin`: the operator's ``/admin`` (tenants, keys, audit, usage);
+* :mod:`apsd.serve.http.ui`: the status page, ``/ui``, and the ``/admin/status`` it reads.
 
 What they share (the app's state, the :func:`~apsd.serve.http.common.authenticated` decorator, body
 parsing, answers) is in :mod:`apsd.serve.http.common`.
@@ -20,7 +21,8 @@ apsd's ``{"error", "message"[, "field"]}`` elsewhere).
 Access (:mod:`apsd.serve.auth`): with API keys configured, ``POST /infer`` and the ``/v1`` completions
 need a tenant's key and run as that tenant; ``/v1/models`` needs a tenant's key or the admin key;
 ``/tenants/<id>/status`` needs that tenant's key or the admin key; ``/metrics`` and
-``/metrics.json`` need the admin key or a metrics key; ``/health`` and ``/ready`` are open.
+``/metrics.json`` need the admin key or a metrics key; ``/health`` and ``/ready`` are open, and so are
+the status page's files (``/ui``: no data in them; the data, ``/admin/status``, needs the admin key).
 A metrics key (``[auth] metrics_key_hashes``) reads those two and nothing else: anywhere else
 that asks for a key it is refused 403 ``metrics_only`` before the handler runs (one rule, so a
 new endpoint cannot forget it). The key is checked before the body is parsed. Without keys
@@ -38,7 +40,7 @@ from werkzeug.exceptions import HTTPException
 from apsd.core.models import Refusal
 from apsd.pipeline import Pipeline
 from apsd.serve.prometheus import exporter_for
-from apsd.serve.http import admin, infer, openai, ops
+from apsd.serve.http import admin, infer, openai, ops, ui
 from apsd.state.keeper import StateKeeper
 from apsd.serve.http.common import HttpState, ShieldResponseEnd, error_response, read_unread_body
 from apsd.serve.http.infer import parse_infer_body
@@ -69,7 +71,7 @@ def create_app(pipeline: Pipeline, *, keeper: StateKeeper | None = None) -> Quar
     # the exporter is made before serving: its histograms see every dispatch
     app.extensions["apsd"] = HttpState(pipeline=pipeline, exporter=exporter_for(pipeline), created=openai.unix_time(),
                                        keeper=keeper)
-    for blueprint in (infer.blueprint, openai.blueprint, ops.blueprint, admin.blueprint):
+    for blueprint in (infer.blueprint, openai.blueprint, ops.blueprint, admin.blueprint, ui.blueprint):
         app.register_blueprint(blueprint)
 
     @app.before_request
