@@ -116,7 +116,7 @@ class StatusSampler:
         pipeline = self._pipeline()
         if pipeline is None:
             return {"t": self.clock(), "jain": None, "shares": {}}
-        view = pipeline.fairness_view()
+        view = pipeline.fairness_view(idle=False)  # (only tenants with work: cheap with many tenants)
         return {"t": self.clock(), "jain": view.jain_window,
                 "shares": {t.name: t.service_share for t in view.tenants if t.window_tokens}}
 
