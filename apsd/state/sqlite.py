@@ -15,6 +15,7 @@ refused rather than misread.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -66,7 +67,10 @@ class SqliteState:
         self.where = str(path)
         self._lock = threading.Lock()
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # The file holds key hashes and usage: the owner's only. Made before SQLite opens it, so
+            # that the -wal and -shm files SQLite creates beside it take the same permissions.
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = FULL")
@@ -78,10 +82,6 @@ class SqliteState:
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except (sqlite3.Error, OSError) as exc:
             raise StateFileError(f"{path}: cannot open the state file: {exc}") from None
-        try:  # (the file holds key hashes and usage: the owner only)
-            path.chmod(0o600)
-        except OSError:
-            pass
 
     async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
         def locked() -> T:

@@ -72,7 +72,24 @@ async def test_sqlite_keeps_records_audit_usage_spend_and_buckets_across_a_reope
     assert await again.usage(tenant=None, start=0, end=2**40) == {}
     assert [e.action for e in await again.audit()] == ["key.issue"]
     await again.close()
+    for made in (path, path.with_name("s.db-wal"), path.with_name("s.db-shm")):  # (no one else reads them)
+        assert not made.exists() or (made.stat().st_mode & 0o777) == 0o600, made
     assert (path.stat().st_mode & 0o777) == 0o600
+
+
+async def test_the_state_files_are_the_owners_only_whatever_the_umask(tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        store = SqliteState(tmp_path / "deep" / "s.db")
+        await store.write([PutTenant(TenantRecord("a", TenantConfig(rate=1, burst=1), "admin", None, T0, T0))], [])
+        modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "deep").iterdir()}
+        await store.close()
+    finally:
+        os.umask(old)
+    assert modes["s.db"] == 0o600 and modes["s.db-wal"] == 0o600, modes
+    assert (tmp_path / "deep").stat().st_mode & 0o777 == 0o700
 
 
 def test_a_state_file_from_a_newer_apsd_is_refused(tmp_path):
