@@ -31,6 +31,7 @@ burst), and budgets' spend. A ``kill -9`` loses at most one interval of them.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import secrets
@@ -45,7 +46,7 @@ from apsd.core.budget import Budgets
 from apsd.core.clock import calendar_time
 from apsd.core.config import Config, ConfigError, TenantConfig
 from apsd.core.keys import hash_key, new_key
-from apsd.state.records import (KEY_PREFIX_CHARS, AuditEntry, KeyRecord, TenantRecord, file_digest, key_view,
+from apsd.state.records import (KEY_PREFIX_CHARS, AuditEntry, KeyRecord, TenantRecord, UsageKey, file_digest, key_view,
                                 settings_dict, tenant_from_settings)
 from apsd.state.store import Change, DeleteTenant, PutKey, PutTenant, Snapshot, StateStore
 from apsd.state.usage import HOUR_S, UsageRecorder
@@ -139,6 +140,7 @@ class StateKeeper:
     budgets: Budgets | None = None
     usage: UsageRecorder | None = None
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
+    _usage_lock: trio.Lock = attrs.field(factory=trio.Lock)
     _built_at: float = 0.0
     _pruned_at: float = 0.0
 
@@ -361,6 +363,21 @@ class StateKeeper:
         now = self.wall()
         return [key_view(k, now) for k in self.snapshot.keys if tenant is None or k.tenant == tenant]
 
+    async def usage_rows(self, *, tenant: str | None, start: float, end: float) -> dict[UsageKey, dict[str, float]]:
+        """Usage of the hours that overlap ``[start, end)`` (Unix seconds), of ``tenant`` or every
+        tenant: what the state holds plus what the next flush will add, so an answer is current."""
+        first_hour = int(start) // HOUR_S * HOUR_S
+        async with self._usage_lock:
+            rows = {} if self.store is None else await self.store.usage(tenant=tenant, start=first_hour,
+                                                                         end=math.ceil(end))
+            pending = self.usage.pending() if self.usage is not None else {}
+        for key, fields in pending.items():
+            if (tenant is None or key.tenant == tenant) and first_hour <= key.hour < end:
+                merged = rows.setdefault(key, {})
+                for field, amount in fields.items():
+                    merged[field] = merged.get(field, 0) + amount
+        return rows
+
     # -- background ---------------------------------------------------------------------------
     async def run(self, *, buckets: Callable[[], Mapping[str, tuple[float, float]]],
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -438,12 +455,14 @@ class StateKeeper:
         store = self.store
         if store is None:
             return
-        if self.usage is not None and (rows := self.usage.take()):
-            try:
-                await store.add_usage(rows)
-            except BaseException:
-                self.usage.give_back(rows)
-                raise
+        if self.usage is not None:
+            async with self._usage_lock:  # (a reader sees these rows pending or stored, never neither)
+                rows = self.usage.take()
+                try:
+                    await store.add_usage(rows)
+                except BaseException:
+                    self.usage.give_back(rows)
+                    raise
         await store.save_buckets(buckets)
         if self.budgets is not None:
             await self._exchange_spend(store)

@@ -1,7 +1,7 @@
 """The operator's API under ``/admin``: tenants, keys, the audit log and usage, live.
 
 Every endpoint needs the admin key (403 ``admin_only`` for any other key; without keys, on
-loopback, it is open). Bodies and answers are JSON; :data:`OPENAPI` (``GET /admin/openapi.json``)
+loopback, it is open). Bodies and answers are JSON; :func:`openapi_document` (``GET /admin/openapi.json``)
 describes them, the tenant's fields taken from :class:`~apsd.core.config.TenantConfig` itself. A
 change is written to the state with its audit entry (:mod:`apsd.state.keeper`), applied here at
 once, and on every other replica within ``[state] poll_interval_s``; none needs a reload.
@@ -17,7 +17,9 @@ keeps its hash, lists show its id and first characters, the audit log and the lo
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
@@ -30,7 +32,7 @@ from apsd.serve.http.common import (BodyError, authenticated, error_response, ht
                                     parse_json_object)
 from apsd.state.keeper import AdminError, StateKeeper
 from apsd.state.records import settings_dict
-from apsd.state.usage import HOUR_S, summarize, to_csv
+from apsd.state.usage import summarize, to_csv
 
 __all__ = ["blueprint", "openapi_document"]
 
@@ -60,6 +62,20 @@ def _refused(exc: AdminError | BodyError) -> Response:
     return error_response(refusal)
 
 
+def admin_endpoint(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """An ``/admin`` route: the admin key only (:func:`authenticated`); the handler gets the daemon's
+    keeper as ``keeper=`` and the caller, and an :class:`AdminError` or :class:`BodyError` it raises
+    is answered (and counted) as apsd's error."""
+    @authenticated(admin=True)
+    @functools.wraps(handler)
+    async def guarded(*args: Any, caller: Caller, **kwargs: Any) -> Any:
+        try:
+            return await handler(*args, keeper=_keeper(), caller=caller, **kwargs)
+        except (AdminError, BodyError) as exc:
+            return _refused(exc)
+    return guarded
+
+
 async def _body() -> dict[str, Any]:
     return parse_json_object(await request.get_data(cache=False))
 
@@ -87,107 +103,77 @@ def tenant_view(keeper: StateKeeper, name: str) -> dict[str, Any] | None:
 
 # -- tenants ---------------------------------------------------------------------------------------
 
+def _unknown_tenant(name: str) -> AdminError:
+    return AdminError(404, "unknown_tenant", f"no tenant named {name!r}")
+
+
 @blueprint.get("/tenants")
-@authenticated(admin=True)
-async def list_tenants(caller: Caller) -> Any:
-    try:
-        keeper = _keeper()
-    except AdminError as exc:
-        return _refused(exc)
+@admin_endpoint
+async def list_tenants(keeper: StateKeeper, caller: Caller) -> Any:
     names = sorted(http_state().pipeline.config.tenants)
     return json_response({"tenants": [tenant_view(keeper, name) for name in names]})
 
 
 @blueprint.post("/tenants")
-@authenticated(admin=True)
-async def create_tenant(caller: Caller) -> Any:
-    try:
-        keeper = _keeper()
-        record = await keeper.create_tenant(_actor(caller), await _body())
-    except (AdminError, BodyError) as exc:
-        return _refused(exc)
+@admin_endpoint
+async def create_tenant(keeper: StateKeeper, caller: Caller) -> Any:
+    record = await keeper.create_tenant(_actor(caller), await _body())
     return json_response(tenant_view(keeper, record.name), status=201,
                          headers={"Location": f"/admin/tenants/{record.name}"})
 
 
 @blueprint.get("/tenants/<name>")
-@authenticated(admin=True)
-async def get_tenant(name: str, caller: Caller) -> Any:
-    try:
-        view = tenant_view(_keeper(), name)
-    except AdminError as exc:
-        return _refused(exc)
+@admin_endpoint
+async def get_tenant(name: str, keeper: StateKeeper, caller: Caller) -> Any:
+    view = tenant_view(keeper, name)
     if view is None:
-        return _refused(AdminError(404, "unknown_tenant", f"no tenant named {name!r}"))
+        raise _unknown_tenant(name)
     return json_response(view)
 
 
 @blueprint.patch("/tenants/<name>")
-@authenticated(admin=True)
-async def update_tenant(name: str, caller: Caller) -> Any:
-    try:
-        keeper = _keeper()
-        await keeper.update_tenant(_actor(caller), name, await _body())
-    except (AdminError, BodyError) as exc:
-        return _refused(exc)
+@admin_endpoint
+async def update_tenant(name: str, keeper: StateKeeper, caller: Caller) -> Any:
+    await keeper.update_tenant(_actor(caller), name, await _body())
     return json_response(tenant_view(keeper, name))
 
 
 @blueprint.delete("/tenants/<name>")
-@authenticated(admin=True)
-async def delete_tenant(name: str, caller: Caller) -> Any:
-    try:
-        await _keeper().delete_tenant(_actor(caller), name)
-    except AdminError as exc:
-        return _refused(exc)
+@admin_endpoint
+async def delete_tenant(name: str, keeper: StateKeeper, caller: Caller) -> Any:
+    await keeper.delete_tenant(_actor(caller), name)
     return Response(status=204)
 
 
 # -- keys ------------------------------------------------------------------------------------------
 
 @blueprint.post("/tenants/<name>/keys")
-@authenticated(admin=True)
-async def issue_key(name: str, caller: Caller) -> Any:
-    try:
-        keeper = _keeper()
-        body = await _body() if await request.get_data(cache=True) else {}
-        record, key = await keeper.issue_key(_actor(caller), name, body)
-    except (AdminError, BodyError) as exc:
-        return _refused(exc)
+@admin_endpoint
+async def issue_key(name: str, keeper: StateKeeper, caller: Caller) -> Any:
+    body = await _body() if await request.get_data(cache=True) else {}
+    record, key = await keeper.issue_key(_actor(caller), name, body)
     view = next(k for k in keeper.key_views(name) if k["id"] == record.key_id)
     return json_response({**view, "key": key}, status=201, headers={"Cache-Control": "no-store"})
 
 
 @blueprint.get("/tenants/<name>/keys")
-@authenticated(admin=True)
-async def tenant_keys(name: str, caller: Caller) -> Any:
-    try:
-        keeper = _keeper()
-        if name not in keeper.snapshot.tenants and name not in http_state().pipeline.config.tenants:
-            raise AdminError(404, "unknown_tenant", f"no tenant named {name!r}")
-    except AdminError as exc:
-        return _refused(exc)
+@admin_endpoint
+async def tenant_keys(name: str, keeper: StateKeeper, caller: Caller) -> Any:
+    if name not in keeper.snapshot.tenants and name not in http_state().pipeline.config.tenants:
+        raise _unknown_tenant(name)
     return json_response({"keys": keeper.key_views(name)})
 
 
 @blueprint.get("/keys")
-@authenticated(admin=True)
-async def list_keys(caller: Caller) -> Any:
-    try:
-        keeper = _keeper()
-    except AdminError as exc:
-        return _refused(exc)
+@admin_endpoint
+async def list_keys(keeper: StateKeeper, caller: Caller) -> Any:
     return json_response({"keys": keeper.key_views(request.args.get("tenant"))})
 
 
 @blueprint.delete("/keys/<key_id>")
-@authenticated(admin=True)
-async def revoke_key(key_id: str, caller: Caller) -> Any:
-    try:
-        keeper = _keeper()
-        record = await keeper.revoke_key(_actor(caller), key_id)
-    except AdminError as exc:
-        return _refused(exc)
+@admin_endpoint
+async def revoke_key(key_id: str, keeper: StateKeeper, caller: Caller) -> Any:
+    record = await keeper.revoke_key(_actor(caller), key_id)
     return json_response(next(k for k in keeper.key_views() if k["id"] == record.key_id))
 
 
@@ -207,19 +193,15 @@ def _int_arg(name: str, default: int | None, low: int, high: int) -> int | None:
 
 
 @blueprint.get("/audit")
-@authenticated(admin=True)
-async def audit(caller: Caller) -> Any:
+@admin_endpoint
+async def audit(keeper: StateKeeper, caller: Caller) -> Any:
     """Newest first; ``?target=`` (a tenant, or ``key:<id>``), ``?limit=`` (1-1000, default 100),
     ``?before=`` (an entry id: the page after)."""
-    try:
-        keeper = _keeper()
-        if keeper.store is None:
-            return json_response({"entries": []})
-        limit = _int_arg("limit", 100, 1, MAX_AUDIT_LIMIT)
-        before = _int_arg("before", None, 1, 2**62)
-        entries = await keeper.store.audit(target=request.args.get("target"), limit=limit or 100, before_id=before)
-    except AdminError as exc:
-        return _refused(exc)
+    limit = _int_arg("limit", 100, 1, MAX_AUDIT_LIMIT)
+    before = _int_arg("before", None, 1, 2**62)
+    if keeper.store is None:
+        return json_response({"entries": []})
+    entries = await keeper.store.audit(target=request.args.get("target"), limit=limit or 100, before_id=before)
     return json_response({"entries": [entry.view() for entry in entries]})
 
 
@@ -246,41 +228,30 @@ def _time_arg(name: str, default: float) -> float:
     return moment.timestamp()
 
 
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = request.args.get(name, default)
+    if value not in choices:
+        raise AdminError(400, "invalid_parameter", f"{name} must be {' or '.join(c or '(absent)' for c in choices)}",
+                         name)
+    return value
+
+
 @blueprint.get("/usage")
-@authenticated(admin=True)
-async def usage(caller: Caller) -> Any:
+@admin_endpoint
+async def usage(keeper: StateKeeper, caller: Caller) -> Any:
     """``?tenant=&from=&to=&group_by=hour|day&by=model&format=json|csv`` (default: every tenant,
     the last 24 hours by hour, JSON)."""
-    try:
-        keeper = _keeper()
-        now = keeper.wall()
-        end = _time_arg("to", now)
-        start = _time_arg("from", end - 86_400)
-        group_by = request.args.get("group_by", "hour")
-        if group_by not in ("hour", "day"):
-            raise AdminError(400, "invalid_parameter", "group_by must be hour or day", "group_by")
-        view = request.args.get("format", "json")
-        if view not in ("json", "csv"):
-            raise AdminError(400, "invalid_parameter", "format must be json or csv", "format")
-        by = request.args.get("by", "")
-        if by not in ("", "model"):
-            raise AdminError(400, "invalid_parameter", "by must be model (or absent)", "by")
-        if not start < end:
-            raise AdminError(400, "invalid_parameter", "from must be before to", "from")
-        if end - start > MAX_USAGE_SPAN_S:
-            raise AdminError(400, "invalid_parameter", "from and to may be at most 400 days apart", "from")
-        tenant = request.args.get("tenant") or None
-        rows = {} if keeper.store is None else await keeper.store.usage(
-            tenant=tenant, start=int(start) // HOUR_S * HOUR_S, end=int(end))
-        if keeper.usage is not None:  # (what the next flush will add: the answer is current)
-            for key, fields in keeper.usage.pending().items():
-                if (tenant is None or key.tenant == tenant) and start // HOUR_S * HOUR_S <= key.hour < end:
-                    merged = rows.setdefault(key, {})
-                    for field, amount in fields.items():
-                        merged[field] = merged.get(field, 0) + amount
-        summaries = summarize(rows, group_by=group_by, by_model=by == "model")
-    except AdminError as exc:
-        return _refused(exc)
+    end = _time_arg("to", keeper.wall())
+    start = _time_arg("from", end - 86_400)
+    group_by = _choice("group_by", "hour", ("hour", "day"))
+    view = _choice("format", "json", ("json", "csv"))
+    by = _choice("by", "", ("model", ""))
+    if not start < end:
+        raise AdminError(400, "invalid_parameter", "from must be before to", "from")
+    if end - start > MAX_USAGE_SPAN_S:
+        raise AdminError(400, "invalid_parameter", "from and to may be at most 400 days apart", "from")
+    rows = await keeper.usage_rows(tenant=request.args.get("tenant") or None, start=start, end=end)
+    summaries = summarize(rows, group_by=group_by, by_model=by == "model")
     if view == "csv":
         return Response(to_csv(summaries), status=200, content_type="text/csv; charset=utf-8",
                         headers={"Content-Disposition": 'attachment; filename="apsd-usage.csv"'})
@@ -373,6 +344,6 @@ def openapi_document() -> dict[str, Any]:
 
 
 @blueprint.get("/openapi.json")
-@authenticated(admin=True)
-async def openapi(caller: Caller) -> Any:
+@admin_endpoint
+async def openapi(keeper: StateKeeper, caller: Caller) -> Any:
     return json_response(openapi_document())

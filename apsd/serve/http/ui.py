@@ -167,20 +167,8 @@ async def _usage(keeper: StateKeeper | None, sampler: StatusSampler) -> list[dic
     if cached is not None and 0 <= now - cached[0] < USAGE_CACHE_S:
         return cached[1]
     start = (int(now) // 86_400 - USAGE_DAYS + 1) * 86_400
-    before = keeper.usage.pending() if keeper.usage is not None else {}
-    rows = {} if keeper.store is None else await keeper.store.usage(tenant=None, start=start, end=int(now) + HOUR_S)
-    pending = keeper.usage.pending() if keeper.usage is not None else {}
-    for key, fields in pending.items():
-        if key.hour >= start:
-            merged = rows.setdefault(key, {})
-            for field, amount in fields.items():
-                merged[field] = merged.get(field, 0) + amount
-    summaries = summarize(rows, group_by="day")
-    # A flush that took the pending rows while the store was read may have written them after the
-    # read: this reading can miss them (as GET /admin/usage can), so it is not kept for the next.
-    flushed = any(key not in pending or any(pending[key].get(f, 0) < v for f, v in fields.items())
-                  for key, fields in before.items())
-    sampler.usage_cache = None if flushed else (now, summaries)
+    summaries = summarize(await keeper.usage_rows(tenant=None, start=start, end=now + HOUR_S), group_by="day")
+    sampler.usage_cache = (now, summaries)
     return summaries
 
 
