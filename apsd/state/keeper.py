@@ -122,7 +122,7 @@ async def open_keeper(config: Config, *, environ: Mapping[str, str] | None = Non
             except (OSError, ConnectionError) as exc:
                 raise ConfigError(f"state: cannot read the state at {store.where}: {exc}") from None
             log.info("state kept in %s (%s): %d tenants, %d keys issued", store.where, store.kind,
-                     len(keeper.snapshot.tenants), len(keeper.snapshot.keys), extra={"event": "state"})
+                     len(keeper.snapshot.in_force), len(keeper.snapshot.keys), extra={"event": "state"})
         yield keeper
     finally:
         await keeper.close()
@@ -159,7 +159,7 @@ class StateKeeper:
             if key.active(now):
                 issued.setdefault(key.tenant, []).append(key.key_hash)
         tenants = {}
-        for name, record in sorted(self.snapshot.tenants.items()):
+        for name, record in sorted(self.snapshot.in_force.items()):
             declared = self.file_config.tenants.get(name)
             hashes = (declared.api_key_hashes if declared is not None else ()) + tuple(issued.get(name, ()))
             tenants[name] = attrs.evolve(record.settings, api_key_hashes=tuple(dict.fromkeys(hashes)))
@@ -193,22 +193,23 @@ class StateKeeper:
                 record = self.snapshot.tenants.get(name)
                 settings = attrs.evolve(declared, api_key_hashes=())
                 if record is not None and record.file_digest == digest and (
-                        not authoritative or record.settings == settings):
+                        not authoritative or (record.settings == settings and record.deleted_at is None)):
                     continue  # (seed: unchanged in the file since last applied; the store's values stand)
                 new = TenantRecord(name, settings, "file", digest, record.created_at if record else now, now)
-                if record is not None and record.settings == settings and record.origin == "file":
-                    changes.append(PutTenant(new))  # (the digest moved with the keys only: no audit)
-                    continue
                 changes.append(PutTenant(new))
-                audit.append(AuditEntry(now, "file", "tenant.update" if record else "tenant.create", name,
-                                        settings_dict(record.settings) if record else None, settings_dict(settings)))
-                said.append(f"tenant {name} {'updated' if record else 'created'} from {config.source}")
+                existed = record is not None and record.deleted_at is None
+                if existed and record.settings == settings and record.origin == "file":
+                    continue  # (the digest moved with the keys only: nothing to audit)
+                audit.append(AuditEntry(now, "file", "tenant.update" if existed else "tenant.create", name,
+                                        settings_dict(record.settings) if existed else None, settings_dict(settings)))
+                said.append(f"tenant {name} {'updated' if existed else 'created'} from {config.source}")
             for name, record in sorted(self.snapshot.tenants.items()):
-                if record.origin == "file" and name not in config.tenants:
+                if record.file_digest is not None and name not in config.tenants:
                     changes.append(DeleteTenant(name))
-                    changes += self._revocations(name, now)
-                    audit.append(AuditEntry(now, "file", "tenant.delete", name, settings_dict(record.settings)))
-                    said.append(f"tenant {name} deleted: {config.source} no longer declares it")
+                    if record.deleted_at is None:
+                        changes += self._revocations(name, now)
+                        audit.append(AuditEntry(now, "file", "tenant.delete", name, settings_dict(record.settings)))
+                        said.append(f"tenant {name} deleted: {config.source} no longer declares it")
             if changes:
                 await self.store.write(changes, audit)
                 self.snapshot = await self.store.load()
@@ -231,7 +232,7 @@ class StateKeeper:
                              "which is authoritative ([state] file_tenants): change it there and reload")
 
     def _record(self, name: str) -> TenantRecord:
-        record = self.snapshot.tenants.get(name)
+        record = self.snapshot.in_force.get(name)
         if record is None:
             raise AdminError(404, "unknown_tenant", f"no tenant named {name!r}")
         return record
@@ -254,11 +255,12 @@ class StateKeeper:
         except ConfigError as exc:
             raise _config_error(exc) from None
         async with self._lock:
-            if name in self.snapshot.tenants:
+            if name in self.snapshot.in_force:
                 raise AdminError(409, "tenant_exists", f"a tenant named {name!r} exists; PATCH it instead", "name")
             self._guard_file(name)
             now = self.wall()
-            record = TenantRecord(name, tenant, "admin", None, now, now)
+            deleted = self.snapshot.tenants.get(name)  # (the file's declaration stays the older change)
+            record = TenantRecord(name, tenant, "admin", deleted.file_digest if deleted else None, now, now)
             await self._commit([PutTenant(record)],
                                [AuditEntry(now, actor, "tenant.create", name, None, settings_dict(tenant))],
                                f"tenant {name} created by {actor}")
@@ -291,7 +293,11 @@ class StateKeeper:
             record = self._record(name)
             self._guard_file(name)
             now = self.wall()
-            await self._commit([DeleteTenant(name), *self._revocations(name, now)],
+            # a tenant the file declares is remembered as deleted, so that the file's unchanged
+            # declaration does not bring it back (the latest change wins)
+            gone = (PutTenant(attrs.evolve(record, deleted_at=now, updated_at=now)) if record.file_digest is not None
+                    else DeleteTenant(name))
+            await self._commit([gone, *self._revocations(name, now)],
                                [AuditEntry(now, actor, "tenant.delete", name, settings_dict(record.settings))],
                                f"tenant {name} deleted by {actor}")
 
@@ -356,7 +362,7 @@ class StateKeeper:
 
     # -- reads --------------------------------------------------------------------------------
     def tenant_source(self, name: str) -> str:
-        record = self.snapshot.tenants.get(name)
+        record = self.snapshot.in_force.get(name)
         return record.origin if record is not None else "file"
 
     def key_views(self, tenant: str | None = None) -> list[dict[str, Any]]:
@@ -493,7 +499,7 @@ class StateKeeper:
                 budgets.set_spent(tenant, tenants[tenant], key, spent)
 
     def effective_tenants(self) -> dict[str, TenantConfig]:
-        return {name: record.settings for name, record in self.snapshot.tenants.items()} if self.store else dict(
+        return {name: record.settings for name, record in self.snapshot.in_force.items()} if self.store else dict(
             self.file_config.tenants)
 
     async def restore(self, budgets: Budgets) -> dict[str, tuple[float, float]]:

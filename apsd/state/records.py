@@ -64,6 +64,10 @@ class TenantRecord:
     file_digest: str | None
     created_at: float
     updated_at: float
+    #: When ``/admin`` deleted a tenant the config file declares (``[state] file_tenants = "seed"``):
+    #: the record stays, so that the file's unchanged declaration does not bring it back at the
+    #: next start (None: in force).
+    deleted_at: float | None = None
 
 
 @attrs.frozen
@@ -162,13 +166,14 @@ def percentile(counts: dict[int, float], q: float) -> float | None:
 
 def tenant_to_json(record: TenantRecord) -> dict[str, Any]:
     return {"name": record.name, "settings": settings_dict(record.settings), "origin": record.origin,
-            "file_digest": record.file_digest, "created_at": record.created_at, "updated_at": record.updated_at}
+            "file_digest": record.file_digest, "created_at": record.created_at, "updated_at": record.updated_at,
+            "deleted_at": record.deleted_at}
 
 
 def tenant_from_json(data: dict[str, Any]) -> TenantRecord:
     return TenantRecord(name=data["name"], settings=tenant_from_settings(data["settings"], f"tenants.{data['name']}"),
                         origin=data["origin"], file_digest=data["file_digest"], created_at=data["created_at"],
-                        updated_at=data["updated_at"])
+                        updated_at=data["updated_at"], deleted_at=data.get("deleted_at"))
 
 
 def key_to_json(record: KeyRecord) -> dict[str, Any]:

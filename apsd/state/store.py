@@ -42,9 +42,15 @@ Change = PutTenant | DeleteTenant | PutKey
 class Snapshot:
     """Tenants and keys as stored, at ``version``."""
 
+    #: Every record, those deleted through ``/admin`` but remembered for the config file included.
     tenants: dict[str, TenantRecord]
     keys: tuple[KeyRecord, ...]
     version: int
+
+    @property
+    def in_force(self) -> dict[str, TenantRecord]:
+        """The tenants that exist (not deleted)."""
+        return {name: record for name, record in self.tenants.items() if record.deleted_at is None}
 
 
 class StateStore(Protocol):

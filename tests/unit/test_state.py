@@ -123,6 +123,15 @@ async def test_seed_the_latest_change_wins(tmp_path):
         actions = [(e.actor, e.action, e.target) for e in await keeper.store.audit(limit=10)]
         assert actions[:3] == [("file", "tenant.delete", "a"), ("file", "tenant.create", "c"),
                                ("file", "tenant.update", "a")]
+        await keeper.delete_tenant("admin:x", "c")  # /admin deletes a tenant the file declares ...
+    async with open_keeper(config_with(tmp_path, {"c": TenantConfig(rate=1, burst=5)}), wall=wall) as keeper:
+        assert sorted(keeper.effective().tenants) == ["b"]  # ... the latest change: the file does not bring it back
+        await keeper.create_tenant("admin:x", {"name": "c", "rate": 7, "burst": 7})  # nor after it is re-created
+    async with open_keeper(config_with(tmp_path, {"c": TenantConfig(rate=1, burst=5)}), wall=wall) as keeper:
+        assert keeper.effective().tenants["c"].rate == 7
+        await keeper.delete_tenant("admin:x", "c")
+        await keeper.reconcile(config_with(tmp_path, {"c": TenantConfig(rate=2, burst=5)}))  # the file changed it
+        assert keeper.effective().tenants["c"].rate == 2
 
 
 async def test_authoritative_the_file_always_wins_and_admin_may_not_change_its_tenants(tmp_path):

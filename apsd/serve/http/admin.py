@@ -159,7 +159,7 @@ async def issue_key(name: str, keeper: StateKeeper, caller: Caller) -> Any:
 @blueprint.get("/tenants/<name>/keys")
 @admin_endpoint
 async def tenant_keys(name: str, keeper: StateKeeper, caller: Caller) -> Any:
-    if name not in keeper.snapshot.tenants and name not in http_state().pipeline.config.tenants:
+    if name not in keeper.snapshot.in_force and name not in http_state().pipeline.config.tenants:
         raise _unknown_tenant(name)
     return json_response({"keys": keeper.key_views(name)})
 
