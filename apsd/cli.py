@@ -523,6 +523,9 @@ def _main(argv: Sequence[str] | None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before the signal watcher was listening
         return 130
     except BaseException as exc:
+        config_error = _leaf(exc, ConfigError)  # e.g. a state file that cannot be opened
+        if config_error is not None:
+            parser.exit(2, f"apsd: error: {config_error}\n")
         os_error = _leaf(exc, OSError)  # e.g. the address is already in use
         if os_error is None:
             raise

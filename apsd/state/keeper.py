@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import re
+import sqlite3
 import secrets
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -102,6 +103,20 @@ def state_store_for(config: Config, environ: Mapping[str, str]) -> StateStore | 
     return SqliteState(config.state.sqlite_path(environ))
 
 
+def _leaf(exc: BaseException) -> BaseException:
+    """The one error inside (nested) groups of one, as coredis raises them."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _unreachable(store: StateStore, exc: BaseException) -> None:
+    exc = _leaf(exc)
+    log.warning("state: %s cannot be reached (%s: %s): serving the config file's tenants and keys until it "
+                "can; /admin changes are refused until then", store.where, type(exc).__name__, exc,
+                extra={"event": "state"})
+
+
 @asynccontextmanager
 async def open_keeper(config: Config, *, environ: Mapping[str, str] | None = None,
                       wall: Callable[[], float] = calendar_time) -> AsyncIterator[StateKeeper]:
@@ -113,16 +128,24 @@ async def open_keeper(config: Config, *, environ: Mapping[str, str] | None = Non
     try:
         store = state_store_for(config, os.environ if environ is None else environ)
     except StateFileError as exc:
-        raise ConfigError(f"state: {exc}") from None
+        raise ConfigError(f"{config.source}: state: {exc}") from None
     keeper = StateKeeper(store=store, file_config=config, wall=wall)
     try:
         if store is not None:
             try:
                 await keeper.reconcile(config)
-            except (OSError, ConnectionError) as exc:
-                raise ConfigError(f"state: cannot read the state at {store.where}: {exc}") from None
-            log.info("state kept in %s (%s): %d tenants, %d keys issued", store.where, store.kind,
-                     len(keeper.snapshot.in_force), len(keeper.snapshot.keys), extra={"event": "state"})
+            except (OSError, sqlite3.Error) as exc:
+                if store.kind != "redis":
+                    raise ConfigError(f"{config.source}: state: cannot use the state file {store.where}: "
+                                      f"{exc}") from None
+                _unreachable(store, exc)
+            except Exception as exc:  # (coredis's errors): Redis may come back, as for the shared buckets
+                if store.kind != "redis":
+                    raise
+                _unreachable(store, exc)
+            if keeper.seeded:
+                log.info("state kept in %s (%s): %d tenants, %d keys issued", store.where, store.kind,
+                         len(keeper.snapshot.in_force), len(keeper.snapshot.keys), extra={"event": "state"})
         yield keeper
     finally:
         await keeper.close()
@@ -142,6 +165,9 @@ class StateKeeper:
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
     _usage_lock: trio.Lock = attrs.field(factory=trio.Lock)
     _built_at: float = 0.0
+    #: The state was read, and the file's tenants written to it, since start (until then, and with
+    #: no state at all, the effective configuration is the file's).
+    seeded: bool = False
     _pruned_at: float = 0.0
 
     @property
@@ -152,7 +178,7 @@ class StateKeeper:
     def effective(self) -> Config:
         """The config file's configuration with the stored tenants and their keys (see the module)."""
         self._built_at = now = self.wall()
-        if self.store is None:
+        if self.store is None or not self.seeded:
             return self.file_config
         issued: dict[str, list[str]] = {}
         for key in self.snapshot.keys:
@@ -213,6 +239,7 @@ class StateKeeper:
             if changes:
                 await self.store.write(changes, audit)
                 self.snapshot = await self.store.load()
+            self.seeded = True
             return said
 
     def _revocations(self, tenant: str, now: float) -> list[Change]:
@@ -224,6 +251,9 @@ class StateKeeper:
         if self.store is None:
             raise AdminError(409, "state_off", '[state] kind = "off": nothing is kept, so nothing can be changed '
                              "through /admin; change the config file and reload")
+        if not self.seeded:
+            raise AdminError(503, "state_unavailable", f"the state at {self.store.where} cannot be reached now; "
+                             "retry when it can (the config file's tenants and keys are served meanwhile)")
         return self.store
 
     def _guard_file(self, name: str) -> None:
@@ -399,7 +429,11 @@ class StateKeeper:
                 nursery.start_soon(self._every, settings.poll_interval_s, self.poll)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(2.0):
-                await self.flush(buckets())
+                try:
+                    await self.flush(buckets())
+                except Exception as exc:  # (the state cannot be reached: what was not written is lost)
+                    log.warning("state: the last flush failed, usage since the previous one is lost: %s: %s",
+                                type(_leaf(exc)).__name__, _leaf(exc), extra={"event": "state"})
 
     @staticmethod
     async def _every(interval: float, work: Callable[[], Any]) -> None:
@@ -411,9 +445,8 @@ class StateKeeper:
             await trio.sleep(interval)
             try:
                 await work()
-            except Exception as exc:
-                while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-                    exc = exc.exceptions[0]
+            except Exception as error:
+                exc = _leaf(error)
                 log.log(logging.DEBUG if failing else logging.WARNING, "state: %s failed (retried every %g s): %s: %s",
                         what, interval, type(exc).__name__, exc, extra={"event": "state"})
                 failing = True
@@ -425,6 +458,12 @@ class StateKeeper:
     async def poll(self) -> None:
         """Apply changes another replica (or process) made, and expiries."""
         assert self.store is not None
+        if not self.seeded:  # (unreachable at start: seed it now, and serve what it holds)
+            await self.reconcile(self.file_config)
+            log.warning("state: %s reached: its tenants and keys are served", self.store.where,
+                        extra={"event": "state"})
+            self._apply("the state was reached")
+            return
         version = await self.store.version()
         expiry = self._next_expiry()
         if version < self.snapshot.version:
@@ -499,13 +538,14 @@ class StateKeeper:
                 budgets.set_spent(tenant, tenants[tenant], key, spent)
 
     def effective_tenants(self) -> dict[str, TenantConfig]:
-        return {name: record.settings for name, record in self.snapshot.in_force.items()} if self.store else dict(
-            self.file_config.tenants)
+        if self.store is None or not self.seeded:
+            return dict(self.file_config.tenants)
+        return {name: record.settings for name, record in self.snapshot.in_force.items()}
 
     async def restore(self, budgets: Budgets) -> dict[str, tuple[float, float]]:
         """At start: the budgets' spend of the current periods, and the saved bucket levels."""
         self.budgets = budgets
-        if self.store is None:
+        if self.store is None or not self.seeded:
             return {}
         tenants = {name: t for name, t in self.effective_tenants().items() if t.budget_tokens}
         from apsd.core.budget import period_key

@@ -71,9 +71,11 @@ class RedisStateStore:
 
     async def load(self) -> Snapshot:
         async with self._redis() as redis:
+            # the version first: a change written while the records are read leaves it behind them, and
+            # the next poll reads them again (read after, it could hide that change for good)
+            version = int(await redis.get(f"{self._p}:version") or 0)
             tenants = await redis.hgetall(f"{self._p}:tenants")
             keys = await redis.hgetall(f"{self._p}:keys")
-            version = int(await redis.get(f"{self._p}:version") or 0)
         return Snapshot({name: tenant_from_json(json.loads(v)) for name, v in tenants.items()},
                         tuple(sorted((key_from_json(json.loads(v)) for v in keys.values()), key=lambda k: k.key_id)),
                         version)

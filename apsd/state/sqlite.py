@@ -103,11 +103,12 @@ class SqliteState:
     # -- tenants, keys, audit -------------------------------------------------------------------
     async def load(self) -> Snapshot:
         def read(db: sqlite3.Connection) -> Snapshot:
+            version = _version(db)  # (first: see RedisStateStore.load; another process may share the file)
             tenants = {name: tenant_from_json(json.loads(record))
                        for name, record in db.execute("SELECT name, record FROM tenants")}
             keys = tuple(key_from_json(json.loads(record))
                          for (record,) in db.execute("SELECT record FROM api_keys ORDER BY key_id"))
-            return Snapshot(tenants, keys, _version(db))
+            return Snapshot(tenants, keys, version)
         return await self._run(read)
 
     async def version(self) -> int:

@@ -51,3 +51,28 @@ async def test_two_replicas_share_tenants_keys_audit_and_usage_through_redis():
             async with httpx.AsyncClient() as client:  # (the same entries, whichever replica is asked)
                 again = await client.get(second.url + "/admin/audit", headers=ADMIN_HEADERS)
             assert again.json()["entries"] == audit
+
+
+async def test_a_replica_that_starts_while_redis_is_down_serves_the_file_then_seeds_the_state():
+    async with open_redis_server() as redis:
+        team_key = "team-a-key-" + "t" * 20
+        tenants = {"team-a": {"rate": 1e4, "burst": 10_000, "api_key_hashes": [hash_key(team_key)]}}
+        config = store_config(redis.url, tenants,
+                              auth={"admin_key_hashes": [hash_key(ADMIN)]}, state={"poll_interval_s": 0.1})
+        redis.kill()
+        async with replicas(config, 1) as (only,):
+            assert not only.daemon.keeper.seeded
+            # the file's tenants are served meanwhile (admitted on the replica's share while the store is down)
+            served = await only.client.post("/infer", json=infer_body(None),
+                                            headers={"Authorization": f"Bearer {team_key}"})
+            assert served.status_code == 200, served.text
+            assert "team-a" in only.daemon.pipeline.config.tenants
+            refused = await only.client.post("/admin/tenants", headers=ADMIN_HEADERS,
+                                             json={"name": "team-b", "rate": 1, "burst": 10})
+            assert (refused.status_code, refused.json()["error"]) == (503, "state_unavailable")
+            await redis.restart()
+            await wait_until(lambda: only.daemon.keeper.seeded, limit_s=10)
+            made = await only.client.post("/admin/tenants", headers=ADMIN_HEADERS,
+                                          json={"name": "team-b", "rate": 1, "burst": 10})
+            assert made.status_code == 201
+            assert sorted(only.daemon.pipeline.config.tenants) == ["team-a", "team-b"]

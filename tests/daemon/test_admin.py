@@ -263,3 +263,13 @@ def _flushed_usage(path) -> int:
         return int(row[0] or 0)
     except sqlite3.Error:
         return 0
+
+
+def test_a_state_file_that_cannot_be_opened_stops_the_daemon_with_one_line(tmp_path):
+    config = tmp_path / "apsd.toml"
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    config.write_text(f'[server]\nport = 0\n[state]\npath = "{blocker}/apsd.db"\n')
+    answer = run_cli(str(config))
+    assert answer.returncode == 2 and "Traceback" not in answer.stderr
+    assert f"apsd: error: {config}: state: {blocker}/apsd.db: cannot open the state file" in answer.stderr
