@@ -23,6 +23,8 @@ Channels (buffer sizes are deliberate)::
 
 from __future__ import annotations
 
+import collections
+
 import math
 import secrets
 from collections.abc import AsyncIterator
@@ -83,6 +85,8 @@ class PipelineStatistics:
     gpus: int
     time_scale: float
     governor: GovernorView
+    #: (where, reason) -> requests the routing policy sent there for that reason (:meth:`Pipeline.route_decisions`).
+    routes: dict[tuple[str, str], int] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -143,7 +147,10 @@ class Pipeline:
         ledger = Ledger(tenant_names=config.tenants, clock=clock, events=EventBus(policies.plugin_manager))
         scheduler = Scheduler(policies=policies, ledger=ledger, clock=clock, queue_timeout_s=config.queue.timeout_s)
         engines = build_engines(config, ledger=ledger, clock=clock, rank=scheduler.rank,
-                                requeue=scheduler.requeue, profiles=profiles, backend_client=backend_client)
+                                requeue=scheduler.requeue, profiles=profiles, backend_client=backend_client,
+                                routing=policies.routing)
+        if len(engines) > 1 and all(hasattr(engine, "target") for engine in engines):
+            scheduler.route_between(policies.routing, engines)
         admission = Admission(tenants=dict(config.tenants), batching=policies.batching, ledger=ledger,
                               clock=clock, engine_refuse=engines[0].refuse, max_queued=config.queue.max_requests,
                               max_queued_per_tenant=config.queue.max_requests_per_tenant,
@@ -193,12 +200,13 @@ class Pipeline:
     def new_request(self, *, tenant_id: str, prompt: str, tokens_requested: int, priority_bid: int,
                     prompt_tokens: int | None = None, timeout_s: float | None = None, model: str | None = None,
                     api: str | None = None, payload: dict | None = None, open_ended: bool = False,
-                    request_id: str | None = None) -> InferenceRequest:
+                    request_id: str | None = None, prefix_blocks: tuple[int, ...] | None = None) -> InferenceRequest:
         """A request ready to submit; ``timeout_s`` (model seconds, > 0) may shorten ``[queue] timeout_s``
         for it (a longer one is clamped to the config's when it is queued). ``model``, ``api``,
         ``payload`` and ``open_ended`` describe an OpenAI-style request (see
         :class:`~apsd.core.models.InferenceRequest`). ``request_id``: the client's own (``X-Request-Id``,
-        already checked by the HTTP layer); None: apsd numbers it."""
+        already checked by the HTTP layer); None: apsd numbers it. ``prefix_blocks``: a simulated request's
+        routing key (:func:`apsd.core.routing.synthetic_blocks`); None: computed from its text when routed."""
         if timeout_s is not None and not 0 < timeout_s < math.inf:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self._next_request += 1
@@ -214,6 +222,8 @@ class Pipeline:
             model=model,
             api=api,
             payload=payload,
+            prefix_blocks=prefix_blocks,
+            cached_discount=self.config.admission.cached_prompt_discount,
         )
 
     def models(self) -> list[str]:
@@ -411,7 +421,17 @@ class Pipeline:
             gpus=self.gpus,
             time_scale=self.clock.time_scale,
             governor=self.governor_view(),
+            routes=self.route_decisions(),
         )
+
+    def route_decisions(self) -> dict[tuple[str, str], int]:
+        """(backend or engine, reason) -> requests the routing policy sent there for that reason: the
+        forward engine's choices between its backends, the scheduler's between several engines."""
+        counts = collections.Counter(self.scheduler.route_counts)
+        for engine in self.engines:
+            if isinstance(engine, ForwardEngine):
+                counts.update(engine.route_decisions())
+        return dict(counts)
 
     def fairness_view(self, *, idle: bool = True) -> FairnessView:
         """Fairness now, in model time: each configured tenant's output tokens over the last

@@ -44,6 +44,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "apsd.policies.fair",
     "apsd.policies.governor",
     "apsd.policies.batching",
+    "apsd.policies.routing",
     "apsd.engines.profiles",
     "apsd.serve.logs",
 )
@@ -145,7 +146,7 @@ def describe_plugins(pm: pluggy.PluginManager, registry: PolicyRegistry,
         builtin = name in DEFAULT_PLUGINS
         provides: dict[str, list[str]] = {
             kind: [e.name for e in registry.entries.values() if (e.plugin, e.kind) == (name, kind)]
-            for kind in POLICY_KINDS
+            for kind in (*POLICY_KINDS, "routing")
         }
         provides["presets"] = [p.name for p in registry.presets.values() if p.plugin == name]
         if profiles is not None:

@@ -273,6 +273,10 @@ class AdmissionConfig:
     non_ascii_bytes_per_token: float = attrs.field(default=1.0, validator=between(0.1, 1000))
     #: Longest prompt, in estimated tokens: a longer one gets 413 ``prompt_too_long``.
     max_prompt_tokens: int = attrs.field(default=32_768, validator=between(1, 10**9))
+    #: The share of a cached prompt token's charge a tenant is spared when its engine found the
+    #: token in its prefix cache (a backend's ``usage.prompt_tokens_details.cached_tokens``, or the
+    #: continuous engine's own cache): 0 charges cached tokens in full, 0.5 at half, 1 not at all.
+    cached_prompt_discount: float = attrs.field(default=0.0, validator=between(0.0, 1.0))
 
 
 def redis_url(_inst: object, attribute: attrs.Attribute, value: str) -> None:
@@ -475,6 +479,9 @@ class EngineConfig:
     #: Times a request whose engine failed before its first token goes back to the queue;
     #: after that it is answered 502.
     max_retries: int = attrs.field(default=0, validator=between(0, 100))
+    #: A continuous engine keeps the KV blocks of prompts it has read (vLLM's automatic prefix
+    #: caching): a request whose prompt starts with cached blocks skips their prefill.
+    prefix_cache: bool = True
 
     @property
     def simulated(self) -> bool:
@@ -534,6 +541,9 @@ class BackendConfig:
     sim_ttft_s: float = attrs.field(default=0.05, validator=between(0, 3600))
     #: ``apsd simulate`` only: model seconds per output token after the first (see ``sim_ttft_s``).
     sim_tpot_s: float = attrs.field(default=0.02, validator=between(0, 3600))
+    #: Tokens of prompts its prefix cache holds, which the ``prefix`` routing policy's picture of it is
+    #: sized from; 0 takes ``[routing] cache_tokens``.
+    cache_tokens: int = attrs.field(default=0, validator=between(0, 10**10))
 
     @property
     def label(self) -> str:
@@ -575,6 +585,35 @@ class ForwardConfig:
     #: Isolation (``[engine] isolation``): a tenant counts as active, and a free slot is held for it
     #: while it is below its share, for this long after its last request here.
     tenant_active_s: float = attrs.field(default=10.0, validator=between(0.0, 86_400))
+
+
+@attrs.frozen
+class RoutingConfig:
+    """Where a dispatched request runs when there is more than one place: which backend of the
+    ``forward`` engine, or which of several ``continuous`` engines (docs/explanation/routing.md).
+    Fair share and priority still decide *when*."""
+
+    #: ``prefix`` (to the place that holds the longest part of the conversation in its cache, unless
+    #: load is out of balance), ``least-loaded``, ``prefix-hash`` (consistent hashing of the
+    #: conversation's start with bounded loads: every replica gives the same answer without sharing
+    #: state), or a plugin's routing policy.
+    policy: str = attrs.field(default="prefix", validator=non_empty)
+    #: ``prefix``: load is out of balance (route to the least loaded) when the fullest place's share of
+    #: its slots exceeds the emptiest's by more than this ...
+    balance_abs: float = attrs.field(default=0.25, validator=between(0.0, 1.0))
+    #: ... and is more than this many times the emptiest's.
+    balance_rel: float = attrs.field(default=1.5, validator=between(1.0, 1000.0))
+    #: ``prefix``: the share of a request's key the best place must hold for the request to go there;
+    #: below it, the request goes to the least loaded place.
+    cache_threshold: float = attrs.field(default=0.3, validator=between(0.0, 1.0))
+    #: ``prefix``: tokens a backend's prefix cache holds when its ``cache_tokens`` is not set (a
+    #: continuous engine's is its KV cache).
+    cache_tokens: int = attrs.field(default=262_144, validator=between(1, 10**10))
+    #: ``prefix-hash``: blocks of the conversation's start that are hashed (a block is 256 characters).
+    hash_blocks: int = attrs.field(default=1, validator=between(1, 1024))
+    #: ``prefix-hash``: a place takes a request while its load is at most this times the mean load
+    #: (plus one); else the next place on the ring.
+    load_factor: float = attrs.field(default=1.25, validator=between(1.0, 100.0))
 
 
 @attrs.frozen
@@ -629,6 +668,7 @@ class Config:
     forward: ForwardConfig = ForwardConfig()
     store: StoreConfig = StoreConfig()
     state: StateConfig = StateConfig()
+    routing: RoutingConfig = RoutingConfig()
     backends: tuple[BackendConfig, ...] = ()
     tenants: dict[str, TenantConfig] = attrs.field(factory=_default_tenants)
     #: Where this config came from, for error messages ("<defaults>" if embedded).

@@ -68,6 +68,10 @@ class EngineStatistics:
     #: engine has no hardware model, e.g. the ``batch`` engine).
     mfu: float | None = None
     mbu: float | None = None
+    #: Prompt tokens of the requests that joined, and how many of them its prefix cache held (their
+    #: prefill skipped).
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
 
 
 @runtime_checkable

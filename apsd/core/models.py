@@ -194,6 +194,17 @@ class InferenceRequest:
     cost_usd: float = 0.0
     #: Times it went back to the queue because its engine failed before its first token.
     retries: int = 0
+    # -- routing and the prefix cache ----------------------------------------------------------
+    #: Its routing key: chained hashes of its prompt's blocks (:func:`apsd.core.routing.routing_key`;
+    #: None: not computed yet; a simulated request may come with its own).
+    prefix_blocks: tuple[int, ...] | None = attrs.field(default=None, repr=False)
+    #: Where the routing policy sent it and why (``X-Apsd-Route``), e.g. ``"b1; reason=cache_match"``.
+    route: str | None = None
+    #: Prompt tokens its engine found in its prefix cache (a backend's ``cached_tokens``).
+    cached_tokens: int = 0
+    #: The share of a cached prompt token's charge its tenant is spared (``[admission]
+    #: cached_prompt_discount``).
+    cached_discount: float = 0.0
 
     @property
     def answered(self) -> bool:
@@ -208,8 +219,12 @@ class InferenceRequest:
 
     @property
     def used_tokens(self) -> int:
-        """The tokens it used so far: its prompt once it started, and its output."""
-        return (self.prompt_tokens if self.started_at is not None else 0) + self.tokens_generated
+        """The tokens it used so far: its prompt once it started (its cached tokens at
+        ``cached_discount``), and its output."""
+        if self.started_at is None:
+            return self.tokens_generated
+        spared = int(self.cached_tokens * self.cached_discount) if self.cached_tokens else 0
+        return self.prompt_tokens - spared + self.tokens_generated
 
 
 @attrs.frozen
@@ -238,6 +253,9 @@ class Capacity:
     #: How many more sequences ``request``'s tenant may take now (the ``forward`` engine keeps a slot
     #: free for each other active tenant below its share); None: no limit per tenant.
     tenant_room: Callable[[InferenceRequest], int] | None = None
+    #: Whether the routing policy lets this engine take ``request`` (several engines: it may be meant
+    #: for another one with room); None: any request.
+    route: Callable[[InferenceRequest], bool] | None = None
 
     def need(self, request: InferenceRequest) -> int:
         """KV tokens ``request`` needs to join."""
@@ -252,10 +270,11 @@ class Capacity:
         if self.tenant_room is not None and tenant_taken >= self.tenant_room(request):
             return False
         need = kv_taken + self.need(request)
-        if self.sequences - taken > 0 and need <= self.kv_tokens:
-            return True
-        return (self.under_share is not None and self.sequences + self.held_sequences - taken > 0
-                and need <= self.kv_tokens + self.held_kv_tokens and self.under_share(request))
+        if not (self.sequences - taken > 0 and need <= self.kv_tokens) and not (
+                self.under_share is not None and self.sequences + self.held_sequences - taken > 0
+                and need <= self.kv_tokens + self.held_kv_tokens and self.under_share(request)):
+            return False
+        return self.route is None or self.route(request)
 
     def fits(self, request: InferenceRequest) -> bool:
         """Whether ``request`` alone fits what is free."""

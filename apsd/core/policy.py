@@ -42,7 +42,7 @@ __all__ = [
     "POLICY_KINDS",
 ]
 
-PolicyKind = Literal["aging", "governor", "batching"]
+PolicyKind = Literal["aging", "governor", "batching", "routing"]
 POLICY_KINDS: tuple[PolicyKind, ...] = ("aging", "governor", "batching")
 
 
@@ -164,6 +164,8 @@ class PolicySet:
     aging: OrderingPolicy
     governor: Governor
     batching: BatchingPolicy
+    #: Where a request goes when there is more than one place (:mod:`apsd.core.routing`).
+    routing: Any
     names: dict[str, str]
     #: Builds a fresh, empty aging policy (used after the running one raised).
     new_aging: Callable[[], OrderingPolicy]
@@ -218,6 +220,11 @@ class PolicyRegistry:
         """Register a :class:`BatchingPolicy` factory under ``name``."""
         self._add("batching", name, factory, summary)
 
+    def routing(self, name: str, factory: PolicyFactory, summary: str = "") -> None:
+        """Register a routing policy factory (an :class:`apsd.core.routing.RoutingPolicy`) under ``name``,
+        for ``[routing] policy``; its parameters are its ``[policy.<name>]`` table."""
+        self._add("routing", name, factory, summary)
+
     def preset(self, name: str, *, aging: str, governor: str, batching: str) -> None:
         """Register a preset: a name for ``--policy`` that picks one policy of each kind."""
         if name in self.presets:
@@ -262,9 +269,14 @@ class PolicyRegistry:
             built[kind] = _call_factory(entry, dict(config.policy.params.get(entry.name, {})), config)
         if config.engine.batches_itself and not config.policy.window_configured(names["governor"]):
             built["governor"], names["governor"] = NoWindow(), NO_WINDOW
+        routing = self.entries.get(("routing", config.routing.policy))
+        if routing is None:
+            raise ConfigError(f"{source}: routing.policy: unknown routing policy {config.routing.policy!r} "
+                              f"(available: {', '.join(self.names('routing'))})")
+        built["routing"] = _call_factory(routing, dict(config.policy.params.get(routing.name, {})), config)
         aging = self.entries[("aging", names["aging"])]
         aging_params = dict(config.policy.params.get(aging.name, {}))
         return PolicySet(aging=built["aging"], governor=built["governor"], batching=built["batching"],
-                         names={"preset": chosen_preset, **names},
+                         routing=built["routing"], names={"preset": chosen_preset, **names},
                          new_aging=lambda: aging.factory(dict(aging_params), config),
                          plugin_manager=self.plugin_manager)

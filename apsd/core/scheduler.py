@@ -19,6 +19,14 @@ once ``window_s`` (from the governor) has passed since the first request of
 the current backlog arrived. Requests left over after a cut have already
 waited, so they go out as soon as an engine has room.
 
+Routing between engines: with several engines that can say how a request would fit them
+(``engine.target``: the ``continuous`` engines), the routing policy (``[routing] policy``,
+:mod:`apsd.core.routing`) decides where each request with a routing key goes. An engine asking
+for work takes a request only if the policy chose it, or chose one that has no room for it (a
+spill); otherwise the cut stops there, as for a request that does not fit, and the chosen engine is
+asked to ask again. The choice is kept until its engine has no room. So queue order is kept and
+routing decides only where. Requests without a key go to whichever engine asks (one pool).
+
 Requeues: a request whose engine failed before its first token comes back through
 :meth:`Scheduler.requeue`, keeping its arrival and sequence number (so its place in
 queue order) and its deadline.
@@ -47,10 +55,12 @@ and in virtual time the expiry happens exactly at the deadline.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import logging
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import attrs
 import trio
@@ -61,6 +71,7 @@ from apsd.core.ledger import Ledger
 from apsd.core.models import Capacity, Dispatch, InferenceRequest, Outcome, Refusal
 from apsd.core.queue import FifoQueue
 from apsd.core.policy import GovernorReading, OrderingPolicy, PolicySet
+from apsd.core.routing import routing_key
 
 __all__ = ["Scheduler"]
 
@@ -107,6 +118,13 @@ class Scheduler:
     _earlier_deadline: trio.Event = attrs.field(factory=trio.Event, init=False)
     #: Heap size at which requests no longer queued are swept out of it.
     _compact_deadlines_at: int = attrs.field(default=1024, init=False)
+    #: The routing policy between several engines, and those engines (:meth:`route_between`).
+    _routing: Any = attrs.field(default=None, init=False)
+    _routable: list[Any] = attrs.field(factory=list, init=False)
+    #: A queued request's chosen engine and the reason, until it is dispatched.
+    _routes: dict[InferenceRequest, tuple[Any, str]] = attrs.field(factory=dict, init=False)
+    #: (engine name, reason) -> requests routed so.
+    route_counts: collections.Counter[tuple[str, str]] = attrs.field(factory=collections.Counter, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._use_queue(self.policies.aging)
@@ -138,6 +156,42 @@ class Scheduler:
         if waiting:
             self._backlog_since = backlog if backlog is not None else now
         self._wake()
+
+    def route_between(self, routing: Any, engines: list[Any]) -> None:
+        """Route requests with a routing key between ``engines`` (each with ``target(request)``) by
+        ``routing`` (a :class:`~apsd.core.routing.RoutingPolicy`); see the module docstring."""
+        self._routing, self._routable = routing, list(engines)
+
+    def _may_take(self, request: InferenceRequest, engine: Engine) -> bool:
+        """Whether ``engine``, which has room for ``request``, may take it under the routing policy."""
+        if not routing_key(request):
+            return True
+        chosen = self._routes.get(request)
+        if chosen is None or (chosen[0] is not engine and not chosen[0].target(request).room):
+            targets = [e.target(request) for e in self._routable]
+            route = self._routing.route(request, targets)
+            chosen = (self._routable[route.index], route.reason)
+            if not targets[route.index].room:
+                chosen = (engine, "spill")
+            self._routes[request] = chosen
+        if chosen[0] is engine:
+            return True
+        ask_again = getattr(chosen[0], "ask_again", None)
+        if ask_again is not None:
+            ask_again()
+        return False
+
+    def _routed(self, requests: list[InferenceRequest], engine: Engine) -> None:
+        """``requests`` were cut for ``engine``: tell the routing policy, stamp and count them."""
+        for request in requests:
+            chosen = self._routes.pop(request, None)
+            if not routing_key(request):
+                continue
+            reason = chosen[1] if chosen is not None and chosen[0] is engine else "spill"
+            target = engine.target(request)   # type: ignore[attr-defined]
+            self._routing.placed(request, target)
+            request.route = f"{target.name}; reason={reason}"
+            self.route_counts[(target.name, reason)] += 1
 
     def _use_queue(self, queue: OrderingPolicy) -> None:
         """Make ``queue`` the waiting queue and find which policies want events."""
@@ -445,6 +499,8 @@ class Scheduler:
             self._backlog_since = now
         cut_at = self._backlog_since + window
         free = engine.free()
+        if self._routing is not None:
+            free = attrs.evolve(free, route=lambda request: self._may_take(request, engine))
         try:
             full = self.policies.batching.is_full(self.queue, now, free)
         except Exception as exc:
@@ -488,8 +544,11 @@ class Scheduler:
             raise self._bad_value("batching", "cut requests it did not pop from the queue (or one twice)")
         requests = [r for r in cut if not r.answered]  # skip requests answered while queued
         self._answered_in_queue = max(0, self._answered_in_queue - (len(cut) - len(requests)))
+        if self._routing is not None:
+            self._routed(requests, engine)
         if not after:
             self._backlog_since = None
+            self._routes.clear()
         if not requests:
             return None
         try:

@@ -101,14 +101,15 @@ def build_engines(config: Config, *, ledger: Ledger, clock: ModelClock,
                   rank: Callable[[InferenceRequest, float], float],
                   requeue: Callable[[InferenceRequest, str], None],
                   profiles: ProfileRegistry | None = None,
-                  backend_client: BackendClient | None = None) -> list[Engine]:
+                  backend_client: BackendClient | None = None, routing: Any = None) -> list[Engine]:
     """``[engine] count`` engines of ``[engine] kind``, numbered from 0 (raises ConfigError); for
     ``forward``, one engine over every ``[[backends]]`` entry, talking through ``backend_client``
     (default: a new :class:`~apsd.engines.backends.HttpBackendClient`, which the engine closes).
     ``rank`` and ``requeue`` are the scheduler's (an engine's order of preemption, and the way
-    back to the queue for a request whose engine failed)."""
+    back to the queue for a request whose engine failed). ``routing``: the routing policy
+    (:class:`~apsd.core.routing.RoutingPolicy`) the forward engine picks its backends with."""
     return _BUILDERS[config.engine.kind].build(config, ledger=ledger, clock=clock, rank=rank, requeue=requeue,
-                                               profiles=profiles, backend_client=backend_client)
+                                               profiles=profiles, backend_client=backend_client, routing=routing)
 
 
 class _Batch:
@@ -146,7 +147,7 @@ class _Continuous:
         return [ContinuousEngine(i, deployment, ledger, clock, rank, max_sequences=engine.max_sequences,
                                  max_batched_tokens=engine.max_batched_tokens,
                                  isolation=engine.isolation, prefill_chunk_tokens=engine.prefill_chunk_tokens,
-                                 price_per_hour_usd=price)
+                                 price_per_hour_usd=price, prefix_cache=engine.prefix_cache)
                 for i in range(engine.count)]
 
 
@@ -161,10 +162,13 @@ class _Forward:
         pass
 
     def build(self, config: Config, *, ledger: Ledger, clock: ModelClock, requeue: Callable[[InferenceRequest, str], None],
-              backend_client: BackendClient | None, **_: Any) -> list[Engine]:
+              backend_client: BackendClient | None, routing: Any, **_: Any) -> list[Engine]:
         client = backend_client or HttpBackendClient(config.forward)
+        if routing is None:
+            raise ValueError("the forward engine needs a routing policy")
         return [ForwardEngine(0, [Backend(b) for b in config.backends], client, ledger, clock, config.forward,
-                              requeue, isolation=config.engine.isolation)]
+                              requeue, routing, isolation=config.engine.isolation,
+                              default_cache_tokens=config.routing.cache_tokens)]
 
 
 #: ``[engine] kind`` -> how to check and build its engines (the kinds themselves: ``apsd.core.config.ENGINE_KINDS``).

@@ -57,6 +57,17 @@ a cancellation arriving in the middle of such a run takes effect at the end of t
 progress. Sequences with a token stream are woken every ``STREAM_INTERVAL_S`` model seconds
 to receive their tokens.
 
+Prefix cache (``[engine] prefix_cache``, on by default, as vLLM's automatic prefix caching): the
+engine keeps the key blocks (:func:`apsd.core.routing.routing_key`, ``BLOCK_TOKENS`` tokens each) of
+every prompt it has read, in an LRU of as many blocks as its KV cache holds, a prompt's first block
+most recently used. A request joining whose key starts with cached blocks skips their prefill: its
+sequence starts with that many tokens in its context (at most its prompt less one token: the last
+is always computed) and ``request.cached_tokens`` says how many, for settlement at ``[admission]
+cached_prompt_discount``. Its KV cache is still counted whole (blocks shared between sequences are
+not deduplicated: the engine errs toward preempting early), and a preempted sequence recomputes its
+whole prompt. Several engines: the routing policy decides which engine a request goes to
+(:meth:`ContinuousEngine.target`, the scheduler's routing).
+
 Costs: a step's cost (its seconds at the deployment's price) is shared by the tokens it
 processed: each decoding sequence pays for one token, each prefill chunk for its tokens.
 MFU and MBU are model FLOPs and bytes read over busy time, against the deployment's peaks.
@@ -78,6 +89,7 @@ from apsd.core.clock import ModelClock
 from apsd.core.config import Config
 from apsd.core.ledger import Ledger
 from apsd.core.models import GENERATION_APIS, Capacity, Dispatch, InferenceRequest, Refusal
+from apsd.core.routing import BLOCK_TOKENS, Target, routing_key
 from apsd.core.streams import TokenChunk
 from apsd.core.engine import Demand, EngineStatistics, completion
 from apsd.engines.roofline import Deployment
@@ -163,6 +175,8 @@ class ContinuousEngine:
     #: from the deployment, :func:`prefill_chunk_for`).
     prefill_chunk_tokens: int = 0
     price_per_hour_usd: float = 0.0
+    #: Keep the blocks of prompts read, and skip their prefill when a prompt starts with them.
+    prefix_cache: bool = False
     kind: str = attrs.field(default="continuous", init=False)
     apis: tuple[str, ...] = attrs.field(default=GENERATION_APIS, init=False)
     # -- state ---------------------------------------------------------------------------------
@@ -217,6 +231,10 @@ class ContinuousEngine:
     _dispatches: int = attrs.field(default=0, init=False)
     _tokens: int = attrs.field(default=0, init=False)
     _preemptions: int = attrs.field(default=0, init=False)
+    #: The prefix cache: key blocks, least recently used first.
+    _blocks: collections.OrderedDict[int, None] = attrs.field(factory=collections.OrderedDict, init=False)
+    _prompt_tokens: int = attrs.field(default=0, init=False)
+    _cached_tokens: int = attrs.field(default=0, init=False)
 
     def __attrs_post_init__(self) -> None:
         if not self.price_per_hour_usd:
@@ -376,7 +394,45 @@ class ContinuousEngine:
             engine_id=self.engine_id, kind=self.kind, running=len(self._prefilling) + len(self._decoding),
             waiting=len(self._preempted), kv_tokens_used=self._kv_used, kv_tokens_capacity=d.kv_capacity_tokens,
             busy_s=self._busy_s, cost_usd=self._cost_usd, dispatches=self._dispatches, tokens_generated=self._tokens,
-            preemptions=self._preemptions, mfu=d.mfu(self._flops, self._busy_s), mbu=d.mbu(self._bytes, self._busy_s))
+            preemptions=self._preemptions, mfu=d.mfu(self._flops, self._busy_s), mbu=d.mbu(self._bytes, self._busy_s),
+            prompt_tokens=self._prompt_tokens, cached_prompt_tokens=self._cached_tokens)
+
+    def target(self, request: InferenceRequest) -> Target:
+        """This engine as a routing policy sees it for ``request``: its sequences (running, preempted and
+        dispatched), ``max_sequences``, whether ``request`` fits now, and its KV cache's size."""
+        inbox = sum(len(d.requests) for d in self._inbox)
+        load = len(self._prefilling) + len(self._decoding) + len(self._preempted) + inbox
+        return Target(name=f"engine-{self.engine_id}", load=load, capacity=self.max_sequences,
+                      room=self.free().fits(request), cache_tokens=self.deployment.kv_capacity_tokens)
+
+    # -- the prefix cache ------------------------------------------------------------------------
+    def _cached_prefix(self, request: InferenceRequest) -> int:
+        """Tokens of ``request``'s prompt its first cached blocks hold (touched: used now)."""
+        if not self.prefix_cache:
+            return 0
+        blocks = self._blocks
+        key = routing_key(request)
+        n = 0
+        for block in key:
+            if block not in blocks:
+                break
+            n += 1
+        for block in reversed(key[:n]):
+            blocks.move_to_end(block)
+        return max(0, min(n * BLOCK_TOKENS, request.prompt_tokens - 1))
+
+    def _remember_prompt(self, request: InferenceRequest) -> None:
+        """``request``'s prompt was read: keep its blocks (its first most recently used), evicting the
+        least recently used beyond what the KV cache holds."""
+        if not self.prefix_cache:
+            return
+        blocks = self._blocks
+        for block in reversed(routing_key(request)[:request.prompt_tokens // BLOCK_TOKENS]):
+            blocks[block] = None
+            blocks.move_to_end(block)
+        capacity = self.deployment.kv_capacity_tokens // BLOCK_TOKENS
+        while len(blocks) > capacity:
+            blocks.popitem(last=False)
 
     # -- the loop --------------------------------------------------------------------------------
     async def serve(self, demands: trio.MemorySendChannel[Demand],
@@ -487,8 +543,12 @@ class ContinuousEngine:
                     continue
                 if request.stream is not None and request.stream.abandoned:
                     self._aborts.add(request)
-                seq = Sequence(request, prompt_left=request.prompt_tokens)
-                self._kv_used += seq.prompt_left
+                cached = self._cached_prefix(request)
+                request.cached_tokens = cached
+                self._prompt_tokens += request.prompt_tokens
+                self._cached_tokens += cached
+                seq = Sequence(request, prompt_left=request.prompt_tokens - cached, context=cached)
+                self._kv_used += request.prompt_tokens
                 self._prefilling.append(seq)
                 if request.stream is not None:
                     self._streaming.add(seq)
@@ -567,6 +627,8 @@ class ContinuousEngine:
         seq.generated += 1
         request = seq.request
         request.tokens_generated = seq.generated
+        if seq.generated == 1:
+            self._remember_prompt(request)
         self._tokens += 1
         if request.started_at is None:
             self.ledger.started(request, self.t)

@@ -5,8 +5,13 @@ its usable backends, per model (``Capacity.slots_per_model``): a backend is usab
 not saturated (:mod:`apsd.engines.backends`) and below its ``max_concurrency``. So requests wait
 in apsd's queue, in its policy's order, rather than in a backend's FIFO.
 
-Each dispatched request goes to the least-loaded usable backend serving its model (a request
-without a model, from ``POST /infer``, to any), in a task of its own:
+Each dispatched request goes to a backend serving its model (a request without a model, from
+``POST /infer``, to any) that the routing policy chooses (``[routing] policy``,
+:mod:`apsd.core.routing`: by default the one holding the longest part of its conversation in its
+prefix cache, unless load is out of balance), in a task of its own. The policy sees every healthy
+backend serving the model, with its load and whether it has room; one the request already failed on
+is left out while another remains. Where it went and why is stamped on the request
+(``request.route``: the ``X-Apsd-Route`` header) and counted (:meth:`ForwardEngine.route_decisions`).
 
 * The client's OpenAI body is sent as it came (parameters apsd does not interpret pass through
   untouched), its output limit set to what admission reserved under every name the client gave
@@ -71,6 +76,7 @@ from apsd.core.clock import ModelClock
 from apsd.core.config import MAX_BID, Config, ForwardConfig
 from apsd.core.ledger import Ledger
 from apsd.core.models import ALL_APIS, LENGTH_ALIASES, Capacity, Completion, Dispatch, InferenceRequest, Refusal
+from apsd.core.routing import RoutingPolicy, Target
 from apsd.core.streams import TokenChunk
 from apsd.engines.backends import (Backend, BackendAnswer, BackendChunk, BackendClient, BackendError, BackendStatistics,
                                    OnChunk)
@@ -93,8 +99,14 @@ class ForwardEngine:
     settings: ForwardConfig
     #: Puts a request that failed before its first token back in the queue (the scheduler's).
     requeue: Callable[[InferenceRequest, str], None]
+    #: Where each request goes (``[routing] policy``).
+    routing: RoutingPolicy
     #: Hold a free slot for each active tenant below its share (the module docstring).
     isolation: bool = True
+    #: The ``prefix`` picture's size for a backend without ``cache_tokens`` (``[routing] cache_tokens``).
+    default_cache_tokens: int = 262_144
+    #: (backend, reason) -> routing decisions so far.
+    _decisions: collections.Counter[tuple[str, str]] = attrs.field(factory=collections.Counter, init=False)
     #: Tenant -> its requests running here (tenants with none are not in it).
     _per_tenant: collections.Counter[str] = attrs.field(factory=collections.Counter, init=False)
     #: Tenants with no request running here -> when their last one ended, oldest first (so forgetting
@@ -311,14 +323,34 @@ class ForwardEngine:
             previous = sent
 
     def _pick(self, request: InferenceRequest) -> Backend | None:
-        """The least-loaded usable backend serving the request's model, one it has not failed on
-        first (a retry goes elsewhere when it can)."""
+        """The backend the routing policy chooses for ``request`` among the healthy ones serving its
+        model (one it failed on left out while another remains), if it has room; None otherwise."""
         now = self.clock.now()
-        tried = self._tried.get(request, ())
-        usable = [b for b in self.backends if b.free(now, self.settings) > 0
-                  and (request.model is None or request.model in b.models)]
-        return min(usable, key=lambda b: (b.name in tried, b.in_flight / b.config.max_concurrency, b.in_flight),
-                   default=None)
+        serving = [b for b in self.backends if b.healthy and b.models
+                   and (request.model is None or request.model in b.models)]
+        tried = self._tried.get(request)
+        if tried:
+            serving = [b for b in serving if b.name not in tried] or serving
+        if not serving:
+            return None
+        targets = [self._target(b, now) for b in serving]
+        route = self.routing.route(request, targets)
+        backend, target = serving[route.index], targets[route.index]
+        if not target.room:
+            return None
+        self.routing.placed(request, target)
+        self._decisions[(backend.name, route.reason)] += 1
+        request.route = f"{backend.name}; reason={route.reason}"
+        return backend
+
+    def _target(self, backend: Backend, now: float) -> Target:
+        return Target(name=backend.name, load=backend.in_flight, capacity=backend.config.max_concurrency,
+                      room=backend.free(now, self.settings) > 0,
+                      cache_tokens=backend.config.cache_tokens or self.default_cache_tokens)
+
+    def route_decisions(self) -> dict[tuple[str, str], int]:
+        """(backend, reason) -> how many requests the routing policy sent there for that reason."""
+        return dict(self._decisions)
 
     # -- one request -------------------------------------------------------------------------------
     def _body(self, request: InferenceRequest, backend: Backend) -> tuple[str, dict, bool]:

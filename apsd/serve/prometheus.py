@@ -67,6 +67,9 @@ Metrics (``tenant`` is a configured tenant's name)::
     apsd_backend_tokens_total{backend,phase}  counter
     apsd_backend_cost_usd_total{backend}      counter
     apsd_backend_waiting{backend}             gauge
+    apsd_route_decisions_total{target,reason} counter  requests the routing policy sent to a backend or
+                                                       engine, and why (cache_match, no_match, imbalance,
+                                                       spill, least_loaded, hash, hash_spill)
     apsd_batch_window_seconds                 gauge    the governor's current batch window
     apsd_governor_entropy                     gauge    bits (no sample when the governor has none;
                                                        not ..._bits: promtool wants bytes)
@@ -726,6 +729,11 @@ class PrometheusExporter:
         yield batch_size
         yield from self._engines(statistics.engines)
         yield from self._backends(statistics.backends)
+        routes = CounterMetricFamily("apsd_route_decisions", "Requests the routing policy sent to a backend or "
+                                     "engine, by the reason for its choice", labels=["target", "reason"])
+        for (target, reason), count in sorted(statistics.routes.items()):
+            routes.add_metric([target, reason], count)
+        yield routes
 
         declared = getattr(pipeline.scheduler.policies.governor, "states", ())
         yield from self._governor(statistics.governor, declared if isinstance(declared, (tuple, list)) else ())

@@ -26,6 +26,9 @@ class Arrival:
     prompt_tokens: int
     output_tokens: int
     bid: int
+    #: Its prompt's routing key (:func:`apsd.core.routing.synthetic_blocks`): requests that share a
+    #: prefix share its blocks. None: no key (one pool of engines, no prefix cache hits).
+    prefix_blocks: tuple[int, ...] | None = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen
@@ -62,6 +65,10 @@ class RequestRecord:
     tpot: float | None = None
     #: The engine that ran it last (None: never dispatched).
     engine_id: int | None = None
+    #: Prompt tokens its engine's prefix cache held (their prefill skipped).
+    cached_tokens: int = 0
+    #: Where the routing policy sent it and why (``engine-2; reason=cache_match``; None: no choice made).
+    route: str | None = None
 
     @property
     def queue_wait(self) -> float | None:

@@ -196,7 +196,8 @@ async def _drive(workload: Workload, config: Config, policies: Any, progress: Ca
             if not clock.reached(arrival.at):  # arrivals at one instant all queue before anything else runs
                 await _advance_to(clock, mock, arrival.at)
             request = pipeline.new_request(tenant_id=arrival.tenant, prompt="", tokens_requested=arrival.output_tokens,
-                                           priority_bid=arrival.bid, prompt_tokens=arrival.prompt_tokens)
+                                           priority_bid=arrival.bid, prompt_tokens=arrival.prompt_tokens,
+                                           prefix_blocks=arrival.prefix_blocks)
             if streamed:  # (so that its first token is seen; nobody reads the stream)
                 request.stream = TokenStream()
                 request.stream.abandon()
@@ -274,7 +275,8 @@ def _record(at: float, request: InferenceRequest) -> RequestRecord:
                              finished_at=request.finished_at, batch_id=outcome.batch_id,
                              batch_size=outcome.batch_size, cost_usd=outcome.cost_usd, started_at=request.started_at,
                              tpot=None if outcome.tpot_ms is None else outcome.tpot_ms / 1000.0,
-                             engine_id=request.engine_id)
+                             engine_id=request.engine_id, cached_tokens=request.cached_tokens,
+                             route=request.route)
     assert isinstance(outcome, Refusal)
     return RequestRecord(**common, outcome=outcome.kind, error=outcome.error, dispatched_at=request.dispatched_at,
                          started_at=request.started_at, engine_id=request.engine_id)

@@ -40,6 +40,7 @@ import numpy as np
 
 from apsd.core import strictjson
 from apsd.core.config import SEED_KV_CAP_TOKENS, TenantConfig, read_text, read_toml
+from apsd.core.routing import synthetic_blocks
 from apsd.sim.records import Arrival, Workload
 
 __all__ = [
@@ -413,6 +414,51 @@ def check_dist_shift(p: Mapping[str, Any]) -> None:
         raise ValueError(f"shift_at: must be <= duration ({p['duration']:g}), got {p['shift_at']:g}")
 
 
+def zipf_choices(rng: np.random.Generator, population: int, exponent: float, size: int) -> np.ndarray:
+    """``size`` draws from ``0..population-1`` with P(k) proportional to 1 / (k + 1) ** exponent."""
+    weights = 1.0 / np.arange(1, population + 1, dtype=float) ** exponent
+    return rng.choice(population, size=size, p=weights / weights.sum())
+
+
+def shared_prefixes(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
+    """Poisson arrivals whose prompts start with one of ``prefixes`` shared prefixes (documents,
+    system prompts), drawn by a Zipf law, then ``suffix_tokens`` of their own."""
+    names = tenant_names(p["tenants"])
+    times = poisson_times(rng, p["rate"], p["duration"])
+    which = zipf_choices(rng, p["prefixes"], p["zipf"], times.size)
+    who = rng.integers(0, len(names), times.size)
+    prompt = p["prefix_tokens"] + p["suffix_tokens"]
+    arrivals = [Arrival(at=float(at), tenant=names[int(t)], prompt_tokens=prompt, output_tokens=p["output_tokens"],
+                        bid=5, prefix_blocks=synthetic_blocks((int(k), p["prefix_tokens"]), n, prompt))
+                for n, (at, k, t) in enumerate(zip(times, which, who))]
+    return Generated(arrivals, names)
+
+
+def multi_turn(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
+    """Conversations starting as a Poisson process, each with its own system prompt and ``turns``
+    turns: a turn's prompt is the whole conversation so far (system prompt, earlier questions and
+    answers) and its question; the next turn comes its answer's length in decode time plus an
+    exponential think time later."""
+    names = tenant_names(p["tenants"])
+    starts = poisson_times(rng, p["rate"], p["duration"])
+    arrivals: list[Arrival] = []
+    for c, start in enumerate(starts):
+        tenant = names[int(rng.integers(0, len(names)))]
+        at = float(start)
+        for turn in range(p["turns"]):
+            prompt = p["system_tokens"] + turn * (p["user_tokens"] + p["output_tokens"]) + p["user_tokens"]
+            arrivals.append(Arrival(at=at, tenant=tenant, prompt_tokens=prompt, output_tokens=p["output_tokens"],
+                                    bid=5, prefix_blocks=synthetic_blocks((c, prompt), 0, prompt)))
+            at += float(rng.exponential(p["think_s"])) + 0.02 * p["output_tokens"]
+    return Generated(arrivals, names)
+
+
+def check_multi_turn(p: Mapping[str, Any]) -> None:
+    longest = p["system_tokens"] + p["turns"] * (p["user_tokens"] + p["output_tokens"])
+    if longest > KV_CAPACITY_TOKENS:
+        raise ValueError(f"turns: the last turn's conversation ({longest} tokens) must be <= {KV_CAPACITY_TOKENS}")
+
+
 @attrs.frozen
 class Builtin:
     """A built-in workload: its parameters, how many arrivals they ask for, and the generator."""
@@ -552,6 +598,29 @@ BUILTINS: dict[str, Builtin] = {b.name: b for b in [
         dist_shift,
         lambda p: ((p["rate_a"] + p["rate_b"]) * p["duration"], "(rate_a + rate_b) * duration"),
         check_dist_shift,
+    ),
+    Builtin(
+        "shared-prefixes",
+        "Poisson arrivals whose prompts start with one of many shared prefixes (Zipf popularity), then a "
+        "suffix of their own: the prefix cache's and cache-aware routing's workload",
+        {"rate": positive(9), "duration": positive(120), "tenants": count(4, 1, 10_000), "prefixes": count(228, 1),
+         "prefix_tokens": tokens(4096), "suffix_tokens": tokens(128), "output_tokens": tokens(64),
+         "zipf": Param(1.0, 0, 10)},
+        shared_prefixes,
+        lambda p: (p["rate"] * p["duration"], "rate * duration"),
+        lambda p: fits_kv({"prompt_tokens": p["prefix_tokens"] + p["suffix_tokens"],
+                           "output_tokens": p["output_tokens"]}),
+    ),
+    Builtin(
+        "multi-turn",
+        "chat conversations (Poisson starts), each turn's prompt the whole conversation so far: its "
+        "system prompt, the earlier turns and a new question",
+        {"rate": positive(1), "duration": positive(120), "tenants": count(4, 1, 10_000), "turns": count(6, 1, 1000),
+         "system_tokens": tokens(2048), "user_tokens": tokens(128), "output_tokens": tokens(128),
+         "think_s": Param(5.0, 0, 1e6)},
+        multi_turn,
+        lambda p: (p["rate"] * p["duration"] * p["turns"], "rate * duration * turns"),
+        check_multi_turn,
     ),
 ]}
 

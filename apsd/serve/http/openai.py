@@ -69,6 +69,8 @@ TENANT_HEADER = "X-Apsd-Tenant"
 #: apsd's own bid, 1-10, higher served sooner (clamped to the tenant's ``max_bid``); it takes
 #: precedence over the body's vLLM-style ``priority``.
 PRIORITY_HEADER = "X-Apsd-Priority"
+#: The response header saying where the routing policy sent a request, and why.
+ROUTE_HEADER = "X-Apsd-Route"
 #: Tokens added per chat message to the estimate of its text (role and delimiters, as chat
 #: templates add; OpenAI's own count is 3-4 per message).
 MESSAGE_OVERHEAD_TOKENS = 4
@@ -628,7 +630,7 @@ async def _stream_answer(pipeline: Pipeline, inference: InferenceRequest, body: 
     if first is None and isinstance(outcome, Refusal):
         return _refused(outcome)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": inference.request_id,
-               **pipeline.admission.rate_limit_headers(inference.tenant_id)}
+               **pipeline.admission.rate_limit_headers(inference.tenant_id), **route_header(inference)}
     response = Response(_events(pipeline, inference, body, first), status=200, headers=headers,
                         content_type="text/event-stream")
     response.timeout = None  # (quart's RESPONSE_TIMEOUT, 60 s, would cut a long stream silently)
@@ -673,8 +675,15 @@ async def _complete(api: str, caller: Caller) -> Response:
             pipeline.cancel(inference)
     if isinstance(outcome, Refusal):
         return _refused(outcome)
-    headers = {"X-Request-Id": outcome.request_id, **pipeline.admission.rate_limit_headers(outcome.tenant_id)}
+    headers = {"X-Request-Id": outcome.request_id, **pipeline.admission.rate_limit_headers(outcome.tenant_id),
+               **route_header(inference)}
     return _answer(outcome.response if outcome.response is not None else _built_answer(body, outcome), headers)
+
+
+def route_header(inference: InferenceRequest) -> dict[str, str]:
+    """``X-Apsd-Route: <backend or engine>; reason=<why>``: where the routing policy sent the request
+    (nothing when there was no choice to make)."""
+    return {ROUTE_HEADER: inference.route} if inference.route else {}
 
 
 def _endpoint(api: str) -> Callable[..., Awaitable[Response]]:
