@@ -84,6 +84,8 @@ class BackendAnswer:
     prompt_tokens: int | None
     completion_tokens: int | None
     response: dict | None = None
+    #: Prompt tokens the backend found in its prefix cache, as it says (:func:`cached_tokens`).
+    cached_tokens: int = 0
 
 
 @attrs.define
@@ -373,8 +375,10 @@ class HttpBackendClient:
                 _raise_for_status(backend, response.status, answer)
                 data = _json_object(answer)
                 prompt, completion = bounds.check(backend, data.get("usage"))
-                return BackendAnswer(prompt, completion, data)
+                return BackendAnswer(prompt, completion, data, cached_tokens(data.get("usage"), data.get("timings"),
+                                                                             prompt))
             usage: Any = None
+            timings: Any = None
             # One scope for the whole exchange: until the first token (headers included: llama.cpp
             # sends them with its first token) within first_token_timeout_s, then no silence longer
             # than read_timeout_s. Its deadline moves at most once per DEADLINE_STEP_S (moving it
@@ -399,7 +403,7 @@ class HttpBackendClient:
                                 raise BackendError(502, "backend_failed", f"backend {backend.name}: "
                                                    f"{_error_message(chunk)}", retryable=not started)
                             if chunk.get("usage") is not None:
-                                usage = chunk["usage"]
+                                usage, timings = chunk["usage"], chunk.get("timings", timings)
                             elif chunk.get("type") in _RESPONSE_ENDS and isinstance(chunk.get("response"), dict):
                                 usage = chunk["response"].get("usage")
                             started = True
@@ -416,7 +420,7 @@ class HttpBackendClient:
             if silence.cancelled_caught:
                 raise trio.TooSlowError
             prompt, completion = bounds.check(backend, usage)
-            return BackendAnswer(prompt, completion)
+            return BackendAnswer(prompt, completion, cached_tokens=cached_tokens(usage, timings, prompt))
         except trio.TooSlowError:
             what = "between two tokens" if started else "before the first token"
             raise BackendError(504, "backend_timeout", f"backend {backend.name} was silent {what} for longer "
@@ -504,6 +508,25 @@ class UsageBounds:
             raise _invalid_usage(backend, f"usage is {_shown(usage)}, not an object")
         return (_count(backend, usage, self.keys[0], self.prompt),
                 _count(backend, usage, self.keys[1], self.completion))
+
+
+def cached_tokens(usage: Any, timings: Any, prompt_tokens: int | None) -> int:
+    """The prompt tokens a backend says it found in its prefix cache: OpenAI's (and vLLM's)
+    ``usage.prompt_tokens_details.cached_tokens`` (the Responses API's ``input_tokens_details``), else
+    llama.cpp's ``timings.cache_n``; 0 when it says nothing believable (the figure only spares the
+    tenant a discount, so a bad one is ignored rather than failing the request)."""
+    value: Any = None
+    if isinstance(usage, dict):
+        for name in ("prompt_tokens_details", "input_tokens_details"):
+            details = usage.get(name)
+            if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                value = details["cached_tokens"]
+                break
+    if value is None and isinstance(timings, dict):
+        value = timings.get("cache_n")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or prompt_tokens is None:
+        return 0
+    return min(value, prompt_tokens)
 
 
 def _count(backend: Backend, usage: dict, key: str, bound: int) -> int | None:

@@ -521,6 +521,7 @@ class ForwardEngine:
             request.prompt_tokens = answer.prompt_tokens
         if answer.completion_tokens is not None:
             request.tokens_generated = answer.completion_tokens
+        request.cached_tokens = answer.cached_tokens
         if request.started_at is None:  # not streamed: its first token is seen with its last
             self.ledger.started(request, now)
         request.cost_usd = self._cost(request, backend, now - start)
