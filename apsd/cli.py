@@ -433,7 +433,15 @@ def research_main(argv: Sequence[str]) -> int:
                              "default continuous engine) under fifo, aps, fair and the plugins' presets: print a heat "
                              "map per policy and write research/isolation-grid.md (about 2 minutes per policy)")
     parser.add_argument("--presets", metavar="P,P", help="with --grid: these presets only")
+    parser.add_argument("--routing", action="store_true",
+                        help="instead, compare the routing policies least-loaded, prefix and prefix-hash between 4 "
+                             "continuous engines with prefix caches on shared-prefix workloads: print the tables and "
+                             "write research/routing.md (about a minute)")
+    parser.add_argument("--duration", type=float, default=600.0, metavar="S",
+                        help="with --routing: model seconds of each workload (default 600)")
     args = parser.parse_args(argv)
+    if args.routing:
+        return _research_routing(parser, args)
     _require_plotting(parser)
     if args.grid:
         return _research_grid(parser, args)
@@ -444,6 +452,22 @@ def research_main(argv: Sequence[str]) -> int:
             path = write_research(Path(args.out), seed=args.seed, progress=advance, plugin_manager=pm)
     except PluginError as exc:
         parser.exit(1, f"apsd research: plugin error: {exc}\n")
+    print(f"wrote {path}")
+    return 0
+
+
+def _research_routing(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from apsd.sim.research.routing import routing_document, run_routing_study
+
+    if not 10 <= args.duration <= 86_400:
+        parser.exit(2, f"apsd research: error: --duration: must be 10 to 86400 model seconds, got {args.duration:g}\n")
+    rows = run_routing_study(duration=args.duration, seed=args.seed,
+                             progress=None if args.quiet else lambda what: print(f"  {what}", file=sys.stderr))
+    text = routing_document(rows, duration=args.duration, seed=args.seed)
+    path = Path(args.out) / "research" / "routing.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(text)
     print(f"wrote {path}")
     return 0
 

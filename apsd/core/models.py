@@ -253,9 +253,9 @@ class Capacity:
     #: How many more sequences ``request``'s tenant may take now (the ``forward`` engine keeps a slot
     #: free for each other active tenant below its share); None: no limit per tenant.
     tenant_room: Callable[[InferenceRequest], int] | None = None
-    #: Whether the routing policy lets this engine take ``request`` (several engines: it may be meant
-    #: for another one with room); None: any request.
-    route: Callable[[InferenceRequest], bool] | None = None
+    #: Whether the routing policy lets this engine take ``request`` once it took ``taken`` others in the
+    #: same dispatch (several engines: it may be meant for another one with room); None: any request.
+    route: Callable[[InferenceRequest, int], bool] | None = None
 
     def need(self, request: InferenceRequest) -> int:
         """KV tokens ``request`` needs to join."""
@@ -274,7 +274,7 @@ class Capacity:
                 self.under_share is not None and self.sequences + self.held_sequences - taken > 0
                 and need <= self.kv_tokens + self.held_kv_tokens and self.under_share(request)):
             return False
-        return self.route is None or self.route(request)
+        return self.route is None or self.route(request, taken)
 
     def fits(self, request: InferenceRequest) -> bool:
         """Whether ``request`` alone fits what is free."""

@@ -123,6 +123,10 @@ class Scheduler:
     _routable: list[Any] = attrs.field(factory=list, init=False)
     #: A queued request's chosen engine and the reason, until it is dispatched.
     _routes: dict[InferenceRequest, tuple[Any, str]] = attrs.field(factory=dict, init=False)
+    #: With routing: the requests each engine was given and has not finished (its load as routing sees it:
+    #: an engine counts a dispatch only once it receives it), by engine id.
+    _placed: dict[InferenceRequest, int] = attrs.field(factory=dict, init=False)
+    _engine_load: collections.Counter[int] = attrs.field(factory=collections.Counter, init=False)
     #: (engine name, reason) -> requests routed so.
     route_counts: collections.Counter[tuple[str, str]] = attrs.field(factory=collections.Counter, init=False)
 
@@ -162,13 +166,14 @@ class Scheduler:
         ``routing`` (a :class:`~apsd.core.routing.RoutingPolicy`); see the module docstring."""
         self._routing, self._routable = routing, list(engines)
 
-    def _may_take(self, request: InferenceRequest, engine: Engine) -> bool:
-        """Whether ``engine``, which has room for ``request``, may take it under the routing policy."""
+    def _may_take(self, request: InferenceRequest, engine: Engine, taken: int) -> bool:
+        """Whether ``engine``, which has room for ``request`` beside the ``taken`` requests it is being
+        given in the same dispatch, may take it under the routing policy."""
         if not routing_key(request):
             return True
         chosen = self._routes.get(request)
         if chosen is None or (chosen[0] is not engine and not chosen[0].target(request).room):
-            targets = [e.target(request) for e in self._routable]
+            targets = [self._target(e, request, taken if e is engine else 0) for e in self._routable]
             route = self._routing.route(request, targets)
             chosen = (self._routable[route.index], route.reason)
             if not targets[route.index].room:
@@ -181,14 +186,27 @@ class Scheduler:
             ask_again()
         return False
 
+    def _target(self, engine: Any, request: InferenceRequest, taken: int) -> Any:
+        """``engine`` as the routing policy sees it for ``request``: its load is what it was given and has
+        not finished, and the ``taken`` requests it is being given now."""
+        target = engine.target(request)
+        return attrs.evolve(target, load=self._engine_load[engine.engine_id] + taken)
+
+    def _unplace(self, request: InferenceRequest) -> None:
+        engine_id = self._placed.pop(request, None)
+        if engine_id is not None:
+            self._engine_load[engine_id] -= 1
+
     def _routed(self, requests: list[InferenceRequest], engine: Engine) -> None:
         """``requests`` were cut for ``engine``: tell the routing policy, stamp and count them."""
         for request in requests:
+            self._placed[request] = engine.engine_id
+            self._engine_load[engine.engine_id] += 1
             chosen = self._routes.pop(request, None)
             if not routing_key(request):
                 continue
             reason = chosen[1] if chosen is not None and chosen[0] is engine else "spill"
-            target = engine.target(request)   # type: ignore[attr-defined]
+            target = self._target(engine, request, 0)
             self._routing.placed(request, target)
             request.route = f"{target.name}; reason={reason}"
             self.route_counts[(target.name, reason)] += 1
@@ -255,6 +273,8 @@ class Scheduler:
         """Tell every policy with an ``on_finish`` method that ``request`` ended (step 4 of
         :meth:`apsd.core.ledger.Ledger.finish`); a policy that raises is logged and reported as a
         policy failure, and the others are still told."""
+        if self._placed:
+            self._unplace(request)
         for kind, on_finish in self._on_finish:
             try:
                 on_finish(request, outcome, now)
@@ -285,6 +305,8 @@ class Scheduler:
     def requeue(self, request: InferenceRequest, reason: str) -> None:
         """Put a dispatched request whose engine failed before its first token back in the queue,
         in its old place (arrival and ``seq`` kept), its deadline kept (it may expire at once)."""
+        if self._placed:
+            self._unplace(request)
         self.ledger.requeued(request, reason)
         now = self.clock.now()
         try:
@@ -500,7 +522,7 @@ class Scheduler:
         cut_at = self._backlog_since + window
         free = engine.free()
         if self._routing is not None:
-            free = attrs.evolve(free, route=lambda request: self._may_take(request, engine))
+            free = attrs.evolve(free, route=lambda request, taken: self._may_take(request, engine, taken))
         try:
             full = self.policies.batching.is_full(self.queue, now, free)
         except Exception as exc:
