@@ -237,7 +237,7 @@ def _policy_sections() -> str:
     config = Config()
     out = []
     kinds = {"aging": "the order of the waiting queue", "governor": "the batch window",
-             "batching": "when a dispatch is full and what goes in it"}
+             "batching": "when a dispatch is full and what goes in it", "routing": "where a dispatched request runs"}
     rows = []
     for (kind, name), entry in sorted(registry.entries.items(), key=lambda item: (list(kinds).index(item[0][0]),
                                                                                  item[0][1])):
@@ -246,7 +246,8 @@ def _policy_sections() -> str:
         parameters = f"[`[policy.{name}]`](#policy{name})" if has_keys else "none"
         rows.append([code(kind), code(name), markdown(entry.summary), parameters])
     out.append("### Built-in policies\n\nPlugins add more (`apsd plugins` lists what is installed; "
-               "their own documentation gives their parameters).\n\n"
+               "their own documentation gives their parameters). A routing policy is chosen by `[routing] policy`, "
+               "not by a preset; the built-in ones take their settings from `[routing]`.\n\n"
                + table(("kind", "name", "what it does", "parameters"), rows) + "\n")
     preset_rows = [[code(p.name) + (" (default)" if p.name == config.policy.preset else ""), code(p.aging),
                     code(p.governor), code(p.batching)] for p in sorted(registry.presets.values(),

@@ -54,11 +54,16 @@ def register_policies(registry: PolicyRegistry) -> None:
     Called once per plugin manager, at start-up, before the config's policies
     are built, for every plugin in registration order (built-ins first). Call
     ``registry.aging(name, factory, summary)``, ``registry.governor(...)``,
-    ``registry.batching(...)`` and ``registry.preset(name, aging=...,
-    governor=..., batching=...)``. Each ``factory(params, config)`` receives the
-    ``[policy.<name>]`` table as a dict and the whole :class:`apsd.Config`, and
-    returns a new policy object (see ``docs/how-to/write-a-plugin.md`` for the three
+    ``registry.batching(...)``, ``registry.routing(...)`` and ``registry.preset(name,
+    aging=..., governor=..., batching=...)``. Each ``factory(params, config)`` receives
+    the ``[policy.<name>]`` table as a dict and the whole :class:`apsd.Config`, and
+    returns a new policy object (see ``docs/how-to/write-a-plugin.md`` for the
     interfaces); it raises :class:`apsd.ConfigError` for a bad parameter.
+
+    The fourth kind, a *routing* policy (:class:`apsd.core.routing.RoutingPolicy`),
+    decides where a dispatched request runs when there are several backends or
+    engines; ``[routing] policy`` picks it by name (presets do not), and its
+    ``route`` and ``placed`` are called synchronously on the dispatch path.
 
     May raise: any exception stops the daemon at start-up with one message
     naming the plugin (registering a name another plugin already took raises
