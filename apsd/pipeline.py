@@ -10,7 +10,8 @@ simulator through :meth:`Pipeline.admit_now`; both read the views
 (:meth:`Pipeline.statistics`, :meth:`Pipeline.health`, :meth:`Pipeline.tenant_status`),
 frozen snapshots that the HTTP edge serialises.
 
-It also starts the scheduler's queue-timeout task (:meth:`Scheduler.serve_timeouts`).
+It also starts the scheduler's queue-timeout task (:meth:`Scheduler.serve_timeouts`) and the service
+classes' deadline task (:meth:`apsd.core.classes.ServiceClasses.serve_deadlines`).
 
 Channels (buffer sizes are deliberate)::
 
@@ -34,6 +35,7 @@ import attrs
 import trio
 
 from apsd.core.admission import Admission, estimate_tokens
+from apsd.core.classes import ClassFigures, ServiceClasses
 from apsd.core.clock import ModelClock
 from apsd.core.config import Config
 from apsd.engines import Demand, Engine, EngineDescription, EngineStatistics, ForwardEngine, build_engines, describe
@@ -130,6 +132,8 @@ class Pipeline:
     #: Where tenants' buckets and fair-share counters live (``[store]``); its task runs with the stages.
     store: Store
     request_id_prefix: str
+    #: The service classes (``[classes]``): admission's deadline checks and the attainment counts.
+    classes: ServiceClasses
     _ingress_send: trio.MemorySendChannel[InferenceRequest]
     _ingress_receive: trio.MemoryReceiveChannel[InferenceRequest]
     _next_request: int = 0
@@ -155,13 +159,19 @@ class Pipeline:
                               clock=clock, engine_refuse=engines[0].refuse, max_queued=config.queue.max_requests,
                               max_queued_per_tenant=config.queue.max_requests_per_tenant,
                               max_queued_tokens=config.queue.max_tokens, store=store)
+        classes = ServiceClasses(classes=dict(config.classes), clock=clock,
+                                 queued_total=lambda: ledger.queued_total, finish=ledger.finish,
+                                 note_answered_in_queue=scheduler.note_answered_in_queue)
+        if config.classes:  # (without classes, nothing listens: the unclassed path pays nothing)
+            classes.subscribe(ledger.events)
+        admission.classes = classes
         # How a request ends (Ledger.finish): the books, then the tenant's settlement, then the policies.
         ledger.settle, ledger.tell_policies = admission.settle, scheduler.policy_finished
         scheduler.on_new_queue = store.share
         store.share(scheduler.queue)
         send, receive = trio.open_memory_channel[InferenceRequest](config.queue.ingress_buffer)
         return cls(config=config, policies=policies, clock=clock, ledger=ledger, admission=admission,
-                   scheduler=scheduler, engines=engines, store=store,
+                   scheduler=scheduler, engines=engines, store=store, classes=classes,
                    request_id_prefix=request_id_prefix if request_id_prefix is not None else secrets.token_hex(4),
                    ingress_send=send, ingress_receive=receive)
 
@@ -191,6 +201,7 @@ class Pipeline:
                 nursery.start_soon(engine.serve, demand_send.clone(), answer_receive)
         nursery.start_soon(self.scheduler.serve_dispatch, demand_receive, answers)
         nursery.start_soon(self.scheduler.serve_timeouts)
+        nursery.start_soon(self.classes.serve_deadlines)
 
     # -- the way in ------------------------------------------------------------------------
     def estimate_prompt_tokens(self, prompt: str) -> int:
@@ -200,13 +211,15 @@ class Pipeline:
     def new_request(self, *, tenant_id: str, prompt: str, tokens_requested: int, priority_bid: int,
                     prompt_tokens: int | None = None, timeout_s: float | None = None, model: str | None = None,
                     api: str | None = None, payload: dict | None = None, open_ended: bool = False,
-                    request_id: str | None = None, prefix_blocks: tuple[int, ...] | None = None) -> InferenceRequest:
+                    request_id: str | None = None, prefix_blocks: tuple[int, ...] | None = None,
+                    service_class: str | None = None) -> InferenceRequest:
         """A request ready to submit; ``timeout_s`` (model seconds, > 0) may shorten ``[queue] timeout_s``
         for it (a longer one is clamped to the config's when it is queued). ``model``, ``api``,
         ``payload`` and ``open_ended`` describe an OpenAI-style request (see
         :class:`~apsd.core.models.InferenceRequest`). ``request_id``: the client's own (``X-Request-Id``,
         already checked by the HTTP layer); None: apsd numbers it. ``prefix_blocks``: a simulated request's
-        routing key (:func:`apsd.core.routing.synthetic_blocks`); None: computed from its text when routed."""
+        routing key (:func:`apsd.core.routing.synthetic_blocks`); None: computed from its text when routed.
+        ``service_class``: the class it names (``X-Apsd-Class``; None: its tenant's default)."""
         if timeout_s is not None and not 0 < timeout_s < math.inf:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self._next_request += 1
@@ -224,6 +237,7 @@ class Pipeline:
             payload=payload,
             prefix_blocks=prefix_blocks,
             cached_discount=self.config.admission.cached_prompt_discount,
+            service_class=service_class,
         )
 
     def models(self) -> list[str]:
@@ -364,6 +378,9 @@ class Pipeline:
                    if now != then]
         config = attrs.evolve(config, **fixed)
         changes += self.admission.reconfigure(config.tenants, policies.batching, config.queue)
+        changes += self.classes.reconfigure(config.classes)
+        if config.classes:
+            self.classes.subscribe(self.ledger.events)
         self.ledger.add_tenants(config.tenants)
         if policies.names != self.policies.names or config.policy.params != old.policy.params:
             changes.append("policies: " + ", ".join(f"{k}={v}" for k, v in policies.names.items()))
@@ -394,6 +411,10 @@ class Pipeline:
         except Exception as exc:  # a broken governor must not break /health and /metrics
             return GovernorView(state="ERROR", entropy_bits=None, window_ms=None, error=f"{type(exc).__name__}: {exc}")
         return GovernorView(state=reading.state, entropy_bits=reading.entropy_bits, window_ms=reading.window_s * 1000.0)
+
+    def class_statistics(self) -> tuple[ClassFigures, ...]:
+        """Every service class's attainment counts (:mod:`apsd.core.classes`)."""
+        return self.classes.statistics()
 
     def health(self) -> Health:
         return Health(status="ok" if self.accepting else "draining", policy=self.scheduler.policy_names,

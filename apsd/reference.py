@@ -154,6 +154,7 @@ _NAMED_VALIDATORS: dict[str, Callable[[], str]] = {
     "http_url": lambda: "an `http://` or `https://` URL",
     "engine_kind": _engine_kinds,
     "model_names": lambda: "model names, none empty, none twice",
+    "class_names": lambda: "names of `[classes.<name>]`, none empty, none twice",
 }
 
 
@@ -267,12 +268,13 @@ def _policy_sections() -> str:
 
 
 def config_page() -> str:
-    from apsd.core.config import BackendConfig, PolicyConfig, TenantConfig
+    from apsd.core.config import BackendConfig, PolicyConfig, ServiceClassConfig, TenantConfig
 
     fields = [f for f in attrs.fields(attrs.resolve_types(Config)) if f.metadata.get("toml", True)]
     sections = [f.name for f in fields if attrs.has(f.type)]
     contents = [f"[`[{name}]`](#{name})" for name in sections]
-    contents += ["[`[[backends]]`](#backends)", "[`[tenants.<name>]`](#tenantsname)"]
+    contents += ["[`[[backends]]`](#backends)", "[`[tenants.<name>]`](#tenantsname)",
+                 "[`[classes.<name>]`](#classesname)"]
     out = ["# Configuration reference", "", _NOTICE.format(source="`apsd/core/config.py`"), "",
            "apsd reads one TOML file, named on its command line (`apsd apsd.toml`); without one it runs on the "
            "defaults below, which are also what [`config/apsd.toml`](../../config/apsd.toml) sets. Every key is "
@@ -312,13 +314,18 @@ def config_page() -> str:
                "requests still run) and re-rates them (keeping their tokens, up to the new `burst`).\n\n"
                + table(_KEY_HEADER, key_rows(TenantConfig, "tenants.<name>")) + "\n\n"
                "The default tenants:\n\n" + table(("tenant", "rate", "burst"), default_rows) + "\n")
+    out.append("## `[classes.<name>]`\n\n" + paragraphs(ServiceClassConfig.__doc__) + "\n\n"
+               "One table per class, named by its key (`[classes.interactive]`); `ttft_s` is required. None is "
+               "configured by default. A tenant may use the classes its `classes` names, and a name there that is "
+               "no class is an error.\n\n"
+               + table(_KEY_HEADER, key_rows(ServiceClassConfig, "classes.<name>")) + "\n")
     return "\n".join(out).rstrip("\n") + "\n"
 
 
 # -- the metrics ------------------------------------------------------------------------------------
 
 #: Labels whose values are names from the configuration or the traffic (their values are not listed).
-_FREE_LABELS = frozenset({"tenant", "engine", "backend", "error", "kind", "aging", "governor", "batching", "preset"})
+_FREE_LABELS = frozenset({"tenant", "class", "engine", "backend", "error", "kind", "aging", "governor", "batching", "preset"})
 _SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
 
 

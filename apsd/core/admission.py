@@ -12,6 +12,7 @@ Checks, in order (the first that fails answers):
 2. unknown tenant           -> 404 ``unknown_tenant``
    tenant disabled          -> 403 ``tenant_disabled``
    model not in its list    -> 403 ``model_not_allowed`` (its ``models``, when it has one)
+   class unknown / not its  -> 400 ``unknown_class`` / 403 ``class_not_allowed`` (:mod:`apsd.core.classes`)
 3. can never be admitted    -> 413 (cost above the tenant's burst, above what the
                                engines can hold — they say, and the batching policy
                                may cap it further — or above the queue's ``max_tokens``)
@@ -20,6 +21,8 @@ Checks, in order (the first that fails answers):
                                requests queued, or this one would pass ``max_tokens``)
 5. budget would be passed   -> 429 ``budget_exhausted`` with ``Retry-After`` (the period's
                                end; :mod:`apsd.core.budget`)
+5b. deadline unmeetable    -> 503 ``deadline_unmeetable`` with ``Retry-After`` (a ``refuse`` class whose
+                               estimated wait passes its ``ttft_s``; :mod:`apsd.core.classes`)
 6. bucket short of tokens   -> 429 ``rate_limited`` with ``Retry-After`` and
                                the IETF ``RateLimit``/``RateLimit-Policy`` fields
 
@@ -59,6 +62,7 @@ from apsd.core.ledger import billed_tokens
 from apsd.core.models import InferenceRequest, Outcome, Refusal
 
 if TYPE_CHECKING:
+    from apsd.core.classes import ServiceClasses
     from apsd.core.ledger import Ledger
     from apsd.core.policy import BatchingPolicy
     from apsd.core.store import Bucket, Store
@@ -117,6 +121,8 @@ class Admission:
     #: Tenants' budgets (``budget_tokens``): reserved at admission, settled with the bucket.
     budgets: Budgets = attrs.field(factory=Budgets)
     accepting: bool = True
+    #: The service classes (:mod:`apsd.core.classes`); None: requests have no class.
+    classes: ServiceClasses | None = None
     _next_seq: int = 0
 
     def __attrs_post_init__(self) -> None:
@@ -158,6 +164,8 @@ class Admission:
         if tenant.models and request.model is not None and request.model not in tenant.models:
             return Refusal(403, "model_not_allowed", f"tenant {request.tenant_id!r} may not use model "
                            f"{request.model!r} (it may use: {', '.join(tenant.models)})", field="model")
+        if self.classes is not None and (wrong_class := self.classes.resolve(request, tenant)) is not None:
+            return wrong_class
         cost = request.cost_tokens
         if cost > tenant.burst:
             return Refusal(413, "exceeds_tenant_burst",
@@ -196,6 +204,9 @@ class Admission:
         if (over_budget := self.budgets.refusal(request.tenant_id, tenant, cost)) is not None:
             return over_budget
         now = self.clock.now()
+        if request.service_class is not None and self.classes is not None \
+                and (unmeetable := self.classes.refuse_unmeetable(request, now)) is not None:
+            return unmeetable
         bucket = self.buckets[request.tenant_id]
         if not bucket.try_take(cost, now):
             unavailable = self.store.refusal() if self.store is not None else None

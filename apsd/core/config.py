@@ -33,6 +33,7 @@ __all__ = [
     "PolicyConfig",
     "QueueConfig",
     "ServerConfig",
+    "ServiceClassConfig",
     "StateConfig",
     "TenantConfig",
     "load_config",
@@ -129,6 +130,14 @@ def model_names(_inst: object, attribute: attrs.Attribute, value: tuple[str, ...
         raise ValueError("the same model is listed twice")
 
 
+def class_names(_inst: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+    for i, item in enumerate(value):
+        if not item.strip():
+            raise ValueError(f"entry [{i}] is empty: a class name is needed")
+    if len(set(value)) != len(value):
+        raise ValueError("the same class is listed twice")
+
+
 def port_number(_inst: object, attribute: attrs.Attribute, value: int) -> None:
     if not 0 <= value <= 65535:
         raise ValueError(f"must be a port number 0-65535, got {value!r}")
@@ -203,10 +212,19 @@ class TenantConfig:
     #: A disabled tenant's new requests are refused 403 ``tenant_disabled``; those already queued or
     #: running finish. Its keys and counters are kept.
     disabled: bool = False
+    #: The service classes (``[classes.<name>]``) its requests may name (``X-Apsd-Class`` or
+    #: ``service_class``); empty: none. Another is refused 403 ``class_not_allowed``.
+    classes: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=class_names)
+    #: The class of its requests that name none (one of its ``classes``); empty: such requests have
+    #: no class (no deadline).
+    default_class: str = ""
 
     def __attrs_post_init__(self) -> None:
         if self.default_bid > self.max_bid:
             raise ValueError(f"default_bid: must be <= max_bid ({self.max_bid}), got {self.default_bid}")
+        if self.default_class and self.default_class not in self.classes:
+            raise ValueError(f"default_class: must be one of its classes ({', '.join(self.classes) or 'none'}), "
+                             f"got {self.default_class!r}")
 
 
 #: Bids run from 1 to this; a request that asks for no bid on the OpenAI API gets ``DEFAULT_BID``
@@ -644,6 +662,24 @@ class PolicyConfig:
         return self.governor is not None or governor in self.params
 
 
+@attrs.frozen
+class ServiceClassConfig:
+    """A service class (``[classes.<name>]``): the latency a request of it is promised, and what
+    happens to one that cannot have it (docs/how-to/service-classes.md)."""
+
+    #: Model seconds from admission to the first token a request of this class is promised: its
+    #: deadline is its arrival plus this.
+    ttft_s: float = attrs.field(validator=between(1e-3, 86_400))
+    #: Model seconds per output token after the first (mean) a request must also keep to count as
+    #: met; 0: no such target.
+    tpot_s: float = attrs.field(default=0.0, validator=off_or_between(1e-6, 3600))
+    #: A request that cannot meet its deadline: ``refuse`` (refused 503 ``deadline_unmeetable`` at
+    #: admission when the wait ahead of it is estimated past its deadline, or when its deadline
+    #: passes while queued) or ``best_effort`` (served anyway, behind requests that can still meet
+    #: theirs, and counted as missed if late).
+    on_miss: str = attrs.field(default="refuse", validator=either("refuse", "best_effort"))
+
+
 def _default_tenants() -> dict[str, TenantConfig]:
     # Three tenants of different sizes, so the embedded defaults show contention.
     return {
@@ -671,6 +707,8 @@ class Config:
     routing: RoutingConfig = RoutingConfig()
     backends: tuple[BackendConfig, ...] = ()
     tenants: dict[str, TenantConfig] = attrs.field(factory=_default_tenants)
+    #: The service classes, by name (``[classes.<name>]``); tenants name those they may use.
+    classes: dict[str, ServiceClassConfig] = attrs.field(factory=dict)
     #: Where this config came from, for error messages ("<defaults>" if embedded).
     source: str = attrs.field(default="<defaults>", metadata={"toml": False})
 
@@ -778,6 +816,7 @@ def parse_config(data: dict[str, Any], source: str = "<string>") -> Config:
                 raise ConfigError("tenants: at least one tenant is required")
             config = attrs.evolve(config, tenants=parsed)
         _check_keys_unique(config)
+        check_tenant_classes(config.tenants, config.classes)
         config = _check_backends(config, engine_kind_given="kind" in (data.get("engine") or {}))
         _check_store(config)
         if config.gpu.decode_batch_base + config.gpu.decode_batch_sqrt <= 0:
@@ -786,6 +825,16 @@ def parse_config(data: dict[str, Any], source: str = "<string>") -> Config:
         return attrs.evolve(config, policy=policy, source=source)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def check_tenant_classes(tenants: Mapping[str, TenantConfig], classes: Mapping[str, Any],
+                         prefix: str = "tenants.") -> None:
+    """Every class a tenant names is a ``[classes.<name>]`` (ConfigError naming the tenant's key)."""
+    for name, tenant in tenants.items():
+        for i, wanted in enumerate(tenant.classes):
+            if wanted not in classes:
+                raise ConfigError(f"{prefix}{name}.classes[{i}]: no class named {wanted!r} "
+                                  f"(classes: {', '.join(sorted(classes)) or 'none configured'})")
 
 
 def _check_backends(config: Config, *, engine_kind_given: bool) -> Config:

@@ -205,6 +205,16 @@ class InferenceRequest:
     #: The share of a cached prompt token's charge its tenant is spared (``[admission]
     #: cached_prompt_discount``).
     cached_discount: float = 0.0
+    # -- service class (apsd.core.classes) -----------------------------------------------------
+    #: The service class it names (``X-Apsd-Class`` or ``service_class``; admission puts its tenant's
+    #: ``default_class`` there when it names none; None: no class).
+    service_class: str | None = None
+    #: Model time its first token is due (``arrival`` + its class's ``ttft_s``; admission stamps it;
+    #: None: no class). The ``fair`` queue orders classed requests by it.
+    class_deadline: float | None = None
+    #: Its class's ``on_miss`` is ``best_effort``: once late it is still served, behind requests that
+    #: can still meet their deadlines.
+    class_best_effort: bool = False
 
     @property
     def answered(self) -> bool:

@@ -32,6 +32,25 @@ What a tenant is promised (``docs/explanation/architecture.md`` derives and meas
    seconds after it: at most the tenant's own earlier requests and that window's arrivals (its
    token bucket bounds them) go first, at the tenant's share of the engines.
 
+Service classes (:mod:`apsd.core.classes`): a request with a class carries a deadline (``class_deadline``,
+its arrival plus its class's ``ttft_s``). The rule:
+
+* *Inside a tenant*, classed requests that can still meet their deadline leave first, earliest deadline
+  first; then late ``best_effort`` ones (deadline passed), earliest deadline first; then unclassed ones
+  in APS order. A late best-effort request moves behind the punctual ones when it reaches its tenant's
+  head (each request at most once): without that, an overloaded loose class would have the earliest
+  deadlines of all and take the tight class's turn (EDF's domino effect).
+* *Between tenants*, VTC still picks, with one exception: the backlogged tenant whose head has the
+  earliest punctual deadline of all goes first when its counter is within its head's charge of the
+  smallest counter (and the VTC tenant's own head is not as urgent). So across tenants deadlines are
+  served earliest first, under fair share.
+
+Guarantee: a tenant goes ahead of VTC's choice only with its counter at most its head's charge above the
+smallest, so its counter stays within two requests' charge of the smallest (VTC alone: one). Tight-class
+requests cannot buy more than that share; a returning tenant waits behind at most one such jump. Every
+operation stays O(log N + log T): a second heap holds backlogged tenants by their head's deadline (stale
+entries dropped lazily); with no classed request ever pushed it is never touched.
+
 Where priority and fairness trade: across tenants, fairness wins (a bid never buys another
 tenant's share; give a tenant a larger weight instead); inside a tenant, priority with aging
 decides.
@@ -64,6 +83,12 @@ class ChargeWeights:
 
 
 _heappush, _heappop, _heapreplace = heapq.heappush, heapq.heappop, heapq.heapreplace
+
+#: Keys inside a tenant: a punctual classed request's is ``deadline - 2 * _TIER`` (below ``-_TIER``), a
+#: late best-effort one's ``deadline - _TIER`` (below 0), an unclassed one's its APS key (about
+#: ``-bid`` and up). Model times stay far below ``_TIER`` (272 years), whose ulp is microseconds.
+_TIER = 2.0 ** 33
+_PUNCTUAL = -_TIER
 
 
 class _Tenant:
@@ -123,6 +148,11 @@ class FairShareQueue:
         self._length = 0
         #: Weighted service given since the store last took it (None: not shared, not kept).
         self._given: dict[str, float] | None = None
+        #: A classed request was pushed once: deadlines are looked at from then on.
+        self._classed = False
+        #: (deadline, seq, request, tenant) of backlogged tenants whose head is a punctual classed request;
+        #: an entry is live while its request is its tenant's head.
+        self._edf: list[tuple[float, int, InferenceRequest, _Tenant]] = []
 
     # -- service ---------------------------------------------------------------------------------
     @property
@@ -179,27 +209,89 @@ class FairShareQueue:
         if tenant is None:
             tenant = self._tenants[name] = _Tenant(name, self._weights.get(name, 1.0))
         queue = tenant.queue
+        item = self._item(request, now)
         if not queue:  # the tenant becomes backlogged: lift its counter
             tenant.counter = max(tenant.counter, self._floor())
             tenant.since = request.seq
             self._backlogged[name] = tenant
-            queue.append(self._item(request))
+            queue.append(item)
             self._enter(tenant)
         else:
-            _heappush(queue, self._item(request))
+            _heappush(queue, item)
         self._length += 1
+        if item[0] < _PUNCTUAL and queue[0] is item:
+            self._head_changed(tenant)
 
-    def _item(self, request: InferenceRequest) -> tuple[float, int, float, InferenceRequest]:
+    def _item(self, request: InferenceRequest, now: float) -> tuple[float, int, float, InferenceRequest]:
         charges = self.charges  # (the charge is computed now, while the request is in the CPU's cache)
-        return (self.alpha * request.arrival - self.bid_weight * request.priority_bid, request.seq,
+        deadline = request.class_deadline
+        if deadline is None:
+            key = self.alpha * request.arrival - self.bid_weight * request.priority_bid
+        else:
+            self._classed = True
+            key = deadline - (_TIER if request.class_best_effort and deadline <= now else 2 * _TIER)
+        return (key, request.seq,
                 charges.input_weight * request.prompt_tokens + charges.output_weight * request.tokens_requested,
                 request)
 
+    # -- deadlines (service classes) ---------------------------------------------------------------
+    def _head_changed(self, tenant: _Tenant) -> None:
+        """``tenant``'s head is now a punctual classed request: enter it in the deadline heap."""
+        key, seq, _, request = tenant.queue[0]
+        edf = self._edf
+        if len(edf) > 2 * len(self._backlogged) + 64:
+            edf[:] = [(t.queue[0][3].class_deadline, t.queue[0][1], t.queue[0][3], t)
+                      for t in self._backlogged.values() if t.queue[0][0] < _PUNCTUAL]
+            heapq.heapify(edf)
+        _heappush(edf, (request.class_deadline, seq, request, tenant))
+
+    def _demote_late(self, tenant: _Tenant, now: float) -> None:
+        """Move late best-effort requests at ``tenant``'s head behind its punctual ones (once each)."""
+        queue = tenant.queue
+        while queue:
+            key, seq, charge, request = queue[0]
+            if key >= _PUNCTUAL or not request.class_best_effort or request.class_deadline > now:  # type: ignore[operator]
+                break
+            _heapreplace(queue, (key + _TIER, seq, charge, request))
+        if queue and queue[0][0] < _PUNCTUAL:
+            self._head_changed(tenant)
+
+    def _choose(self, now: float) -> tuple[TenantEntry, _Tenant | None]:
+        """VTC's entry on top of the heap of tenants, and the tenant to serve instead (None: VTC's),
+        by the deadline rule of the module docstring."""
+        entry = self._top()
+        if not self._classed:
+            return entry, None
+        tenant = entry[4]
+        self._demote_late(tenant, now)
+        edf = self._edf
+        while edf:
+            deadline, _, request, other = edf[0]
+            queue = other.queue
+            if not queue or queue[0][3] is not request or queue[0][0] >= _PUNCTUAL:
+                _heappop(edf)  # stale: no longer its tenant's punctual head
+            elif request.class_best_effort and deadline <= now:
+                _heappop(edf)
+                self._demote_late(other, now)
+            else:
+                break
+        else:
+            return entry, None
+        if other is tenant or tenant.queue[0][0] <= other.queue[0][0]:
+            return entry, None
+        if other.counter <= tenant.counter + other.queue[0][2] / other.weight:
+            return entry, other
+        return entry, None
+
     def peek(self, now: float) -> InferenceRequest:
-        return self._top()[4].queue[0][3]
+        entry, other = self._choose(now)
+        return (entry[4] if other is None else other).queue[0][3]
 
     def pop(self, now: float) -> InferenceRequest:
-        return self._serve(self._top(), on_top=True)
+        entry, other = self._choose(now)
+        if other is None:
+            return self._serve(entry, on_top=True)
+        return self._serve(other.entry(), on_top=False)  # (its entry in the heap goes stale)
 
     def pop_first(self, accept: Callable[[InferenceRequest], bool], now: float) -> InferenceRequest | None:
         """Pop the head of the first tenant, in fair order, whose head ``accept`` takes (None: no
@@ -241,6 +333,8 @@ class FairShareQueue:
             moved = tenant.entry() if queue else None  # (on top: one sift, not a push now and a stale pop later)
         else:
             moved = entry if queue else None
+        if self._classed and queue and queue[0][0] < _PUNCTUAL:
+            self._head_changed(tenant)
         if moved is None:  # its queue emptied
             tenant.version += 1
             del self._backlogged[tenant.name]
@@ -300,6 +394,10 @@ class FairShareQueue:
             else:
                 tenant.version += 1
         heapq.heapify(self._heap)
+        self._edf = []
+        for tenant in self._backlogged.values():
+            if tenant.queue[0][0] < _PUNCTUAL:
+                self._head_changed(tenant)
 
     def backlogged(self) -> list[str]:
         """The tenants with requests queued."""

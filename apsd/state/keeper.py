@@ -45,7 +45,7 @@ import trio
 
 from apsd.core.budget import Budgets
 from apsd.core.clock import calendar_time
-from apsd.core.config import Config, ConfigError, TenantConfig
+from apsd.core.config import Config, ConfigError, TenantConfig, check_tenant_classes
 from apsd.core.keys import hash_key, new_key
 from apsd.state.records import (KEY_PREFIX_CHARS, AuditEntry, KeyRecord, TenantRecord, UsageKey, file_digest, key_view,
                                 settings_dict, tenant_from_settings)
@@ -282,6 +282,7 @@ class StateKeeper:
         settings = {k: v for k, v in body.items() if k != "name"}
         try:
             tenant = tenant_from_settings(settings)
+            check_tenant_classes({name: tenant}, self.file_config.classes, prefix="")
         except ConfigError as exc:
             raise _config_error(exc) from None
         async with self._lock:
@@ -306,6 +307,7 @@ class StateKeeper:
             merged = settings_dict(record.settings) | {k: v for k, v in patch.items() if k != "name"}
             try:
                 tenant = tenant_from_settings(merged)
+                check_tenant_classes({name: tenant}, self.file_config.classes, prefix="")
             except ConfigError as exc:
                 raise _config_error(exc) from None
             if tenant == record.settings:

@@ -33,6 +33,7 @@ def settings_dict(tenant: TenantConfig) -> dict[str, Any]:
     """A tenant's settings as JSON-able values (no key hashes)."""
     values = {name: getattr(tenant, name) for name in SETTINGS}
     values["models"] = list(values["models"])
+    values["classes"] = list(values["classes"])
     return values
 
 

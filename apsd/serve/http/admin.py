@@ -270,7 +270,7 @@ def _tenant_schema() -> dict[str, Any]:
     for field in attrs.fields(attrs.resolve_types(TenantConfig)):
         if field.name == "api_key_hashes":
             continue
-        schema: dict[str, Any] = ({"type": "array", "items": {"type": "string"}} if field.name == "models"
+        schema: dict[str, Any] = ({"type": "array", "items": {"type": "string"}} if field.name in ("models", "classes")
                                   else {"type": _JSON_TYPES.get(field.type, "string")})  # type: ignore[arg-type]
         if field.default is not attrs.NOTHING:
             default = field.default

@@ -168,6 +168,31 @@ def client_request_id() -> str | None:
     return values[0]
 
 
+#: The header naming a request's service class (``[classes.<name>]``); it takes precedence over the
+#: body's ``service_class``.
+CLASS_HEADER = "X-Apsd-Class"
+_CLASS_NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def service_class(body_value: Any) -> str | None:
+    """The service class a request names: the :data:`CLASS_HEADER` header, else ``body_value`` (the
+    body's ``service_class``; None: absent). BodyError 400 ``invalid_header`` / 422 ``invalid_field``
+    for one that is not a name of 1-64 letters, digits and ``-_.:``. Whether the class exists and the
+    tenant may use it, admission says (400 ``unknown_class``, 403 ``class_not_allowed``)."""
+    values = request.headers.getlist(CLASS_HEADER)
+    if values:
+        if len(values) > 1 or not _CLASS_NAME.fullmatch(values[0].strip()):
+            raise BodyError(400, "invalid_header", f"{CLASS_HEADER} must name one class (1-64 letters, digits "
+                            "and -_.: characters)", field=CLASS_HEADER)
+        return values[0].strip()
+    if body_value is None:
+        return None
+    if not isinstance(body_value, str) or not _CLASS_NAME.fullmatch(body_value):
+        raise BodyError(422, "invalid_field", "service_class must be a class name (1-64 letters, digits and -_.: "
+                        "characters)", field="service_class")
+    return body_value
+
+
 def shown(number: int) -> str:
     """A client's integer for a message: never formatted in full beyond 18 digits (a 5000-digit
     int cannot even be printed)."""

@@ -17,7 +17,7 @@ from apsd.serve.auth import Caller
 from apsd.core.config import clamp_bid
 from apsd.core.models import Completion
 from apsd.serve.http.common import (MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated, check_prompt_length,
-                     error_response, http_state, json_response, parse_json_object, shown)
+                     error_response, http_state, json_response, parse_json_object, service_class, shown)
 
 __all__ = ["MAX_TIMEOUT_S", "InferBody", "blueprint", "parse_infer_body"]
 
@@ -26,7 +26,8 @@ blueprint = Blueprint("infer", __name__)
 _INFER_FIELDS = {"tenant_id": str, "prompt": str, "tokens_requested": int, "priority_bid": int}
 #: Optional fields. ``timeout_s``: model seconds the request may wait queued, > 0; a value above
 #: ``[queue] timeout_s`` is not refused but clamped to it (only the config's limit applies).
-_OPTIONAL_INFER_FIELDS = ("timeout_s",)
+#: ``service_class``: the request's service class (``X-Apsd-Class`` takes precedence).
+_OPTIONAL_INFER_FIELDS = ("timeout_s", "service_class")
 #: The fields of a 200 answer, in order (cheaper than attrs.asdict on every answer: no recursion).
 _COMPLETION_FIELDS = tuple(field.name for field in attrs.fields(Completion) if field.name != "response")
 #: A day, the largest ``[queue] timeout_s``: larger client values are cut to it before any arithmetic.
@@ -45,6 +46,8 @@ class InferBody:
     tenant_id: str | None = None
     #: Model seconds it may wait queued, at most :data:`MAX_TIMEOUT_S`; None: ``[queue] timeout_s``.
     timeout_s: float | None = None
+    #: The service class the body names (None: none; checked by admission).
+    service_class: str | None = None
 
 
 def parse_infer_body(raw: bytes, *, tenant_required: bool = True) -> InferBody:
@@ -102,13 +105,14 @@ async def infer(caller: Caller) -> Response:
                             "(leave it out, or name the key's own tenant)", field="tenant_id")
         prompt_tokens = pipeline.estimate_prompt_tokens(body.prompt)
         check_prompt_length(prompt_tokens, len(body.prompt), pipeline)
+        class_name = service_class(body.service_class)
     except BodyError as exc:
         pipeline.ledger.count_refusal(None, exc.refusal.error)
         return error_response(exc.refusal)
     tenant = pipeline.config.tenants.get(tenant_id)  # (an unknown one: admission answers 404)
     inference = pipeline.new_request(tenant_id=tenant_id, prompt=body.prompt, tokens_requested=body.tokens_requested,
                                      priority_bid=clamp_bid(tenant, body.priority_bid), prompt_tokens=prompt_tokens,
-                                     timeout_s=body.timeout_s)
+                                     timeout_s=body.timeout_s, service_class=class_name)
     refusal = pipeline.submit_nowait(inference)
     try:
         outcome = refusal or await inference.reply.wait()

@@ -6,7 +6,8 @@ API") states the rules for clients; the contract with engines is:
 
 * A request carries ``model``, ``api`` (``"chat.completions"`` or ``"completions"``) and
   ``payload``: the client's body as sent, minus ``priority`` (apsd's to interpret: a backend
-  such as vLLM refuses it unless it schedules by priority itself). Every other parameter,
+  such as vLLM refuses it unless it schedules by priority itself) and ``service_class`` (apsd's
+  service class, :mod:`apsd.core.classes`; no backend knows it). Every other parameter,
   interpreted by apsd or not (``temperature``, ``tools``, ...), is in the payload untouched.
   ``tokens_requested`` is the client's output limit (``max_completion_tokens``, ``max_tokens``,
   or a backend's own name for it: :func:`_max_tokens` states the rule), or, when it set none,
@@ -52,7 +53,7 @@ from apsd.core.models import ALL_APIS, LENGTH_ALIASES, Completion, InferenceRequ
 from apsd.pipeline import Pipeline
 from apsd.core.streams import TokenChunk, TokenStream
 from apsd.serve.http.common import (MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated, check_prompt_length,
-                     client_request_id, http_state, parse_json_object, shown)
+                     client_request_id, http_state, parse_json_object, service_class, shown)
 
 __all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "MESSAGE_OVERHEAD_TOKENS", "RESPONSES", "OpenAIBody", "PRIORITY_HEADER", "TENANT_HEADER",
            "blueprint", "error_body", "error_response", "error_type", "parse_openai_body", "placeholder_text",
@@ -139,6 +140,12 @@ class OpenAIBody:
     #: vLLM's ``priority`` (lower is served sooner; None: not given).
     priority: int | None
     payload: dict[str, Any] = attrs.field(repr=False)
+    #: The body's ``service_class`` (None: not given); never relayed.
+    service_class: Any = None
+
+
+#: Body fields apsd interprets and keeps from the backend.
+_NOT_RELAYED = ("priority", "service_class")
 
 
 def _invalid(field: str, rule: str, status: int = 422, error: str = "invalid_field") -> BodyError:
@@ -370,10 +377,10 @@ def parse_openai_body(raw: bytes, api: str, config: Config) -> OpenAIBody:
         prompt, prompt_tokens = _embedding_input(data, config.admission)
         if data.get("stream") is not None:
             raise _invalid("stream", "is not a parameter of embeddings")
-        payload = {key: value for key, value in data.items() if key != "priority"}
+        payload = {key: value for key, value in data.items() if key not in _NOT_RELAYED}
         return OpenAIBody(api=api, model=model, prompt=prompt, prompt_tokens=prompt_tokens, max_tokens=0,
                           open_ended=False, stream=False, include_usage=False,
-                          priority=_priority(data), payload=payload)
+                          priority=_priority(data), payload=payload, service_class=data.get("service_class"))
     if api == RESPONSES:
         prompt, prompt_tokens = _response_input(data, config.admission)
         max_tokens, limited = _max_output_tokens(data, config.gateway.default_max_tokens)
@@ -399,11 +406,11 @@ def parse_openai_body(raw: bytes, api: str, config: Config) -> OpenAIBody:
         if value is not None and (not _is_int(value) or value != 1):
             raise _invalid(name, "must be 1: apsd schedules, reserves and bills one sequence per request "
                            "(send several requests for several choices)")
-    payload = {key: value for key, value in data.items() if key != "priority"}
+    payload = {key: value for key, value in data.items() if key not in _NOT_RELAYED}
     return OpenAIBody(api=api, model=model, prompt=prompt, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                       open_ended=not limited, stream=bool(stream),
                       include_usage=bool(options and options.get("include_usage")), priority=_priority(data),
-                      payload=payload)
+                      payload=payload, service_class=data.get("service_class"))
 
 
 def _priority(data: dict[str, Any]) -> int | None:
@@ -653,6 +660,7 @@ async def _complete(api: str, caller: Caller) -> Response:
                             f"(GET /v1/models lists them: {', '.join(models)})", field="model")
         check_prompt_length(body.prompt_tokens, len(body.prompt), pipeline,
                             field={CHAT: "messages", COMPLETIONS: "prompt"}.get(api, "input"))
+        class_name = service_class(body.service_class)
     except BodyError as exc:
         pipeline.ledger.count_refusal(None, exc.refusal.error)
         return error_response(exc.refusal)
@@ -660,7 +668,7 @@ async def _complete(api: str, caller: Caller) -> Response:
     inference = pipeline.new_request(tenant_id=tenant_id, prompt=body.prompt, tokens_requested=body.max_tokens,
                                      priority_bid=bid, prompt_tokens=body.prompt_tokens, model=body.model,
                                      api=api, payload=body.payload, open_ended=body.open_ended,
-                                     request_id=request_id)
+                                     request_id=request_id, service_class=class_name)
     if body.stream:
         inference.stream = TokenStream()
     refusal = pipeline.submit_nowait(inference)
