@@ -437,11 +437,18 @@ def research_main(argv: Sequence[str]) -> int:
                         help="instead, compare the routing policies least-loaded, prefix and prefix-hash between 4 "
                              "continuous engines with prefix caches on shared-prefix workloads: print the tables and "
                              "write research/routing.md (about a minute)")
-    parser.add_argument("--duration", type=float, default=600.0, metavar="S",
-                        help="with --routing: model seconds of each workload (default 600)")
+    parser.add_argument("--classes", action="store_true",
+                        help="instead, run the service-class study: two tenants, a tight and a loose class, at twice "
+                             "what a continuous engine serves, under fair with and without classes: print the table "
+                             "and write research/service-classes.md (about a minute at 120 s)")
+    parser.add_argument("--duration", type=float, default=None, metavar="S",
+                        help="with --routing or --classes: model seconds of each workload (default 600 and 120)")
     args = parser.parse_args(argv)
     if args.routing:
+        args.duration = 600.0 if args.duration is None else args.duration
         return _research_routing(parser, args)
+    if args.classes:
+        return _research_classes(parser, args)
     _require_plotting(parser)
     if args.grid:
         return _research_grid(parser, args)
@@ -452,6 +459,23 @@ def research_main(argv: Sequence[str]) -> int:
             path = write_research(Path(args.out), seed=args.seed, progress=advance, plugin_manager=pm)
     except PluginError as exc:
         parser.exit(1, f"apsd research: plugin error: {exc}\n")
+    print(f"wrote {path}")
+    return 0
+
+
+def _research_classes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from apsd.sim.research.classes import classes_document, run_classes_study
+
+    duration = 120.0 if args.duration is None else args.duration
+    if not 10 <= duration <= 86_400:
+        parser.exit(2, f"apsd research: error: --duration: must be 10 to 86400 model seconds, got {duration:g}\n")
+    result = run_classes_study(duration=duration, seed=args.seed,
+                               progress=None if args.quiet else lambda what: print(f"  {what}", file=sys.stderr))
+    text = classes_document(result, duration=duration, seed=args.seed)
+    path = Path(args.out) / "research" / "service-classes.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(text)
     print(f"wrote {path}")
     return 0
 

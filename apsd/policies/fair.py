@@ -35,15 +35,16 @@ What a tenant is promised (``docs/explanation/architecture.md`` derives and meas
 Service classes (:mod:`apsd.core.classes`): a request with a class carries a deadline (``class_deadline``,
 its arrival plus its class's ``ttft_s``). The rule:
 
-* *Inside a tenant*, classed requests that can still meet their deadline leave first, earliest deadline
-  first; then late ``best_effort`` ones (deadline passed), earliest deadline first; then unclassed ones
+* *Inside a tenant*, classed requests that can still meet their deadline leave first: the tighter class
+  (smaller ``ttft_s``) first, and inside a class earliest deadline first; then late ``best_effort`` ones (deadline passed), earliest deadline first; then unclassed ones
   in APS order. A late best-effort request moves behind the punctual ones when it reaches its tenant's
   head (each request at most once): without that, an overloaded loose class would have the earliest
   deadlines of all and take the tight class's turn (EDF's domino effect).
-* *Between tenants*, VTC still picks, with one exception: the backlogged tenant whose head has the
-  earliest punctual deadline of all goes first when its counter is within its head's charge of the
-  smallest counter (and the VTC tenant's own head is not as urgent). So across tenants deadlines are
-  served earliest first, under fair share.
+* *Between tenants*, VTC still picks, with one exception: the backlogged tenant whose head is the most
+  urgent punctual request of all (tightest class, then earliest deadline) goes first when its counter is within its head's charge of the
+  smallest counter (and the VTC tenant's own head is not as urgent). So inside a class, across tenants,
+  deadlines are served earliest first, under fair share. (Plain EDF between classes would let a loose
+  class's old requests, whose deadlines come first, take the tight class's turn under overload.)
 
 Guarantee: a tenant goes ahead of VTC's choice only with its counter at most its head's charge above the
 smallest, so its counter stays within two requests' charge of the smallest (VTC alone: one). Tight-class
@@ -84,11 +85,22 @@ class ChargeWeights:
 
 _heappush, _heappop, _heapreplace = heapq.heappush, heapq.heappop, heapq.heapreplace
 
-#: Keys inside a tenant: a punctual classed request's is ``deadline - 2 * _TIER`` (below ``-_TIER``), a
-#: late best-effort one's ``deadline - _TIER`` (below 0), an unclassed one's its APS key (about
-#: ``-bid`` and up). Model times stay far below ``_TIER`` (272 years), whose ulp is microseconds.
-_TIER = 2.0 ** 33
-_PUNCTUAL = -_TIER
+#: Keys inside a tenant: a punctual classed request's is its urgency (:func:`urgency`) minus
+#: ``2 ** 51`` (below ``_PUNCTUAL``), a late best-effort one's ``deadline - _TIER`` (below 0), an
+#: unclassed one's its APS key (about ``-bid`` and up). Model times stay far below ``_TIER`` (272 years).
+_TIER = 2.0 ** 34
+_PUNCTUAL_BASE = 2.0 ** 51
+_PUNCTUAL = -(2.0 ** 50)
+
+
+def urgency(request: InferenceRequest) -> float:
+    """A classed request's place among punctual ones: its class's ``ttft_s`` first (tighter first),
+    then its deadline. ``ttft_s`` is scaled by ``2 ** 32`` so that a millisecond between two
+    classes outweighs any span of deadlines; inside a class deadline order is arrival order, so
+    the rounding of large keys falls back to admission order (``seq``), which is the same."""
+    deadline = request.class_deadline
+    assert deadline is not None
+    return (deadline - request.arrival) * 2.0 ** 32 + deadline
 
 
 class _Tenant:
@@ -229,7 +241,8 @@ class FairShareQueue:
             key = self.alpha * request.arrival - self.bid_weight * request.priority_bid
         else:
             self._classed = True
-            key = deadline - (_TIER if request.class_best_effort and deadline <= now else 2 * _TIER)
+            key = deadline - _TIER if request.class_best_effort and deadline <= now \
+                else urgency(request) - _PUNCTUAL_BASE
         return (key, request.seq,
                 charges.input_weight * request.prompt_tokens + charges.output_weight * request.tokens_requested,
                 request)
@@ -240,10 +253,10 @@ class FairShareQueue:
         key, seq, _, request = tenant.queue[0]
         edf = self._edf
         if len(edf) > 2 * len(self._backlogged) + 64:
-            edf[:] = [(t.queue[0][3].class_deadline, t.queue[0][1], t.queue[0][3], t)
+            edf[:] = [(t.queue[0][0], t.queue[0][1], t.queue[0][3], t)
                       for t in self._backlogged.values() if t.queue[0][0] < _PUNCTUAL]
             heapq.heapify(edf)
-        _heappush(edf, (request.class_deadline, seq, request, tenant))
+        _heappush(edf, (key, seq, request, tenant))
 
     def _demote_late(self, tenant: _Tenant, now: float) -> None:
         """Move late best-effort requests at ``tenant``'s head behind its punctual ones (once each)."""
@@ -252,7 +265,7 @@ class FairShareQueue:
             key, seq, charge, request = queue[0]
             if key >= _PUNCTUAL or not request.class_best_effort or request.class_deadline > now:  # type: ignore[operator]
                 break
-            _heapreplace(queue, (key + _TIER, seq, charge, request))
+            _heapreplace(queue, (request.class_deadline - _TIER, seq, charge, request))
         if queue and queue[0][0] < _PUNCTUAL:
             self._head_changed(tenant)
 
@@ -266,11 +279,11 @@ class FairShareQueue:
         self._demote_late(tenant, now)
         edf = self._edf
         while edf:
-            deadline, _, request, other = edf[0]
+            _, _, request, other = edf[0]
             queue = other.queue
             if not queue or queue[0][3] is not request or queue[0][0] >= _PUNCTUAL:
                 _heappop(edf)  # stale: no longer its tenant's punctual head
-            elif request.class_best_effort and deadline <= now:
+            elif request.class_best_effort and request.class_deadline <= now:  # type: ignore[operator]
                 _heappop(edf)
                 self._demote_late(other, now)
             else:

@@ -70,6 +70,11 @@ Metrics (``tenant`` is a configured tenant's name)::
     apsd_route_decisions_total{target,reason} counter  requests the routing policy sent to a backend or
                                                        engine, and why (cache_match, no_match, imbalance,
                                                        spill, least_loaded, hash, hash_spill)
+    apsd_class_requests_total{class,result}   counter  requests of each service class that met its
+                                                       targets, missed them, or were refused for their
+                                                       deadline (result: met, missed, refused)
+    apsd_class_attainment{class}              gauge    met / (met + missed + refused); no sample
+                                                       before a request of the class ended
     apsd_batch_window_seconds                 gauge    the governor's current batch window
     apsd_governor_entropy                     gauge    bits (no sample when the governor has none;
                                                        not ..._bits: promtool wants bytes)
@@ -147,6 +152,7 @@ from prometheus_client.utils import floatToGoString
 from werkzeug.datastructures import MIMEAccept
 from werkzeug.http import parse_accept_header
 
+from apsd.core.classes import ClassFigures
 from apsd.core.events import EventBus
 from apsd.core.ledger import ChangeLog
 from apsd.core.models import Completion, Dispatch, InferenceRequest, Outcome
@@ -720,6 +726,22 @@ class PrometheusExporter:
         yield GaugeMetricFamily("apsd_queue_tokens", "Prompt + requested tokens of the requests waiting "
                                 "for dispatch (bounded by queue.max_tokens)", value=books.tokens.queued)
 
+
+    @staticmethod
+    def _classes(figures: tuple[ClassFigures, ...]) -> Iterator[Metric]:
+        """The service classes' attainment (:mod:`apsd.core.classes`)."""
+        requests = CounterMetricFamily("apsd_class_requests", "Requests of each service class by result: met "
+                                       "its targets, missed them, or refused for its deadline",
+                                       labels=["class", "result"])
+        attainment = GaugeMetricFamily("apsd_class_attainment", "Share of a service class's requests that met "
+                                       "its targets: met / (met + missed + refused)", labels=["class"])
+        for row in figures:
+            for result in ("met", "missed", "refused"):
+                requests.add_metric([row.name, result], getattr(row, result))
+            if row.attainment is not None:
+                attainment.add_metric([row.name], row.attainment)
+        yield requests
+        yield attainment
     def _end_families(self, pipeline: Pipeline, statistics: PipelineStatistics,
                       fairness_now: _FairnessNow) -> Iterator[Metric]:
         """Every family after the per-tenant histograms."""
@@ -734,6 +756,7 @@ class PrometheusExporter:
         for (target, reason), count in sorted(statistics.routes.items()):
             routes.add_metric([target, reason], count)
         yield routes
+        yield from self._classes(pipeline.class_statistics())
 
         declared = getattr(pipeline.scheduler.policies.governor, "states", ())
         yield from self._governor(statistics.governor, declared if isinstance(declared, (tuple, list)) else ())

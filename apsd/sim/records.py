@@ -29,6 +29,8 @@ class Arrival:
     #: Its prompt's routing key (:func:`apsd.core.routing.synthetic_blocks`): requests that share a
     #: prefix share its blocks. None: no key (one pool of engines, no prefix cache hits).
     prefix_blocks: tuple[int, ...] | None = attrs.field(default=None, repr=False)
+    #: The service class it names (``[classes.<name>]``; None: its tenant's default, if any).
+    service_class: str | None = None
 
 
 @attrs.frozen
@@ -69,6 +71,8 @@ class RequestRecord:
     cached_tokens: int = 0
     #: Where the routing policy sent it and why (``engine-2; reason=cache_match``; None: no choice made).
     route: str | None = None
+    #: Its service class (as admission resolved it; None: none).
+    service_class: str | None = None
 
     @property
     def queue_wait(self) -> float | None:

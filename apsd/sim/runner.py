@@ -197,7 +197,7 @@ async def _drive(workload: Workload, config: Config, policies: Any, progress: Ca
                 await _advance_to(clock, mock, arrival.at)
             request = pipeline.new_request(tenant_id=arrival.tenant, prompt="", tokens_requested=arrival.output_tokens,
                                            priority_bid=arrival.bid, prompt_tokens=arrival.prompt_tokens,
-                                           prefix_blocks=arrival.prefix_blocks)
+                                           prefix_blocks=arrival.prefix_blocks, service_class=arrival.service_class)
             if streamed:  # (so that its first token is seen; nobody reads the stream)
                 request.stream = TokenStream()
                 request.stream.abandon()
@@ -269,7 +269,7 @@ def _sample(records: Sequence[RequestRecord], governor: Any, duration: float) ->
 def _record(at: float, request: InferenceRequest) -> RequestRecord:
     outcome = request.reply.outcome
     common = dict(tenant=request.tenant_id, bid=request.priority_bid, prompt_tokens=request.prompt_tokens,
-                  output_tokens=request.tokens_requested, arrival=at)
+                  output_tokens=request.tokens_requested, arrival=at, service_class=request.service_class)
     if isinstance(outcome, Completion):
         return RequestRecord(**common, outcome="completed", dispatched_at=request.dispatched_at,
                              finished_at=request.finished_at, batch_id=outcome.batch_id,
