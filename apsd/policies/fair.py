@@ -297,10 +297,14 @@ class FairShareQueue:
         return entry, None
 
     def peek(self, now: float) -> InferenceRequest:
+        if not self._classed:
+            return self._top()[4].queue[0][3]
         entry, other = self._choose(now)
         return (entry[4] if other is None else other).queue[0][3]
 
     def pop(self, now: float) -> InferenceRequest:
+        if not self._classed:  # (the path without classes, as it was)
+            return self._serve(self._top(), on_top=True)
         entry, other = self._choose(now)
         if other is None:
             return self._serve(entry, on_top=True)
