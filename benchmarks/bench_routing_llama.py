@@ -178,6 +178,12 @@ class PolicyResult:
         """Requests each server answered, by its own count of generated tokens."""
         return [round(c.predicted / max_tokens) for c in self.counts]
 
+    def moved(self) -> tuple[int, int]:
+        """(later turns sent to another server than the turn before, later turns), from ``X-Apsd-Route``."""
+        where = {(r.conversation, r.turn): r.route.partition(";")[0] for r in self.records}
+        later = [(c, t) for (c, t) in where if t > 0 and (c, t - 1) in where]
+        return sum(where[(c, t)] != where[(c, t - 1)] for c, t in later), len(later)
+
     def reasons(self) -> Counter[str]:
         return Counter(r.route.partition("reason=")[2] or "-" for r in self.records)
 
@@ -388,13 +394,14 @@ async def run_policy(policy: str, w: Workload, model: Path, binary: str, logs: P
 
 def table(results: Sequence[PolicyResult], w: Workload) -> str:
     lines = ["| policy | requests | TTFT mean (ms) | p50 (ms) | p90 (ms) | hit rate (timings) | hit rate (/metrics) "
-             "| split over servers | routing reasons | seconds |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+             "| split over servers | later turns moved | routing reasons | seconds |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|---|---:|"]
     for r in results:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(r.reasons().items()))
+        moved, later = r.moved()
         lines.append(f"| {r.policy} | {len(r.records)} | {r.ttft():.0f} | {r.ttft(50):.0f} | {r.ttft(90):.0f} | "
                      f"{r.hit_rate:.1%} | {r.metrics_hit_rate:.1%} | {' / '.join(map(str, r.split(w.max_tokens)))} "
-                     f"| {reasons} | {r.seconds:.0f} |")
+                     f"| {moved}/{later} | {reasons} | {r.seconds:.0f} |")
     return "\n".join(lines)
 
 
