@@ -5,9 +5,9 @@ routing policy, an ``apsd`` process (the installed command, its own config file)
 Every policy gets freshly started servers, so each starts with cold caches. Through apsd, the same
 multi-turn chat workload runs under each policy:
 
-* ``--conversations`` conversations (24; 12 with ``--quick``), each with its own system prompt of about
+* ``--conversations`` conversations (32; 12 with ``--quick``), each with its own system prompt of about
   2,000 tokens (1,300 with ``--quick``) that differs from every other one from its first words, and
-  ``--turns`` turns (5; 3) of a short user message each. A turn sends the whole conversation so far: the
+  ``--turns`` turns (6; 3) of a short user message each. A turn sends the whole conversation so far: the
   system prompt, every earlier user message and the assistant's earlier answers, as a chat client does.
 * ``--in-flight`` conversations (6) talk at once, each pausing up to ``THINK_S`` between its turns (seeded),
   the next conversation starting when one ends. Answers are ``MAX_TOKENS`` tokens (the tiny models never
@@ -18,10 +18,15 @@ prompt cache is exactly its 4 slots' KV (``cache_prompt`` is on by default: a re
 common prefix of the slot it is given; ``--slot-prompt-similarity`` stays at its default 0.1, so a request
 goes to the idle slot whose cached tokens cover more than 10% of its prompt, else to the least recently
 used slot, whose cache it overwrites). One server thus holds 4 conversations, the 2 together 8, against 6
-talking at once and 24 in all. Routing that keeps a conversation on one server needs 6 places; routing
+talking at once and 32 in all. Routing that keeps a conversation on one server needs 6 places; routing
 that spreads each conversation's turns over both servers needs up to 12, and evicts. ``--cache-reuse``
 (reuse of chunks after the first mismatch, by KV shifting) is left off: a conversation's next turn
 extends its last prompt, so a common prefix is all there is to reuse. ``-c`` gives each slot 4,096 tokens.
+
+The daemon: one tenant, ``fifo`` without a batch window, ``[routing] policy`` named each time (its default
+is ``prefix``), each backend's ``max_concurrency`` its slots and its ``cache_tokens`` its ``-c`` (what its
+slots hold; apsd's picture of a cache counts about 4 characters a token, the tests' tokenizer about 1.6,
+so the picture believes a server holds more conversations than it does).
 
 Measured per policy, from the client and from the servers themselves:
 
@@ -32,10 +37,11 @@ Measured per policy, from the client and from the servers themselves:
   (``llamacpp:prompt_tokens_cached_total`` and ``llamacpp:prompt_tokens_total``, read before and after)
   give the same figure, printed beside it;
 * how the requests split over the servers (from each server's ``llamacpp:tokens_predicted_total``:
-  every answer is ``MAX_TOKENS`` tokens), and the routing reasons of apsd's ``X-Apsd-Route`` header.
+  every answer is ``MAX_TOKENS`` tokens); from apsd's ``X-Apsd-Route`` header, the routing reasons and
+  how many turns after the first went to another server than the turn before ("later turns moved").
 
-    .venv/bin/python benchmarks/bench_routing_llama.py            # about 3 to 6 minutes
-    .venv/bin/python benchmarks/bench_routing_llama.py --quick    # about 1 to 2 minutes
+    .venv/bin/python benchmarks/bench_routing_llama.py            # about 4 minutes on 2 cores
+    .venv/bin/python benchmarks/bench_routing_llama.py --quick    # under a minute
     .venv/bin/python benchmarks/bench_routing_llama.py --policies prefix least-loaded --logs /tmp/logs
 
 The model (``MODEL``: hidden 256, 4 layers, F32) computes a prompt at ~3,000 tokens/s on one thread of a
@@ -98,8 +104,8 @@ class Workload:
 
     servers: int = 2
     slots: int = 4
-    conversations: int = 24
-    turns: int = 5
+    conversations: int = 32
+    turns: int = 6
     in_flight: int = 6
     #: Words of each system prompt (the tests' tokenizer makes about 3.3 tokens of a word).
     system_words: int = 600
@@ -282,7 +288,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-_METRIC = re.compile(r"^(llamacpp:\w+)\s+(\S+)$", re.M)
+_METRIC = re.compile(r"^(llamacpp:\w+)\s+(\S+)$", re.MULTILINE)
 
 
 async def server_counts(client: httpx.AsyncClient, server: LlamaServer) -> ServerCounts:
@@ -354,7 +360,7 @@ async def wait_backends_up(client: httpx.AsyncClient, url: str, n: int, process:
                 text = (await client.get(url + "/metrics")).text
             except httpx.HTTPError:
                 text = ""
-            if len(re.findall(r'^apsd_backend_up\{backend="s\d+"\} 1(\.0)?$', text, re.M)) == n:
+            if len(re.findall(r'^apsd_backend_up\{backend="s\d+"\} 1(\.0)?$', text, re.MULTILINE)) == n:
                 return
             await trio.sleep(0.1)
     raise RuntimeError(f"apsd's backends were not all up within 30 s:\n{log.read_text()[-3000:]}")
@@ -393,8 +399,8 @@ async def run_policy(policy: str, w: Workload, model: Path, binary: str, logs: P
 
 
 def table(results: Sequence[PolicyResult], w: Workload) -> str:
-    lines = ["| policy | requests | TTFT mean (ms) | p50 (ms) | p90 (ms) | hit rate (timings) | hit rate (/metrics) "
-             "| split over servers | later turns moved | routing reasons | seconds |",
+    lines = [("| policy | requests | TTFT mean (ms) | p50 (ms) | p90 (ms) | hit rate (timings) | hit rate (/metrics) "
+              "| split over servers | later turns moved | routing reasons | seconds |"),
              "|---|---:|---:|---:|---:|---:|---:|---|---:|---|---:|"]
     for r in results:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(r.reasons().items()))
@@ -437,7 +443,7 @@ async def run(policies: Sequence[str], w: Workload, logs: Path) -> list[PolicyRe
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smaller workload (about 1 to 2 minutes)")
+    parser.add_argument("--quick", action="store_true", help="a smaller workload (under a minute)")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), metavar="POLICY")
     parser.add_argument("--servers", type=int)
     parser.add_argument("--conversations", type=int)
