@@ -96,6 +96,9 @@ SLOT_CTX = 4096
 #: prompt cache, so a server's cache is its slots.
 SERVER_ARGS: tuple[str, ...] = ("--cache-ram", "0")
 POLICIES = ("least-loaded", "prefix", "prefix-hash")
+#: For requests straight to a llama-server: a new connection each. It may close a kept-alive connection after a
+#: streamed answer just as the client reuses it ("Server disconnected without sending a response").
+FRESH_CONNECTIONS = httpx.Limits(max_keepalive_connections=0)
 
 
 @attrs.frozen
@@ -368,7 +371,7 @@ async def wait_backends_up(client: httpx.AsyncClient, url: str, n: int, process:
 
 async def run_policy(policy: str, w: Workload, model: Path, binary: str, logs: Path) -> PolicyResult:
     """Fresh servers (cold caches), a daemon with ``policy`` in front of them, the workload through it."""
-    async with AsyncExitStack() as stack, httpx.AsyncClient(timeout=60) as client:
+    async with AsyncExitStack() as stack, httpx.AsyncClient(timeout=60, limits=FRESH_CONNECTIONS) as client:
         servers = [await stack.enter_async_context(open_llama_server(
             model, alias=ALIAS, binary=binary, parallel=w.slots, ctx=w.slots * SLOT_CTX,
             extra_args=SERVER_ARGS, log_dir=logs)) for _ in range(w.servers)]

@@ -16,6 +16,7 @@ import pytest
 
 from benchmarks.bench_routing_llama import (
     ALIAS,
+    FRESH_CONNECTIONS,
     SERVER_ARGS,
     SLOT_CTX,
     PolicyResult,
@@ -40,7 +41,7 @@ async def test_the_servers_count_a_repeated_prompt_as_cached(llama_server_binary
     the first prompt; ``cache_n + prompt_n`` is always the prompt's tokens."""
     async with open_llama_server(tiny_model, alias=ALIAS, binary=llama_server_binary, parallel=1,
                                  ctx=SLOT_CTX, extra_args=SERVER_ARGS, log_dir=tmp_path) as server, \
-            httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            httpx.AsyncClient(base_url=server.url, timeout=60, limits=FRESH_CONNECTIONS) as client:
         messages = [{"role": "system", "content": system_prompt(0, 300)}, {"role": "user", "content": "hello"}]
         _, answer, first, usage, _ = await stream_turn(client, messages, 4)
         assert first["cache_n"] == 0 and first["prompt_n"] == usage["prompt_tokens"] > 500
