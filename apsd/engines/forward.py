@@ -324,13 +324,15 @@ class ForwardEngine:
 
     def _pick(self, request: InferenceRequest) -> Backend | None:
         """The backend the routing policy chooses for ``request`` among the healthy ones serving its
-        model (one it failed on left out while another remains), if it has room; None otherwise."""
+        model (one it failed on left out while another with room remains), if it has room; None otherwise."""
         now = self.clock.now()
         serving = [b for b in self.backends if b.healthy and b.models
                    and (request.model is None or request.model in b.models)]
         tried = self._tried.get(request)
-        if tried:
-            serving = [b for b in serving if b.name not in tried] or serving
+        if tried:   # (elsewhere if a backend it has not failed on has room; else where there is room)
+            untried = [b for b in serving if b.name not in tried]
+            if any(b.free(now, self.settings) > 0 for b in untried):
+                serving = untried
         if not serving:
             return None
         targets = [self._target(b, now) for b in serving]

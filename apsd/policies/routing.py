@@ -13,7 +13,9 @@
   2. Else, the target with the longest match (ties: the least loaded), if that match is at least
      ``cache_threshold`` of the key (reason ``cache_match``); below it, the least loaded target
      (reason ``no_match``): a request nobody holds goes where it waits least, and the cache it
-     builds there is found by the next turn.
+     builds there is found by the next turn. Ties between equally loaded targets go to the one whose
+     picture holds least (as SGLang sends a new prefix to its smallest tree), so new conversations at
+     light load are spread rather than piled on the first target.
 
   A chosen target without room (saturated, full) spills: the request goes to the target with room
   and the longest match, ties to the least loaded (reason ``spill``). So a small working set at low
@@ -47,10 +49,13 @@ __all__ = ["LeastLoaded", "PrefixHashRouting", "PrefixRouting", "RING_POINTS"]
 RING_POINTS = 64
 
 
-def _least_loaded(targets: Sequence[Target], among: Sequence[int] | None = None) -> int:
-    """The index of the least-loaded target with room (any, when none has room)."""
+def _least_loaded(targets: Sequence[Target], among: Sequence[int] | None = None,
+                  cached: Sequence[int] | None = None) -> int:
+    """The index of the least-loaded target with room (any, when none has room); ties to the one whose
+    cache holds least (``cached``: blocks per target), then the first."""
     indexes = range(len(targets)) if among is None else among
-    return min(indexes, key=lambda i: (not targets[i].room, targets[i].fill, targets[i].load, i))
+    return min(indexes, key=lambda i: (not targets[i].room, targets[i].fill, targets[i].load,
+                                       cached[i] if cached is not None else 0, i))
 
 
 @attrs.define(eq=False)
@@ -97,19 +102,20 @@ class PrefixRouting:
     def route(self, request: InferenceRequest, targets: Sequence[Target]) -> Route:
         key = routing_key(request)
         matches = [self.match(t.name, key) for t in targets]
+        held = [len(self.pictures.get(t.name, ())) for t in targets]
         if len(targets) > 1 and self.imbalanced(targets):
-            choice, reason = _least_loaded(targets), "imbalance"
+            choice, reason = _least_loaded(targets, cached=held), "imbalance"
         else:
             best = max(range(len(targets)), key=lambda i: (matches[i], -targets[i].fill, -targets[i].load, -i))
             if key and matches[best] > 0 and matches[best] >= self.settings.cache_threshold * len(key):
                 choice, reason = best, "cache_match"
             else:
-                choice, reason = _least_loaded(targets), "no_match"
+                choice, reason = _least_loaded(targets, cached=held), "no_match"
         if not targets[choice].room:
             with_room = [i for i, t in enumerate(targets) if t.room]
             if with_room:
                 longest = max(matches[i] for i in with_room)
-                choice = _least_loaded(targets, [i for i in with_room if matches[i] == longest])
+                choice = _least_loaded(targets, [i for i in with_room if matches[i] == longest], held)
                 reason = "spill"
         return Route(choice, reason)
 

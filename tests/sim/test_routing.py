@@ -164,3 +164,22 @@ def pipeline_clock():
     from apsd.core.clock import ModelClock
     return ModelClock()
 
+
+
+def test_the_workloads_keys_share_what_their_prompts_share():
+    from apsd.sim.workloads import build_workload
+
+    shared = build_workload("shared-prefixes", {"duration": 60.0, "rate": 2.0, "prefixes": 3}, seed=2).arrivals
+    by_key = {}
+    for arrival in shared:
+        by_key.setdefault(arrival.prefix_blocks[:4096 // BLOCK_TOKENS], []).append(arrival)
+    assert len(by_key) == 3                                  # one shared start per prefix ...
+    own = [a.prefix_blocks[4096 // BLOCK_TOKENS:] for a in shared]
+    assert len(set(own)) == len(own)                         # ... then blocks of each request's own
+    turns = build_workload("multi-turn", {"duration": 5.0, "rate": 1.0, "turns": 3}, seed=2).arrivals
+    first = min(turns, key=lambda a: a.at)
+    mine = sorted((a for a in turns if a.prefix_blocks[0] == first.prefix_blocks[0]), key=lambda a: a.at)
+    assert len(mine) == 3
+    for before, after in zip(mine, mine[1:]):                # each turn extends the one before
+        assert after.prefix_blocks[:len(before.prefix_blocks)] == before.prefix_blocks
+        assert len(after.prefix_blocks) > len(before.prefix_blocks)

@@ -38,6 +38,8 @@ SMALL = {
     "on-off": {"duration": 40.0, "period_s": 10.0},
     "increase": {"duration": 30.0},
     "dist-shift": {"duration": 20.0, "shift_at": 10.0},
+    "shared-prefixes": {"duration": 10.0, "rate": 1.0, "prefixes": 8, "prefix_tokens": 1024},
+    "multi-turn": {"duration": 10.0, "rate": 0.5, "turns": 3, "system_tokens": 512, "think_s": 1.0},
 }
 
 

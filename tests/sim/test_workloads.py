@@ -24,7 +24,8 @@ from apsd.sim.workloads import (
 )
 
 BUILTIN_NAMES = ["seed-stress", "burst-50", "poisson", "periodic", "bursty", "vip-flood", "vtc-overload",
-                 "head-of-line", "noisy-neighbor", "proportional", "on-off", "increase", "dist-shift"]
+                 "head-of-line", "noisy-neighbor", "proportional", "on-off", "increase", "dist-shift", "shared-prefixes",
+                 "multi-turn"]
 #: Tenant isolation's workloads: each overloads the batch engine's GPU with its defaults.
 ISOLATION_NAMES = ["noisy-neighbor", "proportional", "on-off", "increase", "dist-shift"]
 DEFAULTS = {name: defaults for name, _, defaults in list_workloads()}
