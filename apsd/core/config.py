@@ -618,7 +618,7 @@ class RoutingConfig:
     policy: str = attrs.field(default="prefix", validator=non_empty)
     #: ``prefix``: load is out of balance (route to the least loaded) when the fullest place's share of
     #: its slots exceeds the emptiest's by more than this ...
-    balance_abs: float = attrs.field(default=0.25, validator=between(0.0, 1.0))
+    balance_abs: float = attrs.field(default=0.5, validator=between(0.0, 1.0))
     #: ... and is more than this many times the emptiest's.
     balance_rel: float = attrs.field(default=1.5, validator=between(1.0, 1000.0))
     #: ``prefix``: the share of a request's key the best place must hold for the request to go there;
