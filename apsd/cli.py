@@ -445,7 +445,6 @@ def research_main(argv: Sequence[str]) -> int:
                         help="with --routing or --classes: model seconds of each workload (default 600 and 120)")
     args = parser.parse_args(argv)
     if args.routing:
-        args.duration = 600.0 if args.duration is None else args.duration
         return _research_routing(parser, args)
     if args.classes:
         return _research_classes(parser, args)
@@ -466,29 +465,26 @@ def research_main(argv: Sequence[str]) -> int:
 def _research_classes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from apsd.sim.research.classes import classes_document, run_classes_study
 
-    duration = 120.0 if args.duration is None else args.duration
-    if not 10 <= duration <= 86_400:
-        parser.exit(2, f"apsd research: error: --duration: must be 10 to 86400 model seconds, got {duration:g}\n")
-    result = run_classes_study(duration=duration, seed=args.seed,
-                               progress=None if args.quiet else lambda what: print(f"  {what}", file=sys.stderr))
-    text = classes_document(result, duration=duration, seed=args.seed)
-    path = Path(args.out) / "research" / "service-classes.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    print(text)
-    print(f"wrote {path}")
-    return 0
+    return _write_study(parser, args, "service-classes.md", 120.0, run_classes_study, classes_document)
 
 
 def _research_routing(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from apsd.sim.research.routing import routing_document, run_routing_study
 
-    if not 10 <= args.duration <= 86_400:
-        parser.exit(2, f"apsd research: error: --duration: must be 10 to 86400 model seconds, got {args.duration:g}\n")
-    rows = run_routing_study(duration=args.duration, seed=args.seed,
-                             progress=None if args.quiet else lambda what: print(f"  {what}", file=sys.stderr))
-    text = routing_document(rows, duration=args.duration, seed=args.seed)
-    path = Path(args.out) / "research" / "routing.md"
+    return _write_study(parser, args, "routing.md", 600.0, run_routing_study, routing_document)
+
+
+def _write_study(parser: argparse.ArgumentParser, args: argparse.Namespace, page: str, default_duration: float,
+                 run: Callable[..., Any], document: Callable[..., str]) -> int:
+    """Run a study (``run(duration=, seed=, progress=)``), print its page (``document(result, duration=,
+    seed=)``) and write it to ``<out>/research/<page>``."""
+    duration = default_duration if args.duration is None else args.duration
+    if not 10 <= duration <= 86_400:
+        parser.exit(2, f"apsd research: error: --duration: must be 10 to 86400 model seconds, got {duration:g}\n")
+    result = run(duration=duration, seed=args.seed,
+                 progress=None if args.quiet else lambda what: print(f"  {what}", file=sys.stderr))
+    text = document(result, duration=duration, seed=args.seed)
+    path = Path(args.out) / "research" / page
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     print(text)

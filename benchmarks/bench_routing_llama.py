@@ -59,7 +59,6 @@ import math
 import os
 import random
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -79,7 +78,8 @@ if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import 
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from tests.helpers import APSD  # noqa: E402
-from tests.llama_server import _WORDS, LlamaServer, find_llama_server, open_llama_server, write_tiny_model  # noqa: E402
+from tests.llama_server import (_WORDS, LlamaServer, find_llama_server, open_llama_server, stop_process,  # noqa: E402
+                                write_tiny_model)
 
 #: The model of the benchmark: slow enough that computing a prompt of 2,000 tokens (~0.6 s) stands out from
 #: reading it from the cache (~10 ms); fast enough for a run of a few minutes.
@@ -338,19 +338,6 @@ health_interval_s = 0.5
 metrics_interval_s = 0.25
 first_token_timeout_s = 120.0
 {routing}{backends}"""
-
-
-async def stop_process(process: trio.Process, timeout: float = 10.0) -> None:
-    """SIGTERM by its PID, SIGKILL after ``timeout`` s, then reap; shielded, so it runs when cancelled."""
-    with trio.CancelScope(shield=True):
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            with trio.move_on_after(timeout):
-                await process.wait()
-        if process.returncode is None:
-            process.send_signal(signal.SIGKILL)
-            with trio.move_on_after(timeout):
-                await process.wait()
 
 
 async def wait_backends_up(client: httpx.AsyncClient, url: str, n: int, process: trio.Process, log: Path) -> None:

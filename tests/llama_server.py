@@ -327,7 +327,7 @@ async def open_llama_server(
                 url = f"http://127.0.0.1:{port}"
                 if await _wait_healthy(process, url, log_path, startup_timeout):
                     break
-                await _stop(process, stop_timeout)
+                await stop_process(process, stop_timeout)
                 process = None
             else:
                 raise LlamaServerError(
@@ -343,7 +343,7 @@ async def open_llama_server(
                 raise
         finally:
             if process is not None:
-                await _stop(process, stop_timeout)
+                await stop_process(process, stop_timeout)
 
 
 async def _wait_healthy(process: trio.Process, url: str, log_path: Path, timeout: float) -> bool:
@@ -375,7 +375,7 @@ async def _wait_healthy(process: trio.Process, url: str, log_path: Path, timeout
     )
 
 
-async def _stop(process: trio.Process, timeout: float) -> None:
+async def stop_process(process: trio.Process, timeout: float = 10.0) -> None:
     """SIGTERM by PID, SIGKILL after ``timeout`` s, then reap. Shielded: runs even when cancelled."""
     with trio.CancelScope(shield=True):
         if process.returncode is None:
