@@ -498,8 +498,8 @@ class ContinuousEngine:
     def _ask(self) -> None:
         """Ask for work if there is none asked for and room for some (never blocks: each engine has at
         most one ask outstanding, and the demand channel holds one per engine)."""
-        if self._asked or self._empty_at == self._version:
-            return
+        if self._asked or self._empty_at == self._version or self._demands is None:
+            return   # (None: not serving yet; it asks once it starts)
         free = self.free()
         if (free.sequences > 0 and free.kv_tokens > 0) or (free.held_sequences > 0 and free.held_kv_tokens > 0):
             self._asked = True
