@@ -255,7 +255,7 @@ class ServiceClasses:
             self._enter(request)
 
     def _requeued(self, request: InferenceRequest) -> None:
-        if request.service_class is not None:
+        if request.service_class is not None and request.started_at is None:   # (a paused one met its deadline or not)
             self._enter(request)
 
     def _dispatched(self, request: InferenceRequest, now: float) -> None:

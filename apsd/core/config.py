@@ -441,6 +441,9 @@ ENGINE_KINDS: dict[str, EngineKind] = {
 RENAMED_ENGINE_KINDS = {"micro": "batch"}
 #: Settings that were removed, and what took their place (the error for one says so).
 REPLACED_KEYS = {
+    "forward.tenant_active_s": "apsd no longer holds free slots for tenants that were active lately: every free "
+                               "slot serves the queue, and a tenant below its share gets a slot by gateway "
+                               "preemption ([forward] preempt_min_run_s, max_preemptions)",
     "engine.reserved_sequences": "a continuous engine isolates tenants by their share of it without slots set "
                                  "aside ([engine] isolation, on by default)",
 }
@@ -483,8 +486,8 @@ class EngineConfig:
     max_batched_tokens: int = attrs.field(default=8192, validator=between(1, 10**7))
     #: Tenant isolation: on a continuous engine a tenant below its share gets in when the engine is
     #: full (tenants above theirs are preempted), its prompt is prefilled first and the others' in
-    #: short chunks; on the forward engine a free slot is held for each active tenant below its
-    #: share (docs/explanation/fairness-and-admission.md).
+    #: short chunks; on the forward engine a tenant below its share that finds every slot taken gets
+    #: one by gateway preemption of a tenant above its share (docs/explanation/fairness-and-admission.md).
     isolation: bool = True
     #: Prefill tokens per step of tenants at or above their share while isolating; 0 derives it
     #: from the deployment (the smallest chunk about as cheap per token as any: 512 on an A100 for
@@ -554,6 +557,10 @@ class BackendConfig:
     #: that runs higher values first). Tenants below their share come first, then higher bids
     #: (docs/how-to/real-servers.md).
     priority: str = attrs.field(default="off", validator=one_of("off", "lower-first", "higher-first"))
+    #: What kind of server it is: ``auto`` (found out from its endpoints: ``/props`` is llama.cpp's,
+    #: ``/version`` vLLM's, ``/get_server_info`` SGLang's), ``llama.cpp``, ``vllm``, ``sglang``, or
+    #: ``openai`` (another OpenAI-compatible server: a preempted chat stream is not resumed on it).
+    server: str = attrs.field(default="auto", validator=one_of("auto", "llama.cpp", "vllm", "sglang", "openai"))
     #: ``apsd simulate`` only, in place of the server: model seconds to the first token and per
     #: output token after it, with ``max_concurrency`` requests running at once.
     sim_ttft_s: float = attrs.field(default=0.05, validator=between(0, 3600))
@@ -600,9 +607,11 @@ class ForwardConfig:
     max_waiting: int = attrs.field(default=5, validator=between(1, 10**6))
     #: ... or this share of its KV cache in use (vLLM ``vllm:kv_cache_usage_perc``).
     max_kv_usage: float = attrs.field(default=0.8, validator=between(0.01, 1.0))
-    #: Isolation (``[engine] isolation``): a tenant counts as active, and a free slot is held for it
-    #: while it is below its share, for this long after its last request here.
-    tenant_active_s: float = attrs.field(default=10.0, validator=between(0.0, 86_400))
+    #: Gateway preemption (``[engine] isolation``): a started request is preempted for a tenant below its
+    #: share only once it has run this long (model seconds) since it (re)started ...
+    preempt_min_run_s: float = attrs.field(default=1.0, validator=between(0.0, 3600))
+    #: ... and at most this many times (then it runs to its end).
+    max_preemptions: int = attrs.field(default=4, validator=between(0, 1000))
 
 
 @attrs.frozen

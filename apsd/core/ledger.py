@@ -303,7 +303,8 @@ class Ledger:
             stats.running += 1
             self.running_total += 1
             assert request.dispatched_at is not None
-            self.queue_waits_s.append(request.dispatched_at - request.arrival)
+            if request.started_at is None:   # (a resumed request's wait was counted the first time)
+                self.queue_waits_s.append(request.dispatched_at - request.arrival)
         if self.events.wants("request_dispatched"):
             for request in dispatch.requests:
                 self.events.emit("request_dispatched", request=request, dispatch=dispatch, batch=dispatch,
@@ -316,9 +317,12 @@ class Ledger:
         if self.events.wants("request_started"):
             self.events.emit("request_started", request=request, engine_id=request.engine_id, now=at)
 
-    def requeued(self, request: InferenceRequest, reason: str) -> None:
-        """``request``'s engine failed before its first token; it goes back to waiting (the
-        scheduler puts it back in the queue)."""
+    def requeued(self, request: InferenceRequest, reason: str, *, retry: bool = True,
+                 keep_progress: bool = False) -> None:
+        """``request`` goes back to waiting (the scheduler puts it back in the queue): its engine failed
+        before its first token (``retry``: one of its retries is spent), or preempted it. Its progress is
+        reset, but for a request paused after its first token (``keep_progress``), which resumes from
+        what it produced."""
         if request.answered or request.dispatched_at is None:
             raise ValueError(f"request {request.request_id} is not running")
         stats = self._changing(request.tenant_id)
@@ -327,8 +331,9 @@ class Ledger:
         self._to_queue(request, stats)
         engine_id = request.engine_id
         request.dispatched_at = request.effective_priority = request.engine_id = None
-        request.tokens_generated, request.cost_usd = 0, 0.0
-        request.retries += 1
+        if not keep_progress:
+            request.tokens_generated, request.cost_usd = 0, 0.0
+        request.retries += retry
         self.events.emit("request_requeued", request=request, engine_id=engine_id, reason=reason, now=self._now())
 
     def batch_started(self, batch: Dispatch, engine_id: int) -> None:

@@ -10,8 +10,9 @@ before admission.
 A request's life (each step is the ledger's to count and announce)::
 
     admitted -> queued -> dispatched to an engine -> started (first token) -> finished
-                  ^                 |
-                  +---- requeued ---+   (its engine failed before the first token)
+                  ^                 |                      |
+                  +---- requeued ---+   (its engine failed before the first token, or preempted it)
+                  +---- paused ----------------------------+   (preempted after it: resumed later)
 
 While it runs, its engine updates its progress fields (``tokens_generated``,
 ``started_at``, ``cost_usd``) and, if a reader attached a
@@ -194,6 +195,9 @@ class InferenceRequest:
     cost_usd: float = 0.0
     #: Times it went back to the queue because its engine failed before its first token.
     retries: int = 0
+    #: Times its engine preempted it for a tenant below its share (back to the queue before its first
+    #: token, or paused after it and resumed later).
+    preemptions: int = 0
     # -- routing and the prefix cache ----------------------------------------------------------
     #: Its routing key: chained hashes of its prompt's blocks (:func:`apsd.core.routing.routing_key`;
     #: None: not computed yet; a simulated request may come with its own).
@@ -254,15 +258,15 @@ class Capacity:
     #: model they serve); None: one pool for every model. A request naming a model with no slot
     #: left does not fit; one naming no model (``POST /infer``) fits any slot.
     slots_per_model: dict[str, int] | None = None
-    #: Room only requests of tenants below their share may take (``under_share`` says which):
-    #: slots a ``forward`` engine holds back for them, or the sequences and KV cache a ``continuous``
-    #: engine would free by preempting tenants above their share. None: no such room.
+    #: Room only requests of tenants below their share may take (``under_share`` says which): the
+    #: sequences and KV cache an engine would free by preempting tenants above their share (a
+    #: ``continuous`` engine's sequences, a ``forward`` engine's backends' slots). None: no such room.
     held_sequences: int = 0
     held_kv_tokens: int = 0
     under_share: Callable[[InferenceRequest], bool] | None = None
-    #: How many more sequences ``request``'s tenant may take now (the ``forward`` engine keeps a slot
-    #: free for each other active tenant below its share); None: no limit per tenant.
-    tenant_room: Callable[[InferenceRequest], int] | None = None
+    #: Of ``held_sequences``, those of the backends serving each model (the ``forward`` engine, beside
+    #: ``slots_per_model``); None: one pool for every model.
+    held_per_model: dict[str, int] | None = None
     #: Whether the routing policy lets this engine take ``request`` once it took ``taken`` others in the
     #: same dispatch (several engines: it may be meant for another one with room); None: any request.
     route: Callable[[InferenceRequest, int], bool] | None = None
@@ -273,12 +277,9 @@ class Capacity:
             return request.cost_tokens
         return request.prompt_tokens + request.tokens_generated + 1
 
-    def admits(self, request: InferenceRequest, taken: int = 0, kv_taken: int = 0, tenant_taken: int = 0) -> bool:
+    def admits(self, request: InferenceRequest, taken: int = 0, kv_taken: int = 0) -> bool:
         """Whether ``request`` fits once ``taken`` sequences and ``kv_taken`` KV tokens went to
-        others (``tenant_taken`` of them to its tenant): in the free room, or (its tenant below its
-        share) in the held room too; and within its tenant's room."""
-        if self.tenant_room is not None and tenant_taken >= self.tenant_room(request):
-            return False
+        others: in the free room, or (its tenant below its share) in the held room too."""
         need = kv_taken + self.need(request)
         if not (self.sequences - taken > 0 and need <= self.kv_tokens) and not (
                 self.under_share is not None and self.sequences + self.held_sequences - taken > 0
@@ -288,10 +289,23 @@ class Capacity:
 
     def fits(self, request: InferenceRequest) -> bool:
         """Whether ``request`` alone fits what is free."""
-        if not self.admits(request):
-            return False
-        slots = self.slots_per_model
-        return slots is None or request.model is None or slots.get(request.model, 0) > 0
+        return self.admits(request) and self.model_room(request, {}, {}) is not None
+
+    def model_room(self, request: InferenceRequest, slots_taken: dict[str, int],
+                   held_taken: dict[str, int]) -> str | None:
+        """Where ``request`` fits among its model's slots once ``slots_taken`` free ones and ``held_taken``
+        held ones went to others (by model): ``"free"``, ``"held"`` (its tenant below its share), or None.
+        ``"free"`` for a request naming no model, or with no slots per model."""
+        slots, model = self.slots_per_model, request.model
+        if slots is None or model is None:
+            return "free"
+        if slots.get(model, 0) - slots_taken.get(model, 0) > 0:
+            return "free"
+        held = self.held_per_model
+        if held is not None and held.get(model, 0) - held_taken.get(model, 0) > 0 and \
+                self.under_share is not None and self.under_share(request):
+            return "held"
+        return None
 
 
 def exceeds_batch(request: InferenceRequest, cap_tokens: int, setting: str) -> str | None:

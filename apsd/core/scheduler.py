@@ -302,12 +302,18 @@ class Scheduler:
         if self._waiting_until is not None:
             self._after_arrival()
 
-    def requeue(self, request: InferenceRequest, reason: str) -> None:
-        """Put a dispatched request whose engine failed before its first token back in the queue,
-        in its old place (arrival and ``seq`` kept), its deadline kept (it may expire at once)."""
+    def requeue(self, request: InferenceRequest, reason: str, *, retry: bool = True,
+                keep_progress: bool = False) -> None:
+        """Put a dispatched request back in the queue, in its old place (arrival and ``seq`` kept):
+        its engine failed before its first token (``retry``: that spends one of its retries), or
+        preempted it. Its deadline is kept (it may expire at once), but for a request paused after
+        its first token (``keep_progress``: its output so far is kept, and it resumes from there),
+        which no queue timeout cuts short any more."""
         if self._placed:
             self._unplace(request)
-        self.ledger.requeued(request, reason)
+        self.ledger.requeued(request, reason, retry=retry, keep_progress=keep_progress)
+        if keep_progress:
+            request.deadline = None
         now = self.clock.now()
         try:
             self.queue.push(request, now)

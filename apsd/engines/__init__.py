@@ -30,6 +30,8 @@ from apsd.engines.backends import Backend, BackendClient, HttpBackendClient
 from apsd.engines.batch import BatchEngine, FaultInjector, GpuModel
 from apsd.engines.continuous import ContinuousEngine
 from apsd.engines.forward import ForwardEngine
+from apsd.engines.preemption import PreemptionRules
+from apsd.core.slots import LocalSlots, SlotTable
 from apsd.engines.profiles import ProfileError, ProfileRegistry, builtin_profiles
 from apsd.engines.roofline import Deployment
 
@@ -99,17 +101,20 @@ def deployment_for(config: Config, profiles: ProfileRegistry | None = None) -> D
 
 def build_engines(config: Config, *, ledger: Ledger, clock: ModelClock,
                   rank: Callable[[InferenceRequest, float], float],
-                  requeue: Callable[[InferenceRequest, str], None],
+                  requeue: Callable[..., None],
                   profiles: ProfileRegistry | None = None,
-                  backend_client: BackendClient | None = None, routing: Any = None) -> list[Engine]:
+                  backend_client: BackendClient | None = None, routing: Any = None,
+                  slots: SlotTable | None = None) -> list[Engine]:
     """``[engine] count`` engines of ``[engine] kind``, numbered from 0 (raises ConfigError); for
     ``forward``, one engine over every ``[[backends]]`` entry, talking through ``backend_client``
     (default: a new :class:`~apsd.engines.backends.HttpBackendClient`, which the engine closes).
     ``rank`` and ``requeue`` are the scheduler's (an engine's order of preemption, and the way
-    back to the queue for a request whose engine failed). ``routing``: the routing policy
-    (:class:`~apsd.core.routing.RoutingPolicy`) the forward engine picks its backends with."""
+    back to the queue for a request whose engine failed or preempted it). ``routing``: the routing policy
+    (:class:`~apsd.core.routing.RoutingPolicy`) the forward engine picks its backends with; ``slots``: the
+    table of its backends' slots (default: this process's own, :class:`~apsd.core.slots.LocalSlots`)."""
     return _BUILDERS[config.engine.kind].build(config, ledger=ledger, clock=clock, rank=rank, requeue=requeue,
-                                               profiles=profiles, backend_client=backend_client, routing=routing)
+                                               profiles=profiles, backend_client=backend_client, routing=routing,
+                                               slots=slots)
 
 
 class _Batch:
@@ -161,13 +166,18 @@ class _Forward:
     def check(self, config: Config, profiles: ProfileRegistry | None) -> None:
         pass
 
-    def build(self, config: Config, *, ledger: Ledger, clock: ModelClock, requeue: Callable[[InferenceRequest, str], None],
-              backend_client: BackendClient | None, routing: Any, **_: Any) -> list[Engine]:
+    def build(self, config: Config, *, ledger: Ledger, clock: ModelClock, requeue: Callable[..., None],
+              backend_client: BackendClient | None, routing: Any, slots: SlotTable | None = None,
+              **_: Any) -> list[Engine]:
         client = backend_client or HttpBackendClient(config.forward)
         if routing is None:
             raise ValueError("the forward engine needs a routing policy")
-        return [ForwardEngine(0, [Backend(b) for b in config.backends], client, ledger, clock, config.forward,
-                              requeue, routing, isolation=config.engine.isolation,
+        forward = config.forward
+        rules = PreemptionRules(enabled=config.engine.isolation, min_run_s=forward.preempt_min_run_s,
+                                max_preemptions=forward.max_preemptions)
+        return [ForwardEngine(0, [Backend(b) for b in config.backends], client, ledger, clock, forward,
+                              requeue, routing, rules=rules, slots=slots if slots is not None else LocalSlots(),
+                              weights={name: tenant.weight for name, tenant in config.tenants.items()},
                               default_cache_tokens=config.routing.cache_tokens)]
 
 

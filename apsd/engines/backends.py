@@ -166,6 +166,9 @@ class Backend:
     #: How it counts a prompt's tokens: "llama.cpp" (``/apply-template`` + ``/tokenize``), "vllm"
     #: (``/tokenize`` with the messages), "" it cannot; None: not asked yet.
     tokenizer: str | None = None
+    #: What kind of server it is (``[[backends]] server``, or found out when it is first healthy:
+    #: ``llama.cpp``, ``vllm``, ``sglang``, ``openai``); None: not known yet.
+    server: str | None = None
     in_flight: int = 0
     requests: int = 0
     failures: int = 0
@@ -196,12 +199,6 @@ class Backend:
         load = self.load
         return (load.waiting is not None and load.waiting >= settings.max_waiting) or \
             (load.kv_usage is not None and load.kv_usage >= settings.max_kv_usage)
-
-    def free(self, now: float, settings: ForwardConfig) -> int:
-        """Requests it can take now: 0 while down or saturated."""
-        if not self.healthy or not self.models or self.saturated(now, settings):
-            return 0
-        return max(0, self.config.max_concurrency - self.in_flight)
 
     def statistics(self, now: float, settings: ForwardConfig) -> BackendStatistics:
         load = self.load
@@ -236,6 +233,10 @@ class BackendClient(Protocol):
         """The backend's own count of the prompt of ``body`` (chat: as its template renders it), or
         None when it cannot say (no such endpoint, or no answer within ``health_timeout_s``). Never
         raises. Used to charge a request that ended without the backend's usage."""
+
+    async def server_kind(self, backend: Backend) -> str:
+        """What kind of server it is: ``llama.cpp``, ``vllm``, ``sglang``, or ``openai`` (none of those,
+        or it cannot say). Never raises."""
 
     async def aclose(self) -> None: ...
 
@@ -313,6 +314,18 @@ class HttpBackendClient:
         except BackendError:
             return False
         return response.status_code == 200
+
+    async def server_kind(self, backend: Backend) -> str:
+        probes = (("/props", "llama.cpp", "default_generation_settings"),
+                  ("/get_server_info", "sglang", "tokenizer_path"), ("/version", "vllm", "version"))
+        for path, kind, key in probes:
+            try:
+                response = await self._get(backend, path)
+                if response.status_code == 200 and key in response.json():
+                    return kind
+            except (BackendError, ValueError, TypeError):
+                continue
+        return "openai"
 
     async def read_load(self, backend: Backend) -> BackendLoad | None:
         response = await self._get(backend, "/metrics")
@@ -588,7 +601,13 @@ class SimulatedServer:
     one every ``tpot_s``. ``down`` makes it unreachable; ``stalled`` makes it accept connections and
     answer nothing (a stopped process: its health check times out after ``stall_s``, requests hang);
     ``fail_next`` fails that many requests before their first token; ``fail_after_tokens`` breaks
-    streams after that many tokens. ``bodies`` records every request body it received."""
+    streams after that many tokens. ``bodies`` records every request body it received.
+
+    Its output is checkable: token ``i`` of an answer reads `` t<i>``. A request that continues an
+    answer (a chat whose last message is the assistant's, continued as ``server`` does it: by itself
+    for ``llama.cpp``, with ``continue_final_message`` for ``vllm``; a text completion whose prompt
+    ends with such tokens) resumes the count after the tokens it was given, and a continuation whose
+    text is not exactly tokens ``0`` to ``k - 1`` is counted in ``bad_continuations``."""
 
     models: tuple[str, ...] = ("sim",)
     slots: int = 4
@@ -600,7 +619,9 @@ class SimulatedServer:
     with_metrics: bool = True
     stalled: bool = False
     stall_s: float = 5.0
+    server: str = "llama.cpp"
     bodies: list[dict] = attrs.field(factory=list)
+    bad_continuations: int = 0
     running: int = 0
     waiting: int = 0
     started: list[str] = attrs.field(factory=list)
@@ -657,6 +678,10 @@ class SimulatedBackendClient:
         await trio.lowlevel.checkpoint()
         return None if self.servers[backend.name].down else _simulated_prompt_tokens(body)
 
+    async def server_kind(self, backend: Backend) -> str:
+        await trio.lowlevel.checkpoint()
+        return self.servers[backend.name].server
+
     async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk,
                        request_id: str = "") -> BackendAnswer:
         server = self._server(backend)
@@ -668,6 +693,7 @@ class SimulatedBackendClient:
             raise BackendError(502, "backend_failed", f"backend {backend.name} answered 503", retryable=True)
         prompt_tokens = _simulated_prompt_tokens(body)
         tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        first = _continued_from(server, api, body)
         server.waiting += 1
         try:
             await server.semaphore().acquire()
@@ -680,7 +706,7 @@ class SimulatedBackendClient:
             await self._stall(server)
             if not body.get("stream"):
                 await self.clock.sleep(server.tpot_s * (tokens - 1))
-                text = " tok" * tokens
+                text = _simulated_text(first, tokens)
                 key = "message" if api == "chat.completions" else "text"
                 choice = {"index": 0, "finish_reason": "length",
                           key: {"role": "assistant", "content": text} if key == "message" else text}
@@ -696,8 +722,8 @@ class SimulatedBackendClient:
                                        retryable=False)
                 if sent:
                     await self.clock.sleep(server.tpot_s * n)
+                on_chunk(BackendChunk(_simulated_chunk(api, first + sent, n), tokens=n))
                 sent += n
-                on_chunk(BackendChunk(_simulated_chunk(api, n), tokens=n))
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens}
             on_chunk(BackendChunk({"object": "chat.completion.chunk", "choices": [], "usage": usage}, tokens=0))
             return BackendAnswer(prompt_tokens, tokens)
@@ -712,8 +738,41 @@ def _simulated_prompt_tokens(body: dict) -> int:
     return max(1, len(json.dumps(prompt).encode()) // 4)
 
 
-def _simulated_chunk(api: str, tokens: int) -> dict:
-    text = " tok" * tokens
+def _simulated_text(first: int, tokens: int) -> str:
+    """Tokens ``first`` to ``first + tokens - 1`` of a simulated answer."""
+    return "".join(f" t{i}" for i in range(first, first + tokens))
+
+
+_SIMULATED_TOKENS = re.compile(r"(?: t\d+)+$")
+
+
+def _continued_from(server: SimulatedServer, api: str, body: dict) -> int:
+    """The token a simulated answer starts from: after the run of its tokens that ends the text a
+    continuation gives (a final assistant message, continued as ``server`` does; a text completion's
+    prompt), 0 for a new answer. A run that is not tokens ``0`` to ``k - 1`` is a bad continuation."""
+    if api == "chat.completions":
+        messages = body.get("messages") or []
+        last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+        if last.get("role") != "assistant" or (server.server != "llama.cpp" and not body.get("continue_final_message")):
+            return 0
+        content = last.get("content")
+        text = content if isinstance(content, str) else "".join(
+            part.get("text", "") for part in content if isinstance(part, dict)) if isinstance(content, list) else ""
+    elif api == "completions" and isinstance(body.get("prompt"), str):
+        text = body["prompt"]
+    else:
+        return 0
+    match = _SIMULATED_TOKENS.search(text)
+    if match is None:
+        return 0
+    count = match.group(0).count(" t")
+    if match.group(0) != _simulated_text(0, count):
+        server.bad_continuations += 1
+    return count
+
+
+def _simulated_chunk(api: str, first: int, tokens: int) -> dict:
+    text = _simulated_text(first, tokens)
     if api == "chat.completions":
         return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]}
     return {"object": "text_completion", "choices": [{"index": 0, "text": text}]}

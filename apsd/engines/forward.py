@@ -1,28 +1,36 @@
 """The ``forward`` engine: relays requests to real OpenAI-compatible servers (``[[backends]]``).
 
-One engine routes to every backend. It asks the scheduler for work sized to the free slots of
-its usable backends, per model (``Capacity.slots_per_model``): a backend is usable while healthy,
-not saturated (:mod:`apsd.engines.backends`) and below its ``max_concurrency``. So requests wait
-in apsd's queue, in its policy's order, rather than in a backend's FIFO.
+One engine routes to every backend. A backend's *slots* (``max_concurrency``: llama.cpp's ``-np``,
+vLLM's ``max_num_seqs``) are what it shares out, and every request it runs holds a lease on one
+(:mod:`apsd.core.slots`): this daemon's own table, or with replicas one table in Redis that every
+replica claims from, so that together they never send a server more than its slots.
 
-Each dispatched request goes to a backend serving its model (a request without a model, from
-``POST /infer``, to any) that the routing policy chooses (``[routing] policy``,
-:mod:`apsd.core.routing`: by default the one holding the longest part of its conversation in its
-prefix cache, unless load is out of balance), in a task of its own. The policy sees every healthy
-backend serving the model, with its load and whether it has room; one the request already failed on
-is left out while another remains. Where it went and why is stamped on the request
-(``request.route``: the ``X-Apsd-Route`` header) and counted (:meth:`ForwardEngine.route_decisions`).
+**Work-conserving dispatch.** The engine asks the scheduler for work while any usable backend has a
+free slot (a backend is usable while healthy and not saturated, :mod:`apsd.engines.backends`), per
+model (``Capacity.slots_per_model``); every free slot may take the next request in queue order. No
+slot is held back for anyone, so no slot idles while a request that fits it waits; requests wait in
+apsd's queue, in its policy's order, rather than in a backend's FIFO.
 
-* The client's OpenAI body is sent as it came (parameters apsd does not interpret pass through
-  untouched), its output limit set to what admission reserved under every name the client gave
-  it by (``max_tokens``, llama.cpp's ``n_predict``, ``max_new_tokens``); a client that gave none
-  gets none (``open_ended``: the backend decides, the tenant pays what ran). A stream always asks
-  the backend for usage (``stream_options.include_usage``); the usage chunk is relayed only if
-  the client asked for it.
-* Tokens reach the client's stream as they arrive, never waiting for the client: the backend's
-  slot is freed at the backend's pace, a slow reader only delays itself, and the request is
-  charged what the backend generated (what waits for a slow reader is bounded by its output limit,
-  and a reader that takes nothing for ``[server] send_timeout_s`` is dropped).
+**Gateway preemption** (``[forward] preempt``, on by default; :mod:`apsd.engines.preemption`): real
+servers cannot preempt for apsd, so apsd does. When a tenant below its share of the slots of its
+model's backends finds none free, the room that preempting tenants above their share would free is
+offered to the scheduler as held room (``Capacity.held_sequences`` / ``held_per_model``), which only
+such tenants may take (the fair-share queues let them pass the head). A request given that room takes
+the slot of a victim (:func:`~apsd.engines.preemption.choose_victim`), which is cancelled upstream:
+
+* a victim without a first token goes back to the queue at its place (uncharged, no retry spent);
+* a started one is *paused*: it goes back to the queue with what it produced, its client's stream
+  open, and is resumed later as a continuation of its own text (:func:`apsd.engines.relay.continuation`),
+  preferably on the same backend, whose prefix cache makes the second prefill cheap. Its client sees a
+  pause; its tenant is charged the backend's work once.
+
+Each request goes to a backend serving its model (a request without a model, from ``POST /infer``,
+to any) that the routing policy chooses (``[routing] policy``, :mod:`apsd.core.routing`; a resumed
+request prefers the backend it ran on), in a task of its own. Where it went and why is stamped on
+the request (``request.route``: the ``X-Apsd-Route`` header) and counted (:meth:`ForwardEngine.route_decisions`).
+
+* The body sent is the client's (:func:`apsd.engines.relay.request_body`); tokens reach the client's
+  stream as they arrive (:class:`apsd.engines.relay.StreamRelay`), never waiting for the client.
 * The end settles against the backend's usage: ``prompt_tokens`` and ``tokens_generated`` become
   the backend's figures, and admission gives back or takes the difference with what it reserved.
   Usage is untrusted: a figure that is not a believable count fails the request and the backend
@@ -31,28 +39,23 @@ is left out while another remains. Where it went and why is stamped on the reque
   backend's slot), and it is billed for the tokens that had arrived.
 * A backend that fails before the first token (unreachable, timed out, 5xx or 429) is marked
   down if it looks so, and the request goes back to the queue in its place, to be dispatched to
-  another backend, at most ``[forward] max_retries`` times; then 502 ``backend_failed``. After the
-  first token, a failure ends the stream with an error and the request is charged what arrived.
-  A 4xx is the request's own fault: its status and message are relayed.
+  another backend, at most ``[forward] max_retries`` times; then 502 ``backend_failed``. If no healthy
+  backend serves its model any more, it is answered 503 ``no_backend`` at once, as a new request would
+  be. After the first token, a failure ends the stream with an error and the request is charged what
+  arrived. A 4xx is the request's own fault: its status and message are relayed.
+* A backend marked down (its health check failed, or a request found it unreachable) hands back the
+  requests it holds at once: those without a first token go to the queue without spending a retry,
+  resumable streams are paused and resumed elsewhere (or there once it is back), and the others end
+  with an error event now rather than at their read timeout.
 * Every exchange is bounded in time: connecting (``connect_timeout_s``), the first token, headers
   included (``first_token_timeout_s``; the whole answer when not streamed), each later chunk
-  (``read_timeout_s``), and the health checks (``health_timeout_s``). A backend marked down hands
-  back the requests it holds that have no token yet (they go to another backend without spending
-  a retry). While no healthy backend serves a model, new requests for it get 503 ``no_backend`` at
-  once; those already queued get it once it has been so for ``no_backend_wait_s``.
+  (``read_timeout_s``), and the health checks (``health_timeout_s``). While no healthy backend serves a
+  model, new requests for it get 503 ``no_backend`` at once; those already queued get it once it has
+  been so for ``no_backend_wait_s``.
 * An unexpected error while forwarding fails that request only (logged with its id).
 
-Isolation (``[engine] isolation``, on by default): a backend's slots are this engine's capacity,
-and a backlogged tenant must not hold them all while another waits, for a llama.cpp server cannot
-preempt a request it has started. A tenant is *active* while it has requests here or had one in
-the last ``[forward] tenant_active_s``; it is *below its share* while its requests here times the
-active tenants (itself included) are fewer than the slots of the healthy backends. One free slot is
-held for each active tenant below its share: a tenant may take every free slot but those
-(``Capacity.tenant_room``), and the fair-share queues let the others' requests pass the head to
-reach them. So a tenant that comes back finds a slot waiting, and one that floods alone has every
-slot. Where a backend can preempt (vLLM with ``--scheduling-policy priority``), its ``priority``
-setting sends each request a priority (:meth:`ForwardEngine.priority_for`): tenants below their
-share first, then by bid, so the backend itself lets them in ahead of what it already runs.
+``priority``: a backend configured for it (``[[backends]] priority``) is sent
+:func:`apsd.engines.relay.priority_for`: a tenant's requests outstanding first, then its bid.
 
 Health (``[forward] health_interval_s``) and metrics (``metrics_interval_s``) are read by one task
 per backend; a down backend takes no work and comes back by itself. A backend without configured
@@ -67,24 +70,51 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import attrs
 import trio
 
 from apsd.core.clock import ModelClock
-from apsd.core.config import MAX_BID, Config, ForwardConfig
-from apsd.core.ledger import Ledger
-from apsd.core.models import ALL_APIS, LENGTH_ALIASES, Capacity, Completion, Dispatch, InferenceRequest, Refusal
-from apsd.core.routing import RoutingPolicy, Target
-from apsd.core.streams import TokenChunk
-from apsd.engines.backends import (Backend, BackendAnswer, BackendChunk, BackendClient, BackendError, BackendStatistics,
-                                   OnChunk)
+from apsd.core.config import Config, ForwardConfig
 from apsd.core.engine import UNBOUNDED, Demand, EngineStatistics, completion
+from apsd.core.ledger import Ledger
+from apsd.core.models import ALL_APIS, Capacity, Completion, Dispatch, InferenceRequest, Refusal, RefusalKind
+from apsd.core.routing import RoutingPolicy, Target
+from apsd.engines.backends import Backend, BackendAnswer, BackendClient, BackendError, BackendStatistics
+from apsd.engines.preemption import PreemptionRules, Shares, choose_victim, eligible, next_eligible_at, resumable
+from apsd.engines.relay import (CONTINUES_CHATS, ECHOES_PREFILL, Progress, StreamRelay, continuation, priority_for,
+                                request_body)
+from apsd.core.slots import Lease, LocalSlots, SlotTable
+from apsd.engines.watch import BackendWatch
 
 __all__ = ["ForwardEngine"]
 
 log = logging.getLogger("apsd.engines.forward")
+
+#: Requeue is the scheduler's: (request, reason, spend a retry, keep what it produced).
+Requeue = Callable[..., None]
+
+
+@attrs.define(eq=False)
+class _Attempt:
+    """One request's run on one backend, from its placement to its end."""
+
+    request: InferenceRequest
+    backend: Backend
+    lease: Lease
+    #: The lease whose slot it takes (None: a free slot).
+    victim: Lease | None = None
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    #: Why the engine stops it: ``preempted``, ``moved`` (its backend went down); None: it runs, or its
+    #: client left.
+    stop: str | None = None
+    #: The tenant's requests outstanding when it was placed (its ``priority``'s rank).
+    outstanding: int = 0
+    #: The request's output tokens when this attempt began.
+    base_tokens: int = 0
+    #: Its time's cost is booked (once, at its end or with its completion).
+    accounted: bool = False
 
 
 @attrs.define(eq=False)
@@ -97,35 +127,32 @@ class ForwardEngine:
     ledger: Ledger
     clock: ModelClock
     settings: ForwardConfig
-    #: Puts a request that failed before its first token back in the queue (the scheduler's).
-    requeue: Callable[[InferenceRequest, str], None]
+    #: Puts a request back in the queue (the scheduler's :meth:`~apsd.core.scheduler.Scheduler.requeue`).
+    requeue: Requeue
     #: Where each request goes (``[routing] policy``).
     routing: RoutingPolicy
-    #: Hold a free slot for each active tenant below its share (the module docstring).
-    isolation: bool = True
+    #: Preemption's rules (``[forward] preempt``, ``preempt_min_run_s``, ``max_preemptions``).
+    rules: PreemptionRules = PreemptionRules()
+    #: Every sender's leases on the backends' slots.
+    slots: SlotTable = attrs.field(factory=LocalSlots)
+    #: Tenants' weights (``[tenants.<name>] weight``): their shares of the slots.
+    weights: Mapping[str, float] = attrs.field(factory=dict)
     #: The ``prefix`` picture's size for a backend without ``cache_tokens`` (``[routing] cache_tokens``).
     default_cache_tokens: int = 262_144
-    #: (backend, reason) -> routing decisions so far.
-    _decisions: collections.Counter[tuple[str, str]] = attrs.field(factory=collections.Counter, init=False)
-    #: Tenant -> its requests running here (tenants with none are not in it).
-    _per_tenant: collections.Counter[str] = attrs.field(factory=collections.Counter, init=False)
-    #: Tenants with no request running here -> when their last one ended, oldest first (so forgetting
-    #: those older than ``tenant_active_s`` is amortised O(1)).
-    _idle_since: dict[str, float] = attrs.field(factory=dict, init=False)
-    #: The running requests whose tenant was below its share when dispatched (for ``priority``).
-    _below_share: set[InferenceRequest] = attrs.field(factory=set, init=False)
     kind: str = attrs.field(default="forward", init=False)
     apis: tuple[str, ...] = attrs.field(default=ALL_APIS, init=False)
-    #: Each running request's cancel scope and backend.
-    _running: dict[InferenceRequest, tuple[trio.CancelScope, Backend]] = attrs.field(factory=dict, init=False)
-    #: Requests cancelled because their backend went down before their first token: back to the queue.
-    _moved: set[InferenceRequest] = attrs.field(factory=set, init=False)
+    watch: BackendWatch = attrs.field(init=False)
+    #: (backend, reason) -> routing decisions so far.
+    _decisions: collections.Counter[tuple[str, str]] = attrs.field(factory=collections.Counter, init=False)
+    #: Each running request's attempt, and the same by lease id.
+    _running: dict[InferenceRequest, _Attempt] = attrs.field(factory=dict, init=False)
+    _by_lease: dict[str, _Attempt] = attrs.field(factory=dict, init=False)
+    #: What resumable requests produced so far (until they end).
+    _progress: dict[InferenceRequest, Progress] = attrs.field(factory=dict, init=False)
     #: The backends a requeued request already failed on.
     _tried: dict[InferenceRequest, set[str]] = attrs.field(factory=dict, init=False)
-    #: Models no healthy backend serves now, and since when (model time); "" stands for "any model".
-    _unserved_since: dict[str, float] = attrs.field(factory=dict, init=False)
-    #: Set when a model loses its last healthy backend (the watchdog then has a deadline to keep).
-    _unserved_changed: trio.Event = attrs.field(factory=trio.Event, init=False)
+    #: The backend a paused request ran on (it resumes there when it can).
+    _ran_on: dict[InferenceRequest, str] = attrs.field(factory=dict, init=False)
     _nursery: trio.Nursery | None = attrs.field(default=None, init=False)
     _demands: trio.MemorySendChannel[Demand] | None = attrs.field(default=None, init=False)
     _asked: bool = attrs.field(default=False, init=False)
@@ -139,114 +166,103 @@ class ForwardEngine:
     _tokens: int = attrs.field(default=0, init=False)
     _busy_s: float = attrs.field(default=0.0, init=False)
     _cost_usd: float = attrs.field(default=0.0, init=False)
+    #: Preemptions so far, by (backend, kind): ``requeued`` (no first token yet) or ``resumed``.
+    preemptions: collections.Counter[tuple[str, str]] = attrs.field(factory=collections.Counter, init=False)
+    _next_lease: int = attrs.field(default=0, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.watch = BackendWatch(self.backends, self.client, self.ledger, self.clock, self.settings,
+                                  on_down=self._hand_back, on_change=self._changed_now)
 
     # -- the seam --------------------------------------------------------------------------------
     def refuse(self, request: InferenceRequest) -> Refusal | None:
         """503 ``no_backend`` at once when no healthy backend serves the request's model (what a
         backend cannot take, it says itself: its 4xx is relayed)."""
-        if self._serves(request.model):
+        if self.watch.serves(request.model):
             return None
-        what = f"the model {request.model!r}" if request.model is not None else "any model"
-        return Refusal(503, "no_backend", f"no backend serving {what} is up; retry later",
+        return self._no_backend(request.model, "is up")
+
+    def _no_backend(self, model: str | None, state: str, kind: RefusalKind = "rejected") -> Refusal:
+        what = f"the model {model!r}" if model is not None else "any model"
+        return Refusal(503, "no_backend", f"no backend serving {what} {state}; retry later", kind=kind,
                        headers={"Retry-After": str(max(1, math.ceil(self.settings.health_interval_s)))})
 
-    def _serves(self, model: str | None) -> bool:
-        """Whether a healthy backend serves ``model`` (None: any model) now."""
-        return any(b.healthy and b.models and (model is None or model in b.models) for b in self.backends)
+    def _serving(self, model: str | None) -> list[Backend]:
+        """The healthy backends serving ``model`` (None: every healthy backend)."""
+        return [b for b in self.backends if b.healthy and b.models and (model is None or model in b.models)]
 
     def models(self) -> list[str]:
-        names: dict[str, None] = {}
-        for backend in self.backends:
-            for name in backend.models:
-                names.setdefault(name, None)
-        return list(names)
+        return list(dict.fromkeys(name for backend in self.backends for name in backend.models))
+
+    def _free_slots(self, backend: Backend, now: float) -> int:
+        """Slots of ``backend`` a request may take now (none while it is down or saturated)."""
+        if not backend.healthy or backend.saturated(now, self.settings):
+            return 0
+        return self.slots.free(backend.name, backend.config.max_concurrency)
 
     def free(self) -> Capacity:
         now = self.clock.now()
         slots: dict[str, int] = {}
         total = 0
         for backend in self.backends:
-            free = backend.free(now, self.settings)
+            free = self._free_slots(backend, now)
             total += free
             for name in backend.models:
                 slots[name] = slots.get(name, 0) + free
-        if not self.isolation:
+        if not self.rules.enabled or not self._running:
             return Capacity(sequences=total, kv_tokens=UNBOUNDED, reserve_output=False, slots_per_model=slots)
-        caps = self._caps(now)
+        shares: dict[str | None, Shares] = {}
+        held_per_model = {name: self._preemptible(name, now, shares) for name in slots}
         return Capacity(sequences=total, kv_tokens=UNBOUNDED, reserve_output=False, slots_per_model=slots,
-                        under_share=lambda r: self._room(caps, r) > 0, tenant_room=lambda r: self._room(caps, r))
+                        held_sequences=self._preemptible(None, now, shares), held_per_model=held_per_model,
+                        under_share=lambda r: self._shares(r.model, shares).below(r.tenant_id))
 
-    def _active(self, now: float) -> int:
-        """Tenants with requests here or one within ``tenant_active_s`` (forgetting the others)."""
-        since = now - self.settings.tenant_active_s
-        idle = self._idle_since
-        while idle:
-            tenant = next(iter(idle))
-            if idle[tenant] >= since:
-                break
-            del idle[tenant]
-        return len(self._per_tenant) + len(idle)
+    def _shares(self, model: str | None, cache: dict[str | None, Shares]) -> Shares:
+        """Who holds the slots of the healthy backends serving ``model`` (None: every backend), every
+        sender's leases counted."""
+        shares = cache.get(model)
+        if shares is None:
+            serving = self._serving(model)
+            leases = [lease for b in serving for lease in self.slots.leases(b.name)]
+            shares = cache[model] = Shares.of(leases, sum(b.config.max_concurrency for b in serving), self.weights)
+        return shares
 
-    def _slots(self) -> int:
-        return sum(b.config.max_concurrency for b in self.backends if b.healthy)
-
-    def _caps(self, now: float) -> tuple[int, int, int]:
-        """(The slots of the healthy backends, the active tenants, how many of them are below their share:
-        every idle one, and those running fewer than their share; O(tenants running here))."""
-        active = self._active(now)
-        slots = self._slots()
-        below = len(self._idle_since) + sum(1 for n in self._per_tenant.values() if n * active < slots)
-        return slots, active, below
-
-    def _room(self, caps: tuple[int, int, int], request: InferenceRequest) -> int:
-        """How many more slots ``request``'s tenant may take: all of them but one for each other active
-        tenant below its share."""
-        slots, active, below = caps
-        tenant = request.tenant_id
-        mine = self._per_tenant[tenant]
-        if tenant in self._idle_since or (mine and mine * active < slots):
-            below -= 1   # (itself)
-        elif not mine:
-            active += 1  # (a newcomer)
-        return slots - below - mine
-
-    def under_share(self, request: InferenceRequest) -> bool:
-        """Whether ``request``'s tenant is below its share of the backends' slots (the module docstring)."""
-        tenant = request.tenant_id
-        mine = self._per_tenant[tenant]
-        active = self._active(self.clock.now()) + (not mine and tenant not in self._idle_since)
-        return mine * active < self._slots()
-
-    @staticmethod
-    def priority_for(request: InferenceRequest, below_share: bool, polarity: str) -> int:
-        """The ``priority`` sent to a backend that preempts by it: tenants below their share before the
-        others, then higher bids first, in the backend's ``polarity`` (``[[backends]] priority``)."""
-        rank = (MAX_BID + 1) * (not below_share) + (MAX_BID - request.priority_bid)  # lower: sooner
-        return rank if polarity == "lower-first" else 2 * MAX_BID + 1 - rank
+    def _preemptible(self, model: str | None, now: float, cache: dict[str | None, Shares]) -> int:
+        """Slots of ``model``'s backends that preempting tenants above their share (counting one more
+        tenant: a newcomer) could free now."""
+        shares = self._shares(model, cache)
+        return sum(1 for b in self._serving(model) for lease in self.slots.leases(b.name)
+                   if eligible(lease, now, self.rules) and shares.yields_to(lease.tenant, _NEWCOMER))
 
     def cancel(self, request: InferenceRequest) -> bool:
-        running = self._running.get(request)
-        if running is None:
+        attempt = self._running.get(request)
+        if attempt is None:
             return False
-        running[0].cancel()
+        attempt.stop = None
+        attempt.scope.cancel()
         return True
 
     def reconfigure(self, config: Config) -> list[str]:
+        self.weights = {name: tenant.weight for name, tenant in config.tenants.items()}
         return []  # ([[backends]] and [forward] need a restart: Pipeline.reconfigure says so)
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(
             engine_id=self.engine_id, kind=self.kind, running=len(self._running), waiting=0, kv_tokens_used=0,
             kv_tokens_capacity=0, busy_s=self._busy_s, cost_usd=self._cost_usd, dispatches=self._dispatches,
-            tokens_generated=self._tokens, preemptions=0)
+            tokens_generated=self._tokens, preemptions=sum(self.preemptions.values()))
 
     def backend_statistics(self) -> tuple[BackendStatistics, ...]:
         now = self.clock.now()
         return tuple(backend.statistics(now, self.settings) for backend in self.backends)
 
+    def route_decisions(self) -> dict[tuple[str, str], int]:
+        """(backend, reason) -> how many requests the routing policy sent there for that reason."""
+        return dict(self._decisions)
+
     def ask_again(self) -> None:
-        """A request the last empty answer did not hold came in and fits (a slot held for its tenant):
-        ask now, without waiting for capacity to change."""
+        """A request the last empty answer did not hold came in and fits (a free slot, or a victim's for
+        a tenant below its share): ask now, without waiting for capacity to change."""
         self._changed_now()
 
     def _changed_now(self) -> None:
@@ -263,9 +279,7 @@ class ForwardEngine:
         try:
             async with demands, answers, trio.open_nursery() as nursery:
                 self._nursery, self._demands = nursery, demands
-                for backend in self.backends:
-                    nursery.start_soon(self._watch, backend)
-                nursery.start_soon(self._serve_unserved)
+                self.watch.start(nursery)
                 try:
                     await self._run(answers)
                 except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError):
@@ -279,14 +293,25 @@ class ForwardEngine:
         while True:
             self._ask()
             with trio.CancelScope() as self._wait_scope:   # an answer, or more room (_changed_now)
+                if not self._asked and (at := self._next_eligible()) is not None:
+                    self._wait_scope.deadline = self.clock.deadline(at)   # (a victim becomes eligible then)
                 self._take(await answers.receive())
+            if self._wait_scope.cancelled_caught:
+                self._blocked = False
             self._wait_scope = None
+
+    def _next_eligible(self) -> float | None:
+        """When a running request next becomes eligible for preemption by its run time (None: none will)."""
+        if not self.rules.enabled:
+            return None
+        at = next_eligible_at([lease for b in self.backends for lease in self.slots.leases(b.name)], self.rules)
+        return at if at is not None and not self.clock.reached(at) else None
 
     def _ask(self) -> None:
         if self._asked or self._blocked:
             return
         free = self.free()
-        if free.sequences > 0:
+        if free.sequences > 0 or free.held_sequences > 0:
             assert self._demands is not None
             self._asked = True
             self._demands.send_nowait(Demand(self))
@@ -295,7 +320,7 @@ class ForwardEngine:
         self._asked = False
         if not dispatch.requests:
             # the next request in queue order fits none of the free slots (its model's backends are
-            # full): ask again only once something changed, or this would spin
+            # full) and no victim's: ask again only once something changed, or this would spin
             self._blocked = not self._changed_while_asking
             self._changed_while_asking = False
             return
@@ -305,36 +330,56 @@ class ForwardEngine:
         for request in dispatch.requests:
             if request.answered:
                 continue
-            backend = self._pick(request)
-            if backend is None:  # (it went down or filled up since the cut: back in line, no retry spent)
-                self.requeue(request, "no backend could take it any more")
-                request.retries -= 1
+            attempt = self._place(request)
+            if attempt is None:  # (it went down or filled up since the cut: back in line, no retry spent)
+                self.requeue(request, "no backend could take it any more", retry=False,
+                             keep_progress=request.started_at is not None)
                 continue
-            backend.in_flight += 1
-            if self.under_share(request):
-                self._below_share.add(request)
-            self._per_tenant[request.tenant_id] += 1
-            self._idle_since.pop(request.tenant_id, None)
-            scope = trio.CancelScope()
-            self._running[request] = (scope, backend)
-            request.backend = backend.name
             sent = trio.Event()
-            self._nursery.start_soon(self._forward, request, backend, scope, previous, sent)
+            self._nursery.start_soon(self._forward, attempt, previous, sent)
             previous = sent
 
-    def _pick(self, request: InferenceRequest) -> Backend | None:
-        """The backend the routing policy chooses for ``request`` among the healthy ones serving its
-        model (one it failed on left out while another with room remains), if it has room; None otherwise."""
+    # -- placing a request ----------------------------------------------------------------------
+    def _place(self, request: InferenceRequest) -> _Attempt | None:
+        """Put ``request`` in a free slot of the backend the routing policy chooses, else (its tenant
+        below its share) in a victim's slot; None when neither can be had."""
         now = self.clock.now()
-        serving = [b for b in self.backends if b.healthy and b.models
-                   and (request.model is None or request.model in b.models)]
+        serving = self._serving(request.model)
+        if not serving:
+            return None
+        if any(self._free_slots(b, now) > 0 for b in serving):
+            backend = self._route(request, serving, now)
+            return None if backend is None else self._hold(request, backend, serving, now)
+        if not self.rules.enabled:
+            return None
+        leases = [lease for b in serving for lease in self.slots.leases(b.name)]
+        shares = Shares.of(leases, sum(b.config.max_concurrency for b in serving), self.weights)
+        victim = choose_victim(leases, shares, request.tenant_id, now, self.rules)
+        if victim is None:
+            return None
+        backend = next(b for b in serving if b.name == victim.backend)
+        request.route = f"{backend.name}; reason=preempt"
+        self._decisions[(backend.name, "preempt")] += 1
+        attempt = self._hold(request, backend, serving, now, victim)
+        self._preempt(victim)
+        return attempt
+
+    def _route(self, request: InferenceRequest, serving: list[Backend], now: float) -> Backend | None:
+        """The backend the routing policy chooses among ``serving`` (one it failed on left out while
+        another with room remains; a resumed request goes back where it ran if that has room), if it
+        has room."""
+        ran_on = self._ran_on.get(request)
+        if ran_on is not None:
+            for backend in serving:
+                if backend.name == ran_on and self._free_slots(backend, now) > 0:
+                    request.route = f"{backend.name}; reason=resume"
+                    self._decisions[(backend.name, "resume")] += 1
+                    return backend
         tried = self._tried.get(request)
         if tried:   # (elsewhere if a backend it has not failed on has room; else where there is room)
             untried = [b for b in serving if b.name not in tried]
-            if any(b.free(now, self.settings) > 0 for b in untried):
+            if any(self._free_slots(b, now) > 0 for b in untried):
                 serving = untried
-        if not serving:
-            return None
         targets = [self._target(b, now) for b in serving]
         route = self.routing.route(request, targets)
         backend, target = serving[route.index], targets[route.index]
@@ -347,164 +392,208 @@ class ForwardEngine:
 
     def _target(self, backend: Backend, now: float) -> Target:
         return Target(name=backend.name, load=backend.in_flight, capacity=backend.config.max_concurrency,
-                      room=backend.free(now, self.settings) > 0,
+                      room=self._free_slots(backend, now) > 0,
                       cache_tokens=backend.config.cache_tokens or self.default_cache_tokens)
 
-    def route_decisions(self) -> dict[tuple[str, str], int]:
-        """(backend, reason) -> how many requests the routing policy sent there for that reason."""
-        return dict(self._decisions)
+    def _hold(self, request: InferenceRequest, backend: Backend, serving: list[Backend], now: float,
+              victim: Lease | None = None) -> _Attempt:
+        """Take the slot (a free one, or ``victim``'s) on ``backend`` for ``request``."""
+        self._next_lease += 1
+        progress = self._progress.get(request)
+        if progress is None and self.rules.enabled and resumable(request):
+            progress = self._progress[request] = Progress()
+        started = request.started_at is not None
+        lease = Lease(lease_id=f"{request.request_id}#{self._next_lease}", backend=backend.name,
+                      tenant=request.tenant_id, replica=self.slots.replica, since=now, started=started,
+                      preemptible=request.stream is not None and (not started or self._resumes(progress, backend)),
+                      preemptions=request.preemptions)
+        stats = self.ledger.tenants.get(request.tenant_id)
+        outstanding = sum(1 for b in serving for held in self.slots.leases(b.name) if held.tenant == request.tenant_id)
+        outstanding += stats.queued if stats is not None else 0
+        self.slots.hold(lease, victim)
+        attempt = _Attempt(request, backend, lease, victim, outstanding=outstanding)
+        self._running[request] = attempt
+        self._by_lease[lease.lease_id] = attempt
+        backend.in_flight += 1
+        request.backend = backend.name
+        return attempt
+
+    @staticmethod
+    def _resumes(progress: Progress | None, backend: Backend) -> bool:
+        """Whether a started request with ``progress`` can be paused on ``backend`` and resumed."""
+        return progress is not None and progress.resumable and (progress.api != "chat.completions"
+                                                                or backend.server in CONTINUES_CHATS)
+
+    def _preempt(self, victim: Lease) -> None:
+        """Stop ``victim``'s request for the lease placed in its slot: at once if it is this engine's;
+        another replica's is ordered through the shared table when that lease is confirmed."""
+        attempt = self._by_lease.get(victim.lease_id)
+        if attempt is not None:
+            attempt.stop = "preempted"
+            attempt.scope.cancel()
+
+    def preempt_ordered(self, lease_id: str) -> None:
+        """Another replica chose this engine's lease ``lease_id`` as a victim: stop its request if it may
+        still be preempted; else the lease waiting for its slot is refused."""
+        attempt = self._by_lease.get(lease_id)
+        if attempt is None:
+            return   # (it ended: its release already passed the slot on)
+        if attempt.stop is not None or not eligible(attempt.lease, self.clock.now(), self.rules):
+            self.slots.abandon(attempt.lease)
+            return
+        attempt.stop = "preempted"
+        attempt.scope.cancel()
+
+    def _hand_back(self, backend: Backend) -> None:
+        """``backend`` went down: stop what it holds (see the module docstring)."""
+        moved = [a for a in self._running.values() if a.backend is backend]
+        if moved:
+            log.warning("backend %s is down: its %d requests go back to the queue or end", backend.name, len(moved))
+        for attempt in moved:
+            attempt.stop = "moved"
+            attempt.scope.cancel()
 
     # -- one request -------------------------------------------------------------------------------
-    def _body(self, request: InferenceRequest, backend: Backend) -> tuple[str, dict, bool]:
-        """The API, the body to send, and whether the client asked for usage in its stream.
-
-        The client's body is copied one level deep (only top-level keys change; nothing of the
-        client's is walked or copied further). Its output limit is apsd's reservation, under every
-        name a backend reads it by (:data:`apsd.serve.http.openai.LENGTH_FIELDS`); a request that set
-        none (``open_ended``) is sent without one: the backend generates until it stops, and the
-        tenant is charged what it did.
-        """
-        if request.payload is not None and request.api is not None:
-            api, body = request.api, dict(request.payload)
-        else:  # POST /infer: a plain completion of its prompt
-            api, body = "completions", {"prompt": request.prompt}
-        body["model"] = request.model or backend.models[0]
-        if backend.config.priority != "off":
-            body["priority"] = self.priority_for(request, request in self._below_share, backend.config.priority)
-        else:  # (a client's vLLM priority is its bid here: it must not reorder the backend's queue too)
-            body.pop("priority", None)
-        if api == "embeddings":   # (nothing to generate, nothing to stream)
-            return api, body, False
-        if api == "responses":
-            if not request.open_ended:
-                body["max_output_tokens"] = request.tokens_requested
-            body["stream"] = request.stream is not None   # (its stream ends with its usage)
-            return api, body, False
-        if not request.open_ended:
-            if "max_completion_tokens" not in body:
-                body["max_tokens"] = request.tokens_requested
-            for name in LENGTH_ALIASES:
-                if name in body:
-                    body[name] = request.tokens_requested
-        wants_usage = False
-        if request.stream is not None:
-            options = body.get("stream_options")
-            wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-            body["stream"] = True
-            body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-        else:
-            body["stream"] = False
-            body.pop("stream_options", None)
-        return api, body, wants_usage
-
-    def _relay(self, request: InferenceRequest, backend: Backend,
-               wants_usage: bool) -> OnChunk:
-        """What to do with each chunk of ``request``'s stream from the backend: count its tokens and
-        hand it to the client's stream without waiting for the client (a slow reader delays only
-        itself: the backend's slot is freed at the backend's pace, and the request is charged what
-        the backend generated; what waits for the reader is bounded by the request's output). A
-        backend that streams more tokens than the limit it was sent fails the request and is
-        suspected: the tenant is never charged past its reservation."""
-        stream = request.stream
-        held: list[tuple[dict, bytes | None]] = []
-
-        def on_chunk(piece: BackendChunk) -> None:
-            chunk, raw = piece.data, piece.raw
-            text = _chunk_text(chunk)
-            tokens = piece.tokens if piece.tokens is not None else 1 if text else 0
-            now = self.clock.now()
-            if tokens and request.started_at is None:
-                self.ledger.started(request, now)
-            if not request.open_ended and request.tokens_generated + tokens > request.tokens_requested:
-                raise BackendError(502, "backend_failed", f"backend {backend.name} sent more tokens than the "
-                                   f"{request.tokens_requested} it was allowed (max_tokens)", retryable=False,
-                                   unhealthy=True)
-            request.tokens_generated += tokens
-            if stream is None:
-                return
-            if chunk.get("usage") is not None and not wants_usage:
-                chunk, raw = {k: v for k, v in chunk.items() if k != "usage"}, None
-                if not chunk.get("choices"):
-                    return  # (a usage-only chunk the client did not ask for)
-            if request.started_at is None:
-                held.append((chunk, raw))  # (a role chunk: held until a token comes, so a retry elsewhere
-                return                     # cannot send the client a second one)
-            for early, early_raw in held:
-                stream.push_nowait(TokenChunk(tokens=0, at=now, data=early, raw=early_raw))
-            held.clear()
-            stream.push_nowait(TokenChunk(tokens=tokens, text=text, at=now, data=chunk, raw=raw))
-
-        return on_chunk
-
-    async def _forward(self, request: InferenceRequest, backend: Backend, scope: trio.CancelScope,
-                       after: trio.Event | None, sent: trio.Event) -> None:
-        """Send ``request`` (once the one dispatched before it was sent: a backend's own queue then
-        receives a dispatch in apsd's order) and see it to its end.
+    async def _forward(self, attempt: _Attempt, after: trio.Event | None, sent: trio.Event) -> None:
+        """Send ``attempt``'s request once its slot is confirmed (and the one dispatched before it was
+        sent: a backend's own queue then receives a dispatch in apsd's order) and see it to its end.
 
         Whatever happens, the request ends answered or back in the queue, and nothing escapes to
         the engine's nursery: an unexpected error fails this request only (logged with its id)."""
+        request, backend, lease = attempt.request, attempt.backend, attempt.lease
         start = self.clock.now()
-        backend.requests += 1
         outcome: Completion | Refusal | None = None
         requeue: str | None = None
+        pause = False
         try:
-            api, body, wants_usage = self._body(request, backend)
-            with scope:
+            with attempt.scope:
                 try:
-                    if after is not None:
-                        await after.wait()
-                    sent.set()
-                    answer = await self.client.complete(backend, api, body, self._relay(request, backend, wants_usage),
-                                                        request.request_id)
-                    outcome = self._completed(request, backend, answer, start)
+                    if not await self.slots.confirm(lease, backend.config.max_concurrency, attempt.victim):
+                        requeue = _SLOT_TAKEN
+                    else:
+                        if after is not None:
+                            await after.wait()
+                        sent.set()
+                        start = lease.since = self.clock.now()
+                        backend.requests += 1
+                        api, body, relay = self._prepare(attempt)
+                        answer = await self.client.complete(backend, api, body, relay, request.request_id)
+                        outcome = self._completed(attempt, answer, start)
                 except BackendError as error:
                     outcome, requeue = self._failed(request, backend, error)
-            if scope.cancelled_caught:
-                if request in self._moved:   # its backend went down before its first token
-                    outcome, requeue = None, f"backend {backend.name} went down before the first token"
-                    request.retries -= 1     # (not the request's failure: no retry spent)
-                else:                        # its client left: billed for what arrived
-                    outcome = Refusal(499, "client_disconnected",
-                                      "the client disconnected while the request was running", kind="cancelled")
-            if isinstance(outcome, Refusal) and request.started_at is not None:
-                await self._count_prompt(request, backend, api, body)
+            if attempt.scope.cancelled_caught:
+                outcome, requeue, pause = self._stopped(attempt)
+            if (pause or isinstance(outcome, Refusal)) and request.started_at is not None:
+                await self._count_prompt(request, backend)
         except Exception:  # a bug or a surprise: this request fails, the daemon goes on
             log.exception("request %s on backend %s failed unexpectedly", request.request_id, backend.name)
-            outcome, requeue = Refusal(502, "backend_failed", f"forwarding to backend {backend.name} failed "
-                                       f"unexpectedly (request {request.request_id}; see the log)",
-                                       kind="failed"), None
+            outcome, requeue, pause = Refusal(502, "backend_failed", f"forwarding to backend {backend.name} "
+                                              f"failed unexpectedly (request {request.request_id}; see the log)",
+                                              kind="failed"), None, False
         finally:
             sent.set()
-            self._end(request, backend, start, outcome, requeue)
+            self._end(attempt, start, outcome, requeue, pause)
 
-    async def _count_prompt(self, request: InferenceRequest, backend: Backend, api: str, body: dict) -> None:
-        """A request that ended after its first token without the backend's usage (its client left,
-        the stream broke or timed out) is charged the backend's own count of its prompt, asked of
-        the backend (bounded by ``health_timeout_s``, shielded: the request's scope may be
-        cancelled); apsd's estimate stays when the backend cannot say."""
+    def _prepare(self, attempt: _Attempt) -> tuple[str, dict, StreamRelay]:
+        """The API, the body (a continuation for a resumed request) and the stream relay of an attempt."""
+        request, backend, lease = attempt.request, attempt.backend, attempt.lease
+        polarity = backend.config.priority
+        priority = None if polarity == "off" else priority_for(request, attempt.outstanding, polarity)
+        api, body, wants_usage = request_body(request, request.model or backend.models[0], priority)
+        progress = self._progress.get(request)
+        attempt.base_tokens = request.tokens_generated
+        echo = ""
+        if progress is not None:
+            progress.api = api
+            if progress.resumed:
+                resumed = continuation(api, body, progress.text, request, backend.server)
+                if resumed is None:
+                    raise BackendError(502, "backend_failed", f"backend {backend.name} cannot continue a "
+                                       "preempted chat (its server kind is not known)", retryable=False)
+                body = resumed
+                echo = progress.text if backend.server in ECHOES_PREFILL else ""
+
+        def started(request: InferenceRequest, at: float) -> None:
+            self.ledger.started(request, at)
+            lease.started, lease.since = True, at   # (a started request's run counts from its first token)
+            lease.preemptible = self._resumes(progress, backend)
+            self.slots.update(lease)
+
+        def unresumable() -> None:
+            lease.preemptible = False
+            self.slots.update(lease)
+
+        return api, body, StreamRelay(request, backend.name, wants_usage, started, self.clock.now, progress,
+                                      unresumable, echo=echo)
+
+    def _stopped(self, attempt: _Attempt) -> tuple[Refusal | None, str | None, bool]:
+        """(outcome, requeue reason, pause) of an attempt the engine or its client stopped."""
+        request, backend = attempt.request, attempt.backend
+        started = request.started_at is not None
+        can_pause = started and self._resumes(self._progress.get(request), backend)
+        if attempt.stop == "preempted":
+            if not started:
+                self.preemptions[(backend.name, "requeued")] += 1
+                return None, f"preempted on backend {backend.name} before its first token", False
+            if can_pause:
+                self.preemptions[(backend.name, "resumed")] += 1
+                return None, None, True
+        elif attempt.stop == "moved":
+            if not started:
+                return None, f"backend {backend.name} went down before the first token", False
+            if can_pause:
+                return None, None, True
+            return Refusal(502, "backend_failed", f"backend {backend.name} went down during the stream",
+                           kind="failed"), None, False
+        return Refusal(499, "client_disconnected", "the client disconnected while the request was running",
+                       kind="cancelled"), None, False
+
+    async def _count_prompt(self, request: InferenceRequest, backend: Backend) -> None:
+        """A request that ended or paused after its first token without the backend's usage (its client
+        left, the stream broke or timed out, it was preempted) is charged the backend's own count of its
+        prompt, asked of the backend (bounded by ``health_timeout_s``, shielded: the request's scope may
+        be cancelled); apsd's estimate stays when the backend cannot say. Counted once per request."""
+        progress = self._progress.get(request)
+        if progress is not None and progress.prompt_tokens is not None:
+            request.prompt_tokens = progress.prompt_tokens
+            return
+        api, body, _ = request_body(request, request.model or backend.models[0], None)
         with trio.CancelScope(shield=True):
             count = await self.client.count_prompt_tokens(backend, api, body)
         if count is not None:
             request.prompt_tokens = count
+        if progress is not None:
+            progress.prompt_tokens = request.prompt_tokens
 
-    def _end(self, request: InferenceRequest, backend: Backend, start: float, outcome: Completion | Refusal | None,
-             requeue: str | None) -> None:
-        """Book a forwarded request's end: the backend's counts, then its answer or its requeue."""
+    def _end(self, attempt: _Attempt, start: float, outcome: Completion | Refusal | None,
+             requeue: str | None, pause: bool) -> None:
+        """Book an attempt's end: its slot, the backend's counts, then its answer, its requeue or its pause."""
+        request, backend, lease = attempt.request, attempt.backend, attempt.lease
+        self.slots.release(lease)
         backend.in_flight -= 1
         self._running.pop(request, None)
-        self._moved.discard(request)
-        self._below_share.discard(request)
-        self._per_tenant[request.tenant_id] -= 1
-        if not self._per_tenant[request.tenant_id]:
-            del self._per_tenant[request.tenant_id]
-            self._idle_since[request.tenant_id] = self.clock.now()   # (newest last)
+        self._by_lease.pop(lease.lease_id, None)
         try:
-            self._account(request, backend, start)
-            if requeue is not None and not request.answered:
+            self._account(attempt, start, ends=outcome is not None and not pause and requeue is None)
+            if request.answered:
+                self._forget(request)
+            elif pause:
+                self._progress[request].resumed += 1
+                request.preemptions += 1
+                self._ran_on[request] = backend.name
+                self.requeue(request, f"preempted on backend {backend.name}; it resumes later", retry=False,
+                             keep_progress=True)
+            elif requeue is not None and request.started_at is None and not self.watch.serves(request.model):
+                self._forget(request)   # (its last backend went down: answered as a new request would be)
+                self.ledger.finish(request, self._no_backend(request.model, "is up any more", "failed"))
+            elif requeue is not None and (attempt.stop is not None or requeue == _SLOT_TAKEN):
+                request.preemptions += attempt.stop == "preempted"
+                self.requeue(request, requeue, retry=False, keep_progress=request.started_at is not None)
+            elif requeue is not None:
                 self._tried.setdefault(request, set()).add(backend.name)
                 self.requeue(request, requeue)
             else:
-                self._tried.pop(request, None)
+                self._forget(request)
                 if outcome is not None:
                     self.ledger.finish(request, outcome)
         except Exception:
@@ -514,19 +603,32 @@ class ForwardEngine:
                                                     f"{request.request_id}; see the log", kind="failed"))
         self._changed_now()
 
-    def _completed(self, request: InferenceRequest, backend: Backend, answer: BackendAnswer,
-                   start: float) -> Completion:
+    def _forget(self, request: InferenceRequest) -> None:
+        self._tried.pop(request, None)
+        self._progress.pop(request, None)
+        self._ran_on.pop(request, None)
+
+    def _completed(self, attempt: _Attempt, answer: BackendAnswer, start: float) -> Completion:
         """A completed request's figures become the backend's usage (checked by the client:
-        :class:`~apsd.engines.backends.UsageBounds`)."""
+        :class:`~apsd.engines.backends.UsageBounds`); a resumed request keeps its first prompt and adds
+        this attempt's output to what it had."""
+        request = attempt.request
         now = self.clock.now()
-        if answer.prompt_tokens is not None:
-            request.prompt_tokens = answer.prompt_tokens
-        if answer.completion_tokens is not None:
-            request.tokens_generated = answer.completion_tokens
-        request.cached_tokens = answer.cached_tokens
+        progress = self._progress.get(request)
+        if progress is not None and progress.resumed:
+            if answer.completion_tokens is not None:
+                request.tokens_generated = attempt.base_tokens + answer.completion_tokens
+            if progress.prompt_tokens is not None:
+                request.prompt_tokens = progress.prompt_tokens
+        else:
+            if answer.prompt_tokens is not None:
+                request.prompt_tokens = answer.prompt_tokens
+            if answer.completion_tokens is not None:
+                request.tokens_generated = answer.completion_tokens
+            request.cached_tokens = answer.cached_tokens
         if request.started_at is None:  # not streamed: its first token is seen with its last
             self.ledger.started(request, now)
-        request.cost_usd = self._cost(request, backend, now - start)
+        self._account(attempt, start, ends=True)
         return completion(request, engine_id=self.engine_id, end=now, response=answer.response)
 
     def _failed(self, request: InferenceRequest, backend: Backend,
@@ -535,7 +637,7 @@ class ForwardEngine:
         left) the reason to put it back in the queue."""
         backend.failures += 1
         if error.unhealthy and backend.healthy:
-            self._mark_down(backend, error.message)
+            self.watch.mark_down(backend, error.message)
         started = request.started_at is not None
         if error.retryable and not started and request.retries < self.settings.max_retries:
             backend.retries += 1
@@ -544,154 +646,33 @@ class ForwardEngine:
             return None, error.message
         return Refusal(error.status if not started else 502, error.code, error.message, kind="failed"), None
 
-    def _cost(self, request: InferenceRequest, backend: Backend, duration: float) -> float:
-        c = backend.config
-        per_token = (request.prompt_tokens * c.cost_per_1m_prompt_tokens_usd
-                     + request.tokens_generated * c.cost_per_1m_output_tokens_usd) / 1e6
-        per_time = duration * c.cost_per_gpu_hour_usd * c.gpus / 3600.0 / c.max_concurrency
-        return per_token + per_time
-
-    def _account(self, request: InferenceRequest, backend: Backend, start: float) -> None:
-        duration = self.clock.now() - start
-        cost = self._cost(request, backend, duration)
-        request.cost_usd = cost
-        backend.cost_usd += cost
-        backend.prompt_tokens += request.prompt_tokens if request.started_at is not None else 0
-        backend.completion_tokens += request.tokens_generated
-        self._tokens += request.tokens_generated
-        self._busy_s += duration / backend.config.max_concurrency
-        self._cost_usd += cost
-        self.ledger.engine_ran(duration / backend.config.max_concurrency, cost)
-
-    # -- watching the backends ---------------------------------------------------------------------
-    async def _watch(self, backend: Backend) -> None:
-        """Health every ``health_interval_s``, metrics every ``metrics_interval_s``; forever."""
-        settings = self.settings
-        next_health = next_metrics = self.clock.now()
-        while True:
-            now = self.clock.now()
-            if self.clock.reached(next_health):   # (not now >= ...: a rounding error would spin)
-                next_health = now + settings.health_interval_s
-                await self._check_health(backend)
-            reads_metrics = backend.healthy and backend.has_metrics is not False
-            if reads_metrics and self.clock.reached(next_metrics):
-                next_metrics = self.clock.now() + settings.metrics_interval_s
-                await self._read_metrics(backend)
-            await self.clock.sleep_until(min(next_health, next_metrics) if reads_metrics else next_health)
-
-    async def _check_health(self, backend: Backend) -> None:
-        healthy = await self.client.check_health(backend)
-        if healthy and not backend.models:
-            try:
-                backend.models = tuple(await self.client.list_models(backend))
-            except BackendError as error:
-                log.warning("backend %s: cannot list its models: %s", backend.name, error.message)
-                healthy = False
-        if healthy and not backend.healthy:
-            backend.healthy = True
-            if backend.was_down:   # (a recovery the log reported the outage of: as loud as the outage)
-                log.warning("backend %s is up again", backend.name)
-            else:
-                log.info("backend %s is up", backend.name)
-            backend.was_down = False
-            self._note_served()
-            self._changed_now()
-        elif not healthy and backend.healthy:
-            self._mark_down(backend, "its health check failed")
-
-    def _mark_down(self, backend: Backend, why: str) -> None:
-        """Take ``backend`` out of service until its health check passes: the requests it holds
-        that have no token yet go back to the queue (to another backend, or to wait for one)."""
-        backend.healthy = False
-        backend.was_down = True
-        moved = [request for request, (_, on) in self._running.items() if on is backend
-                 and request.started_at is None]
-        log.warning("backend %s is down (%s)%s", backend.name, why,
-                    f"; {len(moved)} requests without a token yet go back to the queue" if moved else "")
-        for request in moved:
-            self._moved.add(request)
-            self._running[request][0].cancel()
-        self._note_served()
-        self._changed_now()
-
-    # -- models no backend serves ------------------------------------------------------------------
-    def _note_served(self) -> None:
-        """Track which models have lost every healthy backend (and since when)."""
-        now = self.clock.now()
-        for model in ["", *self.models()]:
-            if self._serves(model or None):
-                self._unserved_since.pop(model, None)
-            elif model not in self._unserved_since:
-                self._unserved_since[model] = now
-                self._unserved_changed.set()
-
-    async def _serve_unserved(self) -> None:
-        """Answer 503 ``no_backend`` to the requests queued for a model that has had no healthy
-        backend for ``[forward] no_backend_wait_s`` (new ones are refused at once: :meth:`refuse`).
-        Runs until cancelled."""
-        wait = self.settings.no_backend_wait_s
-        while True:
-            now = self.clock.now()
-            for model, since in list(self._unserved_since.items()):
-                if now >= since + wait:
-                    self._answer_unserved(model or None, now - since)
-            self._unserved_changed = trio.Event()
-            due = [since + wait for since in self._unserved_since.values() if since + wait > now]
-            with trio.move_on_at(self.clock.deadline(min(due)) if due else math.inf):
-                await self._unserved_changed.wait()
-
-    def _answer_unserved(self, model: str | None, for_s: float) -> None:
-        what = f"the model {model!r}" if model is not None else "any model"
-        queued = [r for r in self.ledger.outstanding if r.dispatched_at is None and not r.answered
-                  and r.model == model]   # (None: the requests for any model, POST /infer's)
-        if not queued:
+    def _account(self, attempt: _Attempt, start: float, *, ends: bool) -> None:
+        """Book an attempt's cost once: its share of the backend's time, and, when the request ``ends``
+        with it (it does not go back to the queue), its tokens at the backend's prices."""
+        if attempt.accounted:
             return
-        log.warning("%d queued requests for %s answered 503 no_backend: no backend up for %.0f s",
-                    len(queued), what, for_s)
-        for request in queued:
-            self.ledger.finish(request, Refusal(
-                503, "no_backend", f"no backend serving {what} has been up for {for_s:.0f} s "
-                "([forward] no_backend_wait_s); retry later",
-                headers={"Retry-After": str(max(1, math.ceil(self.settings.health_interval_s)))}, kind="failed"))
-
-    async def _read_metrics(self, backend: Backend) -> None:
-        try:
-            load = await self.client.read_load(backend)
-        except BackendError:
-            return  # (stale metrics make it saturated; the health check decides whether it is down)
-        was = backend.saturated(self.clock.now(), self.settings)
-        if load is None:
-            if backend.has_metrics is None:
-                log.info("backend %s exports no known load metrics: max_concurrency alone bounds it", backend.name)
-            backend.has_metrics = False
-        else:
-            backend.has_metrics, backend.load, backend.load_at = True, load, self.clock.now()
-        if was and not backend.saturated(self.clock.now(), self.settings):
-            self._changed_now()
+        attempt.accounted = True
+        request, backend = attempt.request, attempt.backend
+        c = backend.config
+        duration = self.clock.now() - start
+        cost = duration * c.cost_per_gpu_hour_usd * c.gpus / 3600.0 / c.max_concurrency
+        output = request.tokens_generated - attempt.base_tokens
+        started = request.started_at is not None
+        prompt = request.prompt_tokens if started and not attempt.base_tokens else 0
+        if ends:
+            cost += ((request.prompt_tokens if started else 0) * c.cost_per_1m_prompt_tokens_usd
+                     + request.tokens_generated * c.cost_per_1m_output_tokens_usd) / 1e6
+        request.cost_usd += cost
+        backend.cost_usd += cost
+        backend.prompt_tokens += prompt
+        backend.completion_tokens += output
+        self._tokens += output
+        self._busy_s += duration / c.max_concurrency
+        self._cost_usd += cost
+        self.ledger.engine_ran(duration / c.max_concurrency, cost)
 
 
-def _chunk_text(chunk: dict) -> str:
-    """The text a stream chunk adds (chat ``delta.content``, completion ``text``, or a Responses
-    ``response.output_text.delta`` event's ``delta``)."""
-    if chunk.get("type") == "response.output_text.delta":
-        delta = chunk.get("delta")
-        return delta if isinstance(delta, str) else ""
-    choices = chunk.get("choices")
-    if type(choices) is list and len(choices) == 1 and type(choices[0]) is dict:   # (nearly every chunk)
-        choice = choices[0]
-        delta = choice.get("delta")
-        content = delta.get("content") if type(delta) is dict else None
-        if type(content) is str:
-            return content
-        text = choice.get("text")
-        return text if type(text) is str else ""
-    text = []
-    for choice in choices if isinstance(choices, list) else ():
-        if not isinstance(choice, dict):
-            continue
-        delta = choice.get("delta")
-        if isinstance(delta, dict) and isinstance(delta.get("content"), str):
-            text.append(delta["content"])
-        elif isinstance(choice.get("text"), str):
-            text.append(choice["text"])
-    return "".join(text)
+#: A lease that could not be confirmed: its slot went to another sender's request.
+_SLOT_TAKEN = "its slot went to another request"
+#: A tenant not holding any slot, for counting who is above their share should one more tenant come.
+_NEWCOMER = "\x00newcomer"

@@ -4,8 +4,8 @@ A dispatch takes requests in the queue's order (highest effective priority first
 until it holds ``max_batch_size`` requests or as many as the engine has free
 sequences, or the next request would need more KV tokens than the engine has free
 (``Capacity.need``: prompt + requested for the ``batch`` engine, prompt for the
-``continuous`` one), or names a model with no free slot (the ``forward`` engine); that
-request then leads the next dispatch. When the head does not fit and the queue can look past it
+``continuous`` one), or names a model with no free slot (the ``forward`` engine;
+``Capacity.model_room``); that request then leads the next dispatch. When the head does not fit and the queue can look past it
 (``pop_first``, as the fair-share queues can), the first request in queue order of a tenant below
 its share that fits (``Capacity.admits``: the room held for such tenants included) goes instead. ``kv_cap_tokens``, when
 set, caps each dispatch's KV tokens further. A request that could never fit is refused
@@ -14,7 +14,6 @@ at admission (413) by its engine, or by this policy's own cap, so nothing waits 
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -60,17 +59,18 @@ class MicroBatching:
 
     def cut(self, queue: OrderingPolicy, now: float, free: Capacity) -> list[InferenceRequest]:
         size, _ = self._limits(free)
-        slots = dict(free.slots_per_model) if free.slots_per_model is not None else None
         batch: list[InferenceRequest] = []
         kv = 0
-        per_tenant: collections.Counter[str] = collections.Counter()
+        slots_taken: dict[str, int] = {}   # (per model: free slots and held ones given out so far)
+        held_taken: dict[str, int] = {}
+        room: str | None = None
 
         def takes(request: InferenceRequest) -> bool:
+            nonlocal room
             if self.kv_cap_tokens and kv + free.need(request) > self.kv_cap_tokens:
                 return False
-            if slots is not None and request.model is not None and slots.get(request.model, 0) <= 0:
-                return False
-            return free.admits(request, len(batch), kv, per_tenant[request.tenant_id])
+            room = free.model_room(request, slots_taken, held_taken)
+            return room is not None and free.admits(request, len(batch), kv)
 
         while queue and len(batch) < size:
             if takes(queue.peek(now)):
@@ -80,10 +80,10 @@ class MicroBatching:
                 if taken is None:
                     break
             batch.append(taken)
-            per_tenant[taken.tenant_id] += 1
             kv += free.need(taken)
-            if slots is not None and taken.model is not None:
-                slots[taken.model] -= 1
+            if taken.model is not None and free.slots_per_model is not None:
+                taken_here = slots_taken if room == "free" else held_taken
+                taken_here[taken.model] = taken_here.get(taken.model, 0) + 1
         return batch
 
     @staticmethod

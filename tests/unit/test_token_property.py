@@ -69,6 +69,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -192,14 +193,19 @@ class CountingClient(SimulatedBackendClient):
                        request_id: str = "") -> BackendAnswer:
         run = self.runs[request_id]
         run.attempts += 1
-        if run.started:
+        resumes = _continues(api, body)
+        if run.started and not resumes:
             self.violations.append(f"{request_id}: sent to a backend again after one had sent it tokens")
+        if resumes and not run.started:
+            self.violations.append(f"{request_id}: sent as a continuation before any token")
         limits = [body[name] for name in LIMIT_NAMES if body.get(name) is not None]
         if run.limit is None and limits:
             self.violations.append(f"{request_id}: open-ended, but sent upstream with a limit {limits}")
-        if run.limit is not None and (not limits or max(limits) > run.limit):
-            self.violations.append(f"{request_id}: limited to {run.limit}, but sent upstream with {limits}")
-        tokens = min(run.natural, max(limits)) if limits else run.natural
+        if run.limit is not None and (not limits or max(limits) > run.limit - run.sent):
+            self.violations.append(f"{request_id}: limited to {run.limit} with {run.sent} sent, but sent upstream "
+                                   f"with {limits}")
+        natural = run.natural - run.sent   # (a continuation goes on from where its text ends)
+        tokens = min(natural, max(limits)) if limits else natural
         prompt = _simulated_prompt_tokens(body)
         # (the simulated server reads max_tokens alone: it gets the limit this server obeys)
         sent_body = {key: value for key, value in body.items() if key not in LIMIT_NAMES}
@@ -222,6 +228,20 @@ class CountingClient(SimulatedBackendClient):
             run.started, run.prompt = True, prompt
         run.sent += tokens
         self.on_work(run)
+
+
+def _continues(api: str, body: dict) -> bool:
+    """Whether ``body`` resumes a preempted answer from its text, which ends with the simulated server's
+    tokens `` t0 t1 ...`` (its work then is only the new output)."""
+    if api == "chat.completions":
+        messages = body.get("messages") or []
+        last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+        content = last.get("content") if last.get("role") == "assistant" else None
+        text = content if isinstance(content, str) else "".join(
+            part.get("text", "") for part in content if isinstance(part, dict)) if isinstance(content, list) else ""
+    else:
+        text = body.get("prompt") if isinstance(body.get("prompt"), str) else ""
+    return re.search(r" t0(?: t\d+)*$", text) is not None
 
 
 # -- the checks -------------------------------------------------------------------------------------------

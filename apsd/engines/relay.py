@@ -1,0 +1,295 @@
+"""What the forward engine sends a backend for a request, and how it relays what comes back.
+
+* :func:`request_body`: the client's OpenAI body as it came (parameters apsd does not interpret pass
+  through untouched), its output limit set to what admission reserved under every name the client
+  gave it by (``max_tokens``, llama.cpp's ``n_predict``, ``max_new_tokens``; a client that gave none
+  gets none: the backend decides, the tenant pays what ran), the model set, and ``priority`` for a
+  backend configured for it (:func:`priority_for`). A stream always asks the backend for usage
+  (``stream_options.include_usage``); the usage chunk reaches the client only if it asked for it.
+* :func:`continuation`: the body that resumes a preempted request from the text it had produced:
+  chat, the conversation with that text as a final assistant message, which the server continues
+  (llama.cpp's assistant prefill; ``continue_final_message`` on vLLM and SGLang); text completions,
+  the prompt followed by that text. Its output limit is what was left.
+* :class:`StreamRelay`: each chunk of a backend's stream, counted and handed to the client's stream
+  without waiting for the client (a slow reader only delays itself; the backend's slot is freed at
+  the backend's pace). A resumed attempt's chunks are stitched onto the first attempt's: the same
+  ``id`` and ``created``, no second role chunk, the server's echo of the prefill dropped, and a
+  usage chunk that counts the whole request, so the client sees a pause and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+from apsd.core.config import MAX_BID
+from apsd.core.models import LENGTH_ALIASES, InferenceRequest
+from apsd.core.streams import TokenChunk
+from apsd.engines.backends import BackendChunk, BackendError
+
+__all__ = ["CONTINUES_CHATS", "ECHOES_PREFILL", "Progress", "StreamRelay", "chunk_text", "continuation", "priority_for",
+           "request_body"]
+
+#: Servers (``Backend.server``) that continue a chat whose last message is the assistant's.
+CONTINUES_CHATS = frozenset({"llama.cpp", "vllm", "sglang"})
+#: Servers that stream the assistant prefill back before continuing it.
+ECHOES_PREFILL: frozenset[str] = frozenset()
+
+#: The most outstanding requests :func:`priority_for` tells apart (more rank the same).
+PRIORITY_DEPTH = 1_000
+
+
+def priority_for(request: InferenceRequest, outstanding: int, polarity: str) -> int:
+    """The ``priority`` sent to a backend that schedules by it (``[[backends]] priority``): first the
+    tenant's requests outstanding when this one was sent (running on the model's backends, from every
+    replica, and queued here), so that a tenant with one request goes ahead of a flood however the flood
+    started; then higher bids. ``lower-first``: smaller values run first (vLLM); ``higher-first``: the
+    reverse."""
+    rank = min(outstanding, PRIORITY_DEPTH) * (MAX_BID + 1) + (MAX_BID - request.priority_bid)
+    return rank if polarity == "lower-first" else (PRIORITY_DEPTH + 1) * (MAX_BID + 1) - rank
+
+
+def request_body(request: InferenceRequest, model: str, priority: int | None) -> tuple[str, dict, bool]:
+    """The API, the body to send, and whether the client asked for usage in its stream.
+
+    The client's body is copied one level deep (only top-level keys change; nothing of the client's
+    is walked or copied further). ``priority``: the value to send (None: none, and a client's own
+    ``priority``, which is its bid here, is not relayed)."""
+    if request.payload is not None and request.api is not None:
+        api, body = request.api, dict(request.payload)
+    else:  # POST /infer: a plain completion of its prompt
+        api, body = "completions", {"prompt": request.prompt}
+    body["model"] = model
+    if priority is not None:
+        body["priority"] = priority
+    else:
+        body.pop("priority", None)
+    if api == "embeddings":   # (nothing to generate, nothing to stream)
+        return api, body, False
+    if api == "responses":
+        if not request.open_ended:
+            body["max_output_tokens"] = request.tokens_requested
+        body["stream"] = request.stream is not None   # (its stream ends with its usage)
+        return api, body, False
+    _set_limit(body, request, request.tokens_requested)
+    wants_usage = False
+    if request.stream is not None:
+        options = body.get("stream_options")
+        wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        body["stream"] = True
+        body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    else:
+        body["stream"] = False
+        body.pop("stream_options", None)
+    return api, body, wants_usage
+
+
+def _set_limit(body: dict, request: InferenceRequest, limit: int) -> None:
+    if request.open_ended:
+        return
+    if "max_completion_tokens" not in body:
+        body["max_tokens"] = limit
+    for name in ("max_completion_tokens", "max_tokens", *LENGTH_ALIASES):
+        if name in body:
+            body[name] = limit
+
+
+def continuation(api: str, body: dict, text: str, request: InferenceRequest, server: str | None) -> dict | None:
+    """``body`` (from :func:`request_body`) made to resume from ``text``, the output so far, for a
+    ``server`` (``llama.cpp``, ``vllm``, ``sglang``; None: not known); None when that server cannot
+    continue a chat."""
+    body = dict(body)
+    if api == "chat.completions":
+        if server not in CONTINUES_CHATS:
+            return None
+        messages = list(body["messages"])
+        last = messages[-1] if messages else None
+        if isinstance(last, dict) and last.get("role") == "assistant" and isinstance(last.get("content"), (str, list)):
+            content = last["content"]   # (the client's own prefill: the answer goes on from it)
+            messages[-1] = {**last, "content": content + text if isinstance(content, str)
+                            else [*content, {"type": "text", "text": text}]}
+        else:
+            messages.append({"role": "assistant", "content": text})
+        body["messages"] = messages
+        if server != "llama.cpp":   # (llama.cpp continues a final assistant message by itself)
+            body["continue_final_message"] = True
+            body["add_generation_prompt"] = False
+    else:
+        body["prompt"] = body["prompt"] + text
+    _set_limit(body, request, request.tokens_requested - request.tokens_generated)
+    return body
+
+
+def chunk_text(chunk: dict) -> str:
+    """The text a stream chunk adds (chat ``delta.content``, completion ``text``, or a Responses
+    ``response.output_text.delta`` event's ``delta``)."""
+    if chunk.get("type") == "response.output_text.delta":
+        delta = chunk.get("delta")
+        return delta if isinstance(delta, str) else ""
+    choices = chunk.get("choices")
+    if type(choices) is list and len(choices) == 1 and type(choices[0]) is dict:   # (nearly every chunk)
+        choice = choices[0]
+        delta = choice.get("delta")
+        content = delta.get("content") if type(delta) is dict else None
+        if type(content) is str:
+            return content
+        text = choice.get("text")
+        return text if type(text) is str else ""
+    text = []
+    for choice in choices if isinstance(choices, list) else ():
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and isinstance(delta.get("content"), str):
+            text.append(delta["content"])
+        elif isinstance(choice.get("text"), str):
+            text.append(choice["text"])
+    return "".join(text)
+
+
+def _continues_safely(chunk: dict) -> bool:
+    """Whether a chunk leaves its stream resumable from its text: no tool call, function call or
+    reasoning being streamed (a continuation could not carry them on)."""
+    choices = chunk.get("choices")
+    if type(choices) is not list:
+        return True
+    for choice in choices:
+        delta = choice.get("delta") if type(choice) is dict else None
+        if type(delta) is dict and (delta.get("tool_calls") or delta.get("function_call")
+                                    or delta.get("reasoning_content") or delta.get("reasoning")):
+            return False
+    return True
+
+
+@attrs.define(eq=False)
+class Progress:
+    """What a resumable request has produced so far, across its attempts: the text (for the
+    continuation), the first attempt's chunk ``id`` and ``created`` (a resumed stream keeps them), and
+    whether it can still be resumed."""
+
+    parts: list[str] = attrs.field(factory=list)
+    resumable: bool = True
+    #: The API it came through (set when it is first sent).
+    api: str = ""
+    chunk_id: str | None = None
+    created: int | None = None
+    #: Attempts so far that were preempted after their first token (the next one resumes).
+    resumed: int = 0
+    #: Prompt tokens of the original request, as the backend counted them (None: not known).
+    prompt_tokens: int | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+#: What the relay calls when a stream stops being resumable (a tool call began).
+OnUnresumable = Callable[[], None]
+
+
+@attrs.define(eq=False)
+class StreamRelay:
+    """One attempt's relay of a backend's stream to ``request`` (see the module docstring): counts
+    tokens, stamps the first token (``started``), keeps ``progress`` (None: not resumable), and pushes
+    chunks to the client's stream without waiting. A backend that streams more tokens than the limit it
+    was sent fails the request and is suspected: the tenant is never charged past its reservation."""
+
+    request: InferenceRequest
+    backend: str
+    wants_usage: bool
+    started: Callable[[InferenceRequest, float], None]
+    now: Callable[[], float]
+    progress: Progress | None = None
+    on_unresumable: OnUnresumable | None = None
+    #: This attempt resumes a preempted one on a server that echoes the prefill before continuing it: the
+    #: part of that text not seen again yet ("": nothing to drop).
+    echo: str = ""
+    _held: list[tuple[dict, bytes | None]] = attrs.field(factory=list, init=False)
+    #: Output tokens the request had when this attempt began.
+    _base: int = attrs.field(default=0, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._base = self.request.tokens_generated
+
+    def __call__(self, piece: BackendChunk) -> None:
+        request, progress = self.request, self.progress
+        chunk, raw = piece.data, piece.raw
+        text = chunk_text(chunk)
+        if progress is not None:
+            if progress.resumed:
+                chunk, raw, text = self._stitch(chunk, text)
+                if chunk is None:
+                    return
+            elif progress.chunk_id is None and "id" in chunk:
+                progress.chunk_id, progress.created = chunk.get("id"), chunk.get("created")
+            if progress.resumable and not _continues_safely(chunk):
+                progress.resumable = False
+                if self.on_unresumable is not None:
+                    self.on_unresumable()
+        tokens = piece.tokens if piece.tokens is not None else 1 if text else 0
+        if tokens and request.started_at is None:
+            self.started(request, self.now())
+        if not request.open_ended and request.tokens_generated + tokens > request.tokens_requested:
+            raise BackendError(502, "backend_failed", f"backend {self.backend} sent more tokens than the "
+                               f"{request.tokens_requested} it was allowed (max_tokens)", retryable=False,
+                               unhealthy=True)
+        request.tokens_generated += tokens
+        if progress is not None and text:
+            progress.parts.append(text)
+        stream = request.stream
+        if stream is None:
+            return
+        if chunk.get("usage") is not None and not self.wants_usage:
+            chunk, raw = {k: v for k, v in chunk.items() if k != "usage"}, None
+            if not chunk.get("choices"):
+                return  # (a usage-only chunk the client did not ask for)
+        now = self.now()
+        if request.started_at is None:
+            self._held.append((chunk, raw))  # (a role chunk: held until a token comes, so a retry elsewhere
+            return                           # cannot send the client a second one)
+        for early, early_raw in self._held:
+            stream.push_nowait(TokenChunk(tokens=0, at=now, data=early, raw=early_raw))
+        self._held.clear()
+        stream.push_nowait(TokenChunk(tokens=tokens, text=text, at=now, data=chunk, raw=raw))
+
+    def _stitch(self, chunk: dict, text: str) -> tuple[dict | None, bytes | None, str]:
+        """A resumed attempt's chunk as the first attempt's stream would have carried it (None: drop it)."""
+        if self.echo:   # (a server that echoes the prefill first: that text was sent already)
+            if text and self.echo.startswith(text):
+                self.echo = self.echo[len(text):]
+                return None, None, ""
+            if text.startswith(self.echo):
+                text = text[len(self.echo):]
+                chunk = _with_text(chunk, text)
+            self.echo = ""
+        choices = chunk.get("choices")
+        usage = chunk.get("usage")
+        if not text and usage is None and not _finishes(choices) and _continues_safely(chunk):
+            return None, None, ""   # (a role chunk, or an empty one: the client has had its start)
+        progress = self.progress
+        assert progress is not None
+        chunk = dict(chunk)
+        if progress.chunk_id is not None:
+            chunk["id"], chunk["created"] = progress.chunk_id, progress.created
+        if isinstance(usage, dict):   # (the whole request's: the client's prompt, and every output token)
+            request = self.request
+            completion = self._base + (usage.get("completion_tokens") or 0)
+            prompt = progress.prompt_tokens if progress.prompt_tokens is not None else request.prompt_tokens
+            chunk["usage"] = {**usage, "prompt_tokens": prompt, "completion_tokens": completion,
+                              "total_tokens": prompt + completion}
+        return chunk, None, text
+
+
+def _finishes(choices: object) -> bool:
+    return type(choices) is list and any(type(c) is dict and c.get("finish_reason") for c in choices)
+
+
+def _with_text(chunk: dict, text: str) -> dict:
+    """``chunk`` (one choice) with its text replaced."""
+    choice = dict(chunk["choices"][0])
+    if type(choice.get("delta")) is dict:
+        choice["delta"] = {**choice["delta"], "content": text}
+    else:
+        choice["text"] = text
+    return {**chunk, "choices": [choice]}
