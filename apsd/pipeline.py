@@ -47,7 +47,8 @@ from apsd.core.models import Dispatch, InferenceRequest, Refusal
 from apsd.core.policy import PolicySet
 from apsd.core.scheduler import Scheduler
 from apsd.core.service_window import FairnessView, watch_for
-from apsd.store import Store, build_store
+from apsd.core.slots import LocalSlots, SlotTable
+from apsd.store import Store, build_slot_table, build_store
 
 __all__ = ["GovernorView", "Health", "Pipeline", "PipelineStatistics", "TenantStatus", "open_pipeline"]
 
@@ -131,6 +132,9 @@ class Pipeline:
     engines: list[Engine]
     #: Where tenants' buckets and fair-share counters live (``[store]``); its task runs with the stages.
     store: Store
+    #: The forward engine's backends' slots, shared with the other replicas through the store's Redis
+    #: (``[store]``); its task runs with the stages.
+    slots: SlotTable
     request_id_prefix: str
     #: The service classes (``[classes]``): admission's deadline checks and the attainment counts.
     classes: ServiceClasses
@@ -142,17 +146,21 @@ class Pipeline:
     @classmethod
     def build(cls, config: Config, policies: PolicySet, *, request_id_prefix: str | None = None,
               profiles: ProfileRegistry | None = None, backend_client: BackendClient | None = None,
-              store: Store | None = None) -> Pipeline:
+              store: Store | None = None, slots: SlotTable | None = None) -> Pipeline:
         """Assemble a pipeline (call inside ``trio.run``: the clock starts now). Raises ConfigError
         for an ``[engine]`` whose profiles are unknown or do not fit. ``store``: the one ``[store]``
-        asks for unless given (several simulated replicas may share one)."""
+        asks for unless given (several simulated replicas may share one); ``slots``: the table of the
+        forward engine's backends' slots, the one ``[store]`` asks for unless given (this process's own
+        when a store is given)."""
         clock = ModelClock(time_scale=config.gpu.time_scale)
+        if slots is None:
+            slots = build_slot_table(config, clock) if store is None else LocalSlots()
         store = store if store is not None else build_store(config)
         ledger = Ledger(tenant_names=config.tenants, clock=clock, events=EventBus(policies.plugin_manager))
         scheduler = Scheduler(policies=policies, ledger=ledger, clock=clock, queue_timeout_s=config.queue.timeout_s)
         engines = build_engines(config, ledger=ledger, clock=clock, rank=scheduler.rank,
                                 requeue=scheduler.requeue, profiles=profiles, backend_client=backend_client,
-                                routing=policies.routing)
+                                routing=policies.routing, slots=slots)
         if len(engines) > 1 and all(hasattr(engine, "target") for engine in engines):
             scheduler.route_between(policies.routing, engines)
         admission = Admission(tenants=dict(config.tenants), batching=policies.batching, ledger=ledger,
@@ -171,7 +179,7 @@ class Pipeline:
         store.share(scheduler.queue)
         send, receive = trio.open_memory_channel[InferenceRequest](config.queue.ingress_buffer)
         return cls(config=config, policies=policies, clock=clock, ledger=ledger, admission=admission,
-                   scheduler=scheduler, engines=engines, store=store, classes=classes,
+                   scheduler=scheduler, engines=engines, store=store, slots=slots, classes=classes,
                    request_id_prefix=request_id_prefix if request_id_prefix is not None else secrets.token_hex(4),
                    ingress_send=send, ingress_receive=receive)
 
@@ -185,6 +193,7 @@ class Pipeline:
         async with trio.open_nursery() as nursery:
             self._stages_scope = nursery.cancel_scope
             await nursery.start(self.store.run)  # (admission decides against what it has from the start)
+            await nursery.start(self.slots.run)
             self._start_stages(nursery)
             task_status.started()
 

@@ -21,13 +21,16 @@ between.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import attrs
 import trio
 
-__all__ = ["Lease", "LocalSlots", "SlotTable"]
+__all__ = ["Lease", "LocalSlots", "OnPreempt", "SlotTable"]
+
+#: Called with a lease id when another sender orders this process to preempt that lease's request.
+OnPreempt = Callable[[str], None]
 
 
 @attrs.define(eq=False)
@@ -84,6 +87,14 @@ class SlotTable(Protocol):
         """A victim that will not be preempted after all (it ended otherwise, or may not be): the lease
         waiting for its slot is refused."""
 
+    def attach(self, backends: Sequence[str], on_preempt: OnPreempt, on_change: Callable[[], None]) -> None:
+        """The backends whose slots this process uses, and who to tell when another sender orders a lease
+        of this process's preempted, and when slots held elsewhere became free."""
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep the table in step with the other senders until cancelled (returns at once when there
+        are none)."""
+
 
 @attrs.define(eq=False)
 class LocalSlots:
@@ -132,10 +143,8 @@ class LocalSlots:
             self.release(heir)
             heir.granted.set()
 
-    def all_leases(self) -> Iterable[Lease]:
-        for held in self._leases.values():
-            yield from held.values()
+    def attach(self, backends: Sequence[str], on_preempt: OnPreempt, on_change: Callable[[], None]) -> None:
+        pass   # (no other sender)
 
-
-#: Called with a lease id when another sender orders this process to preempt that lease's request.
-OnPreempt = Callable[[str], None]
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()

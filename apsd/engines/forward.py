@@ -173,6 +173,7 @@ class ForwardEngine:
     def __attrs_post_init__(self) -> None:
         self.watch = BackendWatch(self.backends, self.client, self.ledger, self.clock, self.settings,
                                   on_down=self._hand_back, on_change=self._changed_now)
+        self.slots.attach([b.name for b in self.backends], self.preempt_ordered, self._changed_now)
 
     # -- the seam --------------------------------------------------------------------------------
     def refuse(self, request: InferenceRequest) -> Refusal | None:
@@ -436,8 +437,8 @@ class ForwardEngine:
         """Another replica chose this engine's lease ``lease_id`` as a victim: stop its request if it may
         still be preempted; else the lease waiting for its slot is refused."""
         attempt = self._by_lease.get(lease_id)
-        if attempt is None:
-            return   # (it ended: its release already passed the slot on)
+        if attempt is None or attempt.stop == "preempted":
+            return   # (it ended, and its release passed the slot on; or it is being preempted already)
         if attempt.stop is not None or not eligible(attempt.lease, self.clock.now(), self.rules):
             self.slots.abandon(attempt.lease)
             return

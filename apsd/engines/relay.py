@@ -33,8 +33,9 @@ __all__ = ["CONTINUES_CHATS", "ECHOES_PREFILL", "Progress", "StreamRelay", "chun
 
 #: Servers (``Backend.server``) that continue a chat whose last message is the assistant's.
 CONTINUES_CHATS = frozenset({"llama.cpp", "vllm", "sglang"})
-#: Servers that stream the assistant prefill back before continuing it.
-ECHOES_PREFILL: frozenset[str] = frozenset()
+#: Servers that stream the assistant prefill back before continuing it (llama.cpp: in its first chunk,
+#: with the first new token).
+ECHOES_PREFILL = frozenset({"llama.cpp"})
 
 #: The most outstanding requests :func:`priority_for` tells apart (more rank the same).
 PRIORITY_DEPTH = 1_000

@@ -5,6 +5,8 @@ that is local to this process; a store decides what that local state is and how 
 
 * :class:`~apsd.store.memory.MemoryStore` (``[store] kind = "memory"``, the default, the
   simulator's): buckets are plain :class:`~apsd.core.admission.TokenBucket` objects; nothing is shared.
+* The forward engine's backends' slots (:mod:`apsd.core.slots`): this process's own with the memory
+  store, one table in Redis for every replica with the Redis store (:mod:`apsd.store.redis_slots`).
 * :class:`~apsd.store.leasing.LeasingStore` over Redis (``kind = "redis"``,
   :mod:`apsd.store.redis`): every replica leases slices of each tenant's bucket and returns what it
   does not use, and pushes and pulls fair-share service, in one background task; Redis is never on
@@ -19,13 +21,26 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from apsd.core.slots import LocalSlots, SlotTable
 from apsd.core.store import Bucket, BucketView, SharedService, Store, StoreStatistics
 from apsd.store.memory import MemoryStore
 
 if TYPE_CHECKING:
+    from apsd.core.clock import ModelClock
     from apsd.core.config import Config
 
-__all__ = ["Bucket", "BucketView", "MemoryStore", "SharedService", "Store", "StoreStatistics", "build_store"]
+__all__ = ["Bucket", "BucketView", "MemoryStore", "SharedService", "Store", "StoreStatistics", "build_slot_table",
+           "build_store"]
+
+
+def build_slot_table(config: Config, clock: ModelClock) -> SlotTable:
+    """The table of the forward engine's backends' slots: this process's own, or (``[store] kind =
+    "redis"``) shared by every replica (:mod:`apsd.store.redis_slots`; not started: run its ``run``)."""
+    if config.store.shared:
+        from apsd.store.redis_slots import RedisSlots
+
+        return RedisSlots(config.store, clock)
+    return LocalSlots()
 
 
 def build_store(config: Config) -> Store:
