@@ -1,24 +1,31 @@
-"""Benchmark: isolation through a real llama.cpp server, for fifo, aps, fair and vtc.
+"""Benchmark: isolation through a real llama.cpp server for a real shared pool, on the shipped defaults.
 
-Starts ``llama-server`` (4 slots, the tests' slower tiny model: tens of tokens a second per stream)
-and, per policy, a daemon forwarding to it with the shipped defaults but for the policy. A steady
-tenant streams one chat completion a second (20 of them; 4 where it waits behind the flood), first alone, then beside a same-bid tenant
-holding 20 streams of 400 tokens (``tests/real_isolation.py``). It prints the steady tenant's p99 time
-to first token alone and beside the flood, the goal (twice alone plus one prefill of its prompt on the
-server, measured on the idle server), the most slots the flood held while the steady tenant was active,
-and the flood's streamed tokens per second.
+Starts ``llama-server`` (the tests' slower tiny model: tens to hundreds of tokens a second) and apsd
+daemons in front of it (``tests/real_pool.py``), and measures, against the *floor* (the steady tenant's
+p99 time to first token beside three busy streams on a 4-slot server: one free slot, the best any
+gateway can give):
 
-    .venv/bin/python benchmarks/bench_isolation_llama.py          # about 10 minutes (fifo, aps and fair
-                                                                 # without isolation are slow: the steady
-                                                                 # tenant waits behind the flood)
-    .venv/bin/python benchmarks/bench_isolation_llama.py fair vtc
+1. a steady tenant (one short request a second) beside a flood (16 long streams of the same bid);
+2. 40 tenants arriving after idleness, one every ``--gap`` seconds, each with one short request, beside
+   the flood;
+3. the flood's streamed tokens per second beside each of those against its rate alone;
+4. a one-slot server (``-np 1``): two tenants taking turns, each request's wait against the longest request;
+5. two replicas sharing a real Redis (``redis-server`` on PATH), the flood at one, the steady tenant at the
+   other: its p99, and the most requests the server ran at once (its ``/slots``).
 
-The server, the daemon and the clients share the machine's cores: on 2 cores, read the times as
-what this machine gives, and compare the policies with each other.
+The goal for 1, 2 and 5: p99 <= 1.5 x the floor + 50 ms; for 3: >= 90 %.
+
+    .venv/bin/python benchmarks/bench_isolation_llama.py            # about 6 minutes
+    .venv/bin/python benchmarks/bench_isolation_llama.py --quick    # fewer requests
+
+The server, the daemons and the clients share the machine's cores: on 2 cores, run it on a quiet
+machine and read the times as what this machine gives; the ratios are measured in one run.
 """
 
 from __future__ import annotations
 
+import argparse
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -29,45 +36,72 @@ if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import 
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from tests.llama_server import SLOW_MODEL, find_llama_server, open_llama_server, write_tiny_model  # noqa: E402
-from tests.real_isolation import prefill_ms, steady_beside_flood, warm_up  # noqa: E402
-
-PRESETS = ("fifo", "aps", "fair", "vtc", "fair-without-isolation")
-#: Steady requests per policy: fewer where each waits behind the flood's requests (tens of seconds each).
-STEADY_REQUESTS = {"fifo": 4, "aps": 4, "fair-without-isolation": 4}
+from tests.real_pool import (BUSY_STREAMS, FLOOD_STREAMS, FLOOD_TOKENS, alone_rate, beside, newcomers,  # noqa: E402
+                             open_pool, take_turns, warm_up)
+from tests.redis_server import open_redis_server  # noqa: E402
 
 
-async def main(presets: list[str]) -> int:
+def goal(floor: float) -> float:
+    return 1.5 * floor + 50.0
+
+
+def row(name: str, p99: float, floor: float, extra: str = "") -> str:
+    met = "yes" if p99 <= goal(floor) else "no"
+    return f"| {name} | {p99:,.0f} | {p99 / floor:.2f}x | {goal(floor):,.0f} | {met} | {extra} |"
+
+
+async def main(args: argparse.Namespace) -> int:
     binary = find_llama_server()
     if binary is None:
         print("no llama-server: build it with .ci/build-llama-server or set APSD_LLAMA_SERVER")
         return 2
+    steady = 10 if args.quick else 30
+    arrivals = 15 if args.quick else 40
     with tempfile.TemporaryDirectory() as directory:
         model = write_tiny_model(Path(directory) / "slow.gguf", **SLOW_MODEL)
         async with open_llama_server(model, alias="slow", binary=binary, parallel=4) as server:
             await warm_up(server.url, "slow", 4)
-            prefill = await prefill_ms(server.url, "slow")
-            print(f"llama-server, 4 slots; the steady prompt's prefill alone: {prefill:.0f} ms\n")
-            print("| policy | steady p99 TTFT alone (ms) | beside the flood (ms) | goal: 2 x alone + prefill (ms) | "
-                  "met | flood's most slots | flood tokens/s |")
-            print("|---|---:|---:|---:|:---:|---:|---:|")
-            for preset in presets:
-                plugins: tuple = ()
-                policy, isolation = preset.removesuffix("-without-isolation"), not preset.endswith("-without-isolation")
-                if preset == "vtc":
-                    try:
-                        import apsd_vtc
-                    except ImportError:
-                        print("| vtc | (apsd-vtc not installed) |||||")
-                        continue
-                    plugins = (apsd_vtc,)
-                m = await steady_beside_flood(server.url, "slow", policy, steady_requests=STEADY_REQUESTS.get(preset, 20),
-                                              plugins=plugins, isolation=isolation)
-                goal = 2 * m.alone_p99 + prefill
-                print(f"| {preset} | {m.alone_p99:.0f} | {m.flooded_p99:,.0f} | {goal:.0f} | "
-                      f"{'yes' if m.flooded_p99 <= goal else 'no'} | {m.flood_most_running} | "
-                      f"{m.flood_tokens_per_s:.0f} |", flush=True)
+            async with open_pool(server.url, "slow") as pool:
+                floor = await beside(pool, background="busy", streams=BUSY_STREAMS, max_tokens=FLOOD_TOKENS,
+                                     count=steady)
+                solo = await alone_rate(pool, "flood", FLOOD_STREAMS, FLOOD_TOKENS, window_s=steady * 1.0)
+                flooded = await beside(pool, background="flood", streams=FLOOD_STREAMS, max_tokens=FLOOD_TOKENS,
+                                       count=steady)
+                new = await beside(pool, background="flood", streams=FLOOD_STREAMS, max_tokens=FLOOD_TOKENS,
+                                   count=0, foreground=newcomers("slow", arrivals, args.gap))
+                preemptions = dict(pool.engines[0].preemptions)
+            print(f"llama-server, 4 slots, slow tiny model; floor (beside {BUSY_STREAMS} busy streams): "
+                  f"p99 {floor.p99:,.0f} ms over {steady} requests; flood alone {solo:,.0f} tokens/s\n")
+            print("| case | p99 TTFT (ms) | / floor | goal 1.5 x floor + 50 (ms) | met | |")
+            print("|---|---:|---:|---:|:---:|---|")
+            print(row("steady beside the flood", flooded.p99, floor.p99,
+                      f"flood {flooded.background_tokens_per_s / solo:.0%} of alone"), flush=True)
+            print(row(f"{arrivals} newcomers beside the flood", new.p99, floor.p99,
+                      f"flood {new.background_tokens_per_s / solo:.0%} of alone; preemptions {preemptions}"),
+                  flush=True)
+            if shutil.which("redis-server"):
+                async with open_redis_server() as redis, open_pool(server.url, "slow", replicas=2,
+                                                                   redis_url=redis.url) as pool:
+                    two = await beside(pool, background="flood", streams=FLOOD_STREAMS, max_tokens=FLOOD_TOKENS,
+                                       count=steady, background_replica=0, foreground_replica=1)
+                print(row("two replicas, flood at one, steady at the other", two.p99, floor.p99,
+                          f"server ran at most {two.server_most} of 4"), flush=True)
+            else:
+                print("| two replicas | (no redis-server) |||||")
+        async with open_llama_server(model, alias="slow", binary=binary, parallel=1) as one_slot:
+            await warm_up(one_slot.url, "slow", 1)
+            async with open_pool(one_slot.url, "slow", slots=1) as pool:
+                done = await take_turns(pool, rounds=5 if args.quick else 10, max_tokens=32)
+            longest = max(total for _, _, total in done)
+            worst = max(ttft for _, ttft, _ in done)
+            print(f"\none slot, two tenants taking turns ({len(done)} requests): the longest wait for a first token "
+                  f"{worst:,.0f} ms, the longest request {longest:,.0f} ms "
+                  f"({'within' if worst <= longest + 50 else 'beyond'} one request's time)")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(trio.run(main, sys.argv[1:] or list(PRESETS)))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
+    parser.add_argument("--gap", type=float, default=0.5, help="seconds between two newcomers (default 0.5)")
+    sys.exit(trio.run(main, parser.parse_args()))

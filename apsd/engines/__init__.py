@@ -6,7 +6,10 @@
 * :mod:`apsd.engines.continuous` — iteration-level batching on a roofline model
   (:mod:`apsd.engines.roofline`) of a GPU and a model profile (:mod:`apsd.engines.profiles`).
 * :mod:`apsd.engines.forward` — relays to real OpenAI-compatible servers through a backend client
-  (:mod:`apsd.engines.backends`: over HTTP, or simulated in virtual time).
+  (:mod:`apsd.engines.backends`: over HTTP, or simulated in virtual time), holding their slots in a
+  shared table (:mod:`apsd.core.slots`); what it sends and how it relays the answer
+  (:mod:`apsd.engines.relay`), when it preempts and whom (:mod:`apsd.engines.preemption`), and its
+  watch on the backends' health and load (:mod:`apsd.engines.watch`).
 
 This package is the only code that knows the kinds apart. Everything else asks it:
 :func:`describe` (what a config's engines are: GPUs, busy units, a one-line summary, the figures a

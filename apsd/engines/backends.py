@@ -607,7 +607,9 @@ class SimulatedServer:
     answer (a chat whose last message is the assistant's, continued as ``server`` does it: by itself
     for ``llama.cpp``, with ``continue_final_message`` for ``vllm``; a text completion whose prompt
     ends with such tokens) resumes the count after the tokens it was given, and a continuation whose
-    text is not exactly tokens ``0`` to ``k - 1`` is counted in ``bad_continuations``."""
+    text is not exactly tokens ``0`` to ``k - 1`` is counted in ``bad_continuations``. Like llama.cpp,
+    a ``llama.cpp`` server's continued chat stream repeats the prefill in its first chunk; a chat stream
+    starts with a role chunk."""
 
     models: tuple[str, ...] = ("sim",)
     slots: int = 4
@@ -715,6 +717,9 @@ class SimulatedBackendClient:
                 return BackendAnswer(prompt_tokens, tokens, {"object": "chat.completion", "choices": [choice],
                                                              "usage": usage, "model": body.get("model")})
             sent = 0
+            if api == "chat.completions":   # (a role chunk first, as servers send)
+                on_chunk(BackendChunk({"object": "chat.completion.chunk", "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": None}}]}, tokens=0))
             while sent < tokens:
                 n = 1 if sent == 0 else min(self.chunk_tokens, tokens - sent)
                 if server.fail_after_tokens is not None and sent + n > server.fail_after_tokens:
@@ -722,7 +727,10 @@ class SimulatedBackendClient:
                                        retryable=False)
                 if sent:
                     await self.clock.sleep(server.tpot_s * n)
-                on_chunk(BackendChunk(_simulated_chunk(api, first + sent, n), tokens=n))
+                chunk = _simulated_chunk(api, first + sent, n)
+                if not sent and first and server.server == "llama.cpp" and api == "chat.completions":
+                    chunk = _simulated_chunk(api, 0, first + n)   # (llama.cpp echoes the prefill with its first token)
+                on_chunk(BackendChunk(chunk, tokens=n))
                 sent += n
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens}
             on_chunk(BackendChunk({"object": "chat.completion.chunk", "choices": [], "usage": usage}, tokens=0))

@@ -210,13 +210,25 @@ class ForwardEngine:
             total += free
             for name in backend.models:
                 slots[name] = slots.get(name, 0) + free
-        if not self.rules.enabled or not self._running:
+        if not self.rules.enabled or total and not self._running:   # (nothing to preempt for, or no one to)
             return Capacity(sequences=total, kv_tokens=UNBOUNDED, reserve_output=False, slots_per_model=slots)
         shares: dict[str | None, Shares] = {}
         held_per_model = {name: self._preemptible(name, now, shares) for name in slots}
+        victims: dict[tuple[str | None, str], bool] = {}
+
+        def has_victim(request: InferenceRequest) -> bool:
+            """Whether a victim would give ``request`` its slot now (what :meth:`_place` will find)."""
+            key = (request.model, request.tenant_id)
+            found = victims.get(key)
+            if found is None:
+                leases = [lease for b in self._serving(request.model) for lease in self.slots.leases(b.name)]
+                found = victims[key] = choose_victim(leases, self._shares(request.model, shares), request.tenant_id,
+                                                     now, self.rules) is not None
+            return found
+
         return Capacity(sequences=total, kv_tokens=UNBOUNDED, reserve_output=False, slots_per_model=slots,
                         held_sequences=self._preemptible(None, now, shares), held_per_model=held_per_model,
-                        under_share=lambda r: self._shares(r.model, shares).below(r.tenant_id))
+                        under_share=has_victim)
 
     def _shares(self, model: str | None, cache: dict[str | None, Shares]) -> Shares:
         """Who holds the slots of the healthy backends serving ``model`` (None: every backend), every
@@ -408,9 +420,11 @@ class ForwardEngine:
                       tenant=request.tenant_id, replica=self.slots.replica, since=now, started=started,
                       preemptible=request.stream is not None and (not started or self._resumes(progress, backend)),
                       preemptions=request.preemptions)
-        stats = self.ledger.tenants.get(request.tenant_id)
-        outstanding = sum(1 for b in serving for held in self.slots.leases(b.name) if held.tenant == request.tenant_id)
-        outstanding += stats.queued if stats is not None else 0
+        outstanding = 0
+        if backend.config.priority != "off":   # (the rank of its priority: only a backend configured for it)
+            stats = self.ledger.tenants.get(request.tenant_id)
+            outstanding = sum(1 for b in serving for held in self.slots.leases(b.name)
+                              if held.tenant == request.tenant_id) + (stats.queued if stats is not None else 0)
         self.slots.hold(lease, victim)
         attempt = _Attempt(request, backend, lease, victim, outstanding=outstanding)
         self._running[request] = attempt

@@ -256,7 +256,7 @@ class StreamRelay:
 
     def _stitch(self, chunk: dict, text: str) -> tuple[dict | None, bytes | None, str]:
         """A resumed attempt's chunk as the first attempt's stream would have carried it (None: drop it)."""
-        if self.echo:   # (a server that echoes the prefill first: that text was sent already)
+        if self.echo and text:   # (a server that echoes the prefill first: that text was sent already)
             if text and self.echo.startswith(text):
                 self.echo = self.echo[len(text):]
                 return None, None, ""

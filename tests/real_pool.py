@@ -1,0 +1,280 @@
+"""A shared pool's traffic through real servers: what the forward engine's isolation tests
+(tests/backends/test_isolation_llama.py) and benchmark (benchmarks/bench_isolation_llama.py) both run.
+
+One or more apsd daemons (replicas sharing a real Redis when there are several) forward to real
+servers with the shipped defaults. Traffic, all streamed chat completions, times to first token taken
+by the client (from sending to the first content chunk):
+
+* ``busy``: three streams kept going, leaving one of four slots free: beside them the steady tenant's
+  time to first token is the *floor*, the best any gateway can give;
+* ``flood``: :data:`FLOOD_STREAMS` long streams of the same bid kept going, within its contract;
+* ``steady``: one short request every :data:`STEADY_GAP_S`;
+* ``newcomers``: tenants that had sent nothing, each arriving with one short request, one after another;
+* ``turns``: two tenants on a one-slot server, each sending its next request once it has its answer.
+
+While it runs, the server's ``/slots`` is read every :data:`SLOTS_POLL_S`: the most requests it ran at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import httpx
+import numpy as np
+import trio
+
+from apsd.core.config import StoreConfig, TenantConfig
+from apsd.core.hookspecs import hookimpl
+
+from tests.helpers import forwarding_config, start_daemon, wait_until
+
+STEADY_GAP_S = 1.0
+SHORT_TOKENS = 8
+FLOOD_STREAMS = 16
+FLOOD_TOKENS = 400
+BUSY_STREAMS = 3
+SLOTS_POLL_S = 0.02
+#: A prompt of a few hundred tokens, so that its prefill is a visible part of a first token's time.
+PROMPT = "Summarize the following schedule in one line. " + " ".join(f"slot {i} runs job {i * 7 % 13}."
+                                                                     for i in range(40))
+NEWCOMERS = tuple(f"new{i:02d}" for i in range(40))
+TENANTS = {name: TenantConfig(rate=1e9, burst=10**12)
+           for name in ("steady", "flood", "busy", "a", "b", *NEWCOMERS)}
+
+
+async def first_token_ms(client: httpx.AsyncClient, tenant: str, model: str, max_tokens: int, prompt: str = PROMPT,
+                         on_chunk: Callable[[], None] | None = None, temperature: float | None = None,
+                         routes: list[str] | None = None) -> tuple[float, str]:
+    """Stream one chat completion as ``tenant``; (ms to its first content chunk, its whole text). Its
+    ``X-Apsd-Route`` header is added to ``routes``."""
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
+                            "max_tokens": max_tokens, "stream": True}
+    if temperature is not None:
+        body["temperature"] = temperature
+    started = time.perf_counter()
+    first, parts = None, []
+    async with client.stream("POST", "/v1/chat/completions", json=body,
+                             headers={"X-Apsd-Tenant": tenant}) as response:
+        assert response.status_code == 200, await response.aread()
+        if routes is not None:
+            routes.append(response.headers.get("x-apsd-route", ""))
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            content = _content(line)
+            if content:
+                parts.append(content)
+                if on_chunk is not None:
+                    on_chunk()
+                if first is None:
+                    first = time.perf_counter()
+    assert first is not None
+    return (first - started) * 1000, "".join(parts)
+
+
+def _content(line: str) -> str:
+    import json
+    chunk = json.loads(line[6:])
+    return "".join((c.get("delta") or {}).get("content") or "" for c in chunk.get("choices") or [])
+
+
+async def warm_up(url: str, model: str, slots: int) -> None:
+    """Send ``slots`` requests at once straight to the server: a llama.cpp slot's first request is slow
+    (it sets the slot up), which would land on whichever request first finds that slot free."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client, trio.open_nursery() as nursery:
+        for _ in range(slots):
+            nursery.start_soon(first_token_ms, client, "-", model, 4)
+
+
+@attrs.define
+class SlotWatch:
+    """The most requests the server ran at once (its ``/slots``), read every :data:`SLOTS_POLL_S`."""
+
+    url: str
+    most: int = 0
+    reads: int = 0
+
+    async def run(self) -> None:
+        async with httpx.AsyncClient(base_url=self.url, timeout=10) as client:
+            while True:
+                slots = (await client.get("/slots")).json()
+                self.most = max(self.most, sum(bool(s.get("is_processing")) for s in slots))
+                self.reads += 1
+                await trio.sleep(SLOTS_POLL_S)
+
+
+class Dispatches:
+    """A plugin: each request's wait in apsd's queue (ms) by tenant, and its preemptions."""
+
+    def __init__(self) -> None:
+        self.waits: dict[str, list[float]] = {}
+
+    @hookimpl
+    def request_dispatched(self, request: Any, now: float, **_: Any) -> None:
+        if request.started_at is None and request.preemptions == 0:
+            self.waits.setdefault(request.tenant_id, []).append((now - request.arrival) * 1000)
+
+
+@attrs.define
+class Pool:
+    """Daemons forwarding to one server, with clients to each and a watch on the server's slots."""
+
+    server_url: str
+    model: str
+    daemons: list[Any]
+    clients: list[httpx.AsyncClient]
+    slots: SlotWatch
+    dispatches: list[Dispatches]
+
+    @property
+    def engines(self) -> list[Any]:
+        return [d.daemon.pipeline.engines[0] for d in self.daemons]
+
+
+@asynccontextmanager
+async def open_pool(server_url: str, model: str, *, slots: int = 4, replicas: int = 1, redis_url: str = "",
+                    preset: str | None = None) -> AsyncIterator[Pool]:
+    """``replicas`` daemons in front of the server (sharing ``redis_url`` when more than one), the shipped
+    defaults but for the backend's ``max_concurrency`` (its ``-np``), ready once they see it healthy."""
+    config = forwarding_config([server_url], TENANTS, preset=preset, max_concurrency=slots,
+                               first_token_timeout_s=120.0)
+    if redis_url:
+        config = attrs.evolve(config, store=StoreConfig(kind="redis", url=redis_url))
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with trio.open_nursery() as nursery:
+        daemons, clients, dispatches = [], [], []
+        for _ in range(replicas):
+            recorder = Dispatches()
+            running = await start_daemon(nursery, config, plugins=(recorder,))
+            await wait_until(lambda: running.daemon.pipeline.engines[0].backends[0].healthy)
+            daemons.append(running)
+            dispatches.append(recorder)
+            clients.append(httpx.AsyncClient(base_url=running.url, timeout=300, limits=limits))
+        watch = SlotWatch(server_url)
+        nursery.start_soon(watch.run)
+        try:
+            yield Pool(server_url, model, daemons, clients, watch, dispatches)
+        finally:
+            for client in clients:
+                await client.aclose()
+            nursery.cancel_scope.cancel()
+
+
+@attrs.define
+class Streams:
+    """Streams of one tenant kept going in the background: their tokens, counted as they arrive."""
+
+    tokens: int = 0
+
+    def count(self) -> None:
+        self.tokens += 1
+
+
+async def keep_streams(client: httpx.AsyncClient, tenant: str, model: str, n: int, max_tokens: int,
+                       streams: Streams, nursery: trio.Nursery) -> None:
+    async def one() -> None:
+        while True:
+            await first_token_ms(client, tenant, model, max_tokens, on_chunk=streams.count)
+
+    for _ in range(n):
+        nursery.start_soon(one)
+
+
+async def steady_requests(client: httpx.AsyncClient, model: str, count: int, tenant: str = "steady") -> list[float]:
+    """``count`` short requests of ``tenant``, one every :data:`STEADY_GAP_S`: their times to first token."""
+    ttfts = []
+    for _ in range(count):
+        ttfts.append((await first_token_ms(client, tenant, model, SHORT_TOKENS))[0])
+        await trio.sleep(STEADY_GAP_S)
+    return ttfts
+
+
+@attrs.frozen
+class Beside:
+    """What a tenant saw beside a background tenant, and what the background tenant did meanwhile."""
+
+    ttfts_ms: list[float]
+    background_tokens_per_s: float
+    #: The most requests the server ran at once.
+    server_most: int
+
+    @property
+    def p99(self) -> float:
+        return float(np.percentile(self.ttfts_ms, 99))
+
+
+async def beside(pool: Pool, *, background: str, streams: int, max_tokens: int, count: int,
+                 foreground: Callable[[httpx.AsyncClient], Any] | None = None,
+                 background_replica: int = 0, foreground_replica: int = -1, settle_s: float = 3.0) -> Beside:
+    """Keep ``streams`` streams of ``background`` going (through replica ``background_replica``), let them
+    fill the slots for ``settle_s``, then run ``foreground`` (default: ``count`` steady requests) through
+    replica ``foreground_replica``."""
+    counted = Streams()
+    async with trio.open_nursery() as nursery:
+        await keep_streams(pool.clients[background_replica], background, pool.model, streams, max_tokens, counted,
+                           nursery)
+        await trio.sleep(settle_s)
+        start, before = time.perf_counter(), counted.tokens
+        client = pool.clients[foreground_replica]
+        ttfts = await (foreground(client) if foreground is not None else steady_requests(client, pool.model, count))
+        rate = (counted.tokens - before) / (time.perf_counter() - start)
+        nursery.cancel_scope.cancel()
+    return Beside(ttfts, rate, pool.slots.most)
+
+
+async def alone_rate(pool: Pool, tenant: str, streams: int, max_tokens: int, window_s: float,
+                     settle_s: float = 3.0) -> float:
+    """``tenant``'s streamed tokens per second with ``streams`` streams and nobody else."""
+    counted = Streams()
+    async with trio.open_nursery() as nursery:
+        await keep_streams(pool.clients[0], tenant, pool.model, streams, max_tokens, counted, nursery)
+        await trio.sleep(settle_s)
+        before = counted.tokens
+        await trio.sleep(window_s)
+        rate = (counted.tokens - before) / window_s
+        nursery.cancel_scope.cancel()
+    return rate
+
+
+def newcomers(model: str, count: int, gap_s: float) -> Callable[[httpx.AsyncClient], Any]:
+    """A foreground of ``count`` tenants that had sent nothing, one every ``gap_s``, each with one short
+    request; their times to first token."""
+    async def run(client: httpx.AsyncClient) -> list[float]:
+        ttfts = []
+        for tenant in NEWCOMERS[:count]:
+            ttfts.append((await first_token_ms(client, tenant, model, SHORT_TOKENS))[0])
+            await trio.sleep(gap_s)
+        return ttfts
+    return run
+
+
+async def take_turns(pool: Pool, rounds: int, max_tokens: int) -> list[tuple[str, float, float]]:
+    """Tenants ``a`` and ``b`` each send ``rounds`` requests, the next once the last is answered (``b``
+    starting half a request later): per request (tenant, its time to first token in ms, the whole
+    request's time in ms)."""
+    done: list[tuple[str, float, float]] = []
+
+    async def tenant(name: str, delay: float) -> None:
+        await trio.sleep(delay)
+        for _ in range(rounds):
+            start = time.perf_counter()
+            ttft, _ = await first_token_ms(pool.clients[0], name, pool.model, max_tokens)
+            done.append((name, ttft, (time.perf_counter() - start) * 1000))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tenant, "a", 0.0)
+        nursery.start_soon(tenant, "b", 0.2)
+    return done
+
+
+def queue_waits(pool: Pool, tenant_prefix: str) -> list[float]:
+    """Waits in apsd's queue (ms) of the tenants whose names start with ``tenant_prefix``, every replica."""
+    return [w for d in pool.dispatches for t, waits in d.waits.items() if t.startswith(tenant_prefix) for w in waits]
+
+
+def p99(values: Sequence[float]) -> float:
+    return float(np.percentile(values, 99))
