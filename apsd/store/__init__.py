@@ -36,7 +36,7 @@ __all__ = ["Bucket", "BucketView", "MemoryStore", "SharedService", "Store", "Sto
 def build_slot_table(config: Config, clock: ModelClock) -> SlotTable:
     """The table of the forward engine's backends' slots: this process's own, or (``[store] kind =
     "redis"``) shared by every replica (:mod:`apsd.store.redis_slots`; not started: run its ``run``)."""
-    if config.store.shared:
+    if config.store.shared and config.engine.kind == "forward":
         from apsd.store.redis_slots import RedisSlots
 
         return RedisSlots(config.store, clock)

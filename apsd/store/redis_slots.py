@@ -405,8 +405,6 @@ class RedisSlots:
 
     async def _renew_now(self) -> None:
         backends = list(self._backends)
-        if not backends:
-            return
         index = {name: i for i, name in enumerate(backends, start=1)}
         now = self.clock.now()
         args = [self.replica, repr(LEASE_TTL_S), self._orders]
