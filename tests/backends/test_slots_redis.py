@@ -45,6 +45,21 @@ async def claim(table: RedisSlots, new: Lease, capacity: int = 2, victim: Lease 
     return await table.confirm(new, capacity, victim)
 
 
+async def claim_victims_slot(claimant: RedisSlots, victim_id: str, orders: list[str], owner_acts) -> bool:
+    """``claimant`` claims the slot of the lease ``victim_id`` (another replica's); once that replica's
+    ``orders`` name it, ``owner_acts()`` (release or refuse) runs. The claim's result."""
+    victim = next(l for l in claimant.leases("b") if l.lease_id == victim_id)
+    newcomer = lease(claimant, "steady-0", "steady")
+    result = []
+    async with trio.open_nursery() as nursery:
+        async def wait_claim():
+            result.append(await claim(claimant, newcomer, victim=victim))
+        nursery.start_soon(wait_claim)
+        await wait_until(lambda: orders == [victim_id])
+        owner_acts()
+    return result[0]
+
+
 async def test_replicas_together_never_exceed_a_backends_slots():
     async with open_redis_server() as redis, replicas(redis.url, 3) as (tables, _):
         granted = []
@@ -68,17 +83,7 @@ async def test_a_replica_preempts_anothers_request_through_redis_and_gets_its_sl
             assert await claim(one, h)
         await wait_until(lambda: len(two.leases("b")) == 2)
         assert two.free("b", 2) == 0
-        victim = next(l for l in two.leases("b") if l.lease_id == "flood-1")
-        newcomer = lease(two, "steady-0", "steady")
-        async with trio.open_nursery() as nursery:
-            result = []
-
-            async def wait_claim():
-                result.append(await claim(two, newcomer, victim=victim))
-            nursery.start_soon(wait_claim)
-            await wait_until(lambda: orders[0] == ["flood-1"])   # replica one is told to preempt it ...
-            one.release(held[1])                                   # ... and does
-        assert result == [True]
+        assert await claim_victims_slot(two, "flood-1", orders[0], lambda: one.release(held[1]))
         await wait_until(lambda: sorted(l.lease_id for l in one.leases("b")) == ["flood-0", "steady-0"])
 
 
@@ -87,17 +92,9 @@ async def test_a_victim_that_may_not_be_preempted_refuses_and_the_claim_gives_wa
         for i in range(2):
             assert await claim(one, lease(one, f"flood-{i}", "flood"))
         await wait_until(lambda: len(two.leases("b")) == 2)
-        victim = next(l for l in two.leases("b") if l.lease_id == "flood-0")
-        newcomer = lease(two, "steady-0", "steady")
-        async with trio.open_nursery() as nursery:
-            result = []
-
-            async def wait_claim():
-                result.append(await claim(two, newcomer, victim=victim))
-            nursery.start_soon(wait_claim)
-            await wait_until(lambda: orders[0] == ["flood-0"])
-            one.abandon(next(l for l in one.leases("b") if l.lease_id == "flood-0"))
-        assert result == [False] and newcomer.refused
+        refuse = lambda: one.abandon(next(l for l in one.leases("b") if l.lease_id == "flood-0"))  # noqa: E731
+        assert not await claim_victims_slot(two, "flood-0", orders[0], refuse)
+        assert not any(l.lease_id == "steady-0" for l in two.leases("b"))
 
 
 async def test_a_dead_replicas_slots_come_back_within_seconds():
