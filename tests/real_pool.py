@@ -29,7 +29,6 @@ import trio
 
 from apsd.core.config import StoreConfig, TenantConfig
 from apsd.core.hookspecs import hookimpl
-
 from tests.helpers import forwarding_config, start_daemon, wait_until
 
 STEADY_GAP_S = 1.0
@@ -150,7 +149,7 @@ async def open_pool(server_url: str, model: str, *, slots: int = 4, replicas: in
         for _ in range(replicas):
             recorder = Dispatches()
             running = await start_daemon(nursery, config, plugins=(recorder,))
-            await wait_until(lambda: running.daemon.pipeline.engines[0].backends[0].healthy)
+            await wait_until(lambda running=running: running.daemon.pipeline.engines[0].backends[0].healthy)
             daemons.append(running)
             dispatches.append(recorder)
             clients.append(httpx.AsyncClient(base_url=running.url, timeout=300, limits=limits))

@@ -79,13 +79,41 @@ from apsd.core.clock import ModelClock
 from apsd.core.config import Config, ForwardConfig
 from apsd.core.engine import UNBOUNDED, Demand, EngineStatistics, completion
 from apsd.core.ledger import Ledger
-from apsd.core.models import ALL_APIS, Capacity, Completion, Dispatch, InferenceRequest, Refusal, RefusalKind
+from apsd.core.models import (
+    ALL_APIS,
+    Capacity,
+    Completion,
+    Dispatch,
+    InferenceRequest,
+    Refusal,
+    RefusalKind,
+)
 from apsd.core.routing import RoutingPolicy, Target
-from apsd.engines.backends import Backend, BackendAnswer, BackendClient, BackendError, BackendStatistics
-from apsd.engines.preemption import PreemptionRules, Shares, choose_victim, eligible, next_eligible_at, resumable
-from apsd.engines.relay import (CONTINUES_CHATS, ECHOES_PREFILL, Progress, StreamRelay, continuation, priority_for,
-                                request_body)
 from apsd.core.slots import Lease, LocalSlots, SlotTable
+from apsd.engines.backends import (
+    Backend,
+    BackendAnswer,
+    BackendClient,
+    BackendError,
+    BackendStatistics,
+)
+from apsd.engines.preemption import (
+    PreemptionRules,
+    Shares,
+    choose_victim,
+    eligible,
+    next_eligible_at,
+    resumable,
+)
+from apsd.engines.relay import (
+    CONTINUES_CHATS,
+    ECHOES_PREFILL,
+    Progress,
+    StreamRelay,
+    continuation,
+    priority_for,
+    request_body,
+)
 from apsd.engines.watch import BackendWatch
 
 __all__ = ["ForwardEngine"]
@@ -132,7 +160,7 @@ class ForwardEngine:
     #: Where each request goes (``[routing] policy``).
     routing: RoutingPolicy
     #: Preemption's rules (``[forward] preempt``, ``preempt_min_run_s``, ``max_preemptions``).
-    rules: PreemptionRules = PreemptionRules()
+    rules: PreemptionRules = attrs.field(factory=PreemptionRules)
     #: Every sender's leases on the backends' slots.
     slots: SlotTable = attrs.field(factory=LocalSlots)
     #: Tenants' weights (``[tenants.<name>] weight``): their shares of the slots.
@@ -221,9 +249,7 @@ class ForwardEngine:
             key = (request.model, request.tenant_id)
             found = victims.get(key)
             if found is None:
-                leases = [lease for b in self._serving(request.model) for lease in self.slots.leases(b.name)]
-                found = victims[key] = choose_victim(leases, self._shares(request.model, shares), request.tenant_id,
-                                                     now, self.rules) is not None
+                found = victims[key] = self._victim(request, now, shares) is not None
             return found
 
         return Capacity(sequences=total, kv_tokens=UNBOUNDED, reserve_output=False, slots_per_model=slots,
@@ -239,6 +265,11 @@ class ForwardEngine:
             leases = [lease for b in serving for lease in self.slots.leases(b.name)]
             shares = cache[model] = Shares.of(leases, sum(b.config.max_concurrency for b in serving), self.weights)
         return shares
+
+    def _victim(self, request: InferenceRequest, now: float, cache: dict[str | None, Shares]) -> Lease | None:
+        """The lease to preempt for ``request`` now (:func:`~apsd.engines.preemption.choose_victim`), if any."""
+        leases = [lease for b in self._serving(request.model) for lease in self.slots.leases(b.name)]
+        return choose_victim(leases, self._shares(request.model, cache), request.tenant_id, now, self.rules)
 
     def _preemptible(self, model: str | None, now: float, cache: dict[str | None, Shares]) -> int:
         """Slots of ``model``'s backends that preempting tenants above their share (counting one more
@@ -363,11 +394,7 @@ class ForwardEngine:
         if any(self._free_slots(b, now) > 0 for b in serving):
             backend = self._route(request, serving, now)
             return None if backend is None else self._hold(request, backend, serving, now)
-        if not self.rules.enabled:
-            return None
-        leases = [lease for b in serving for lease in self.slots.leases(b.name)]
-        shares = Shares.of(leases, sum(b.config.max_concurrency for b in serving), self.weights)
-        victim = choose_victim(leases, shares, request.tenant_id, now, self.rules)
+        victim = self._victim(request, now, {}) if self.rules.enabled else None
         if victim is None:
             return None
         backend = next(b for b in serving if b.name == victim.backend)

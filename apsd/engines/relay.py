@@ -219,9 +219,10 @@ class StreamRelay:
         text = chunk_text(chunk)
         if progress is not None:
             if progress.resumed:
-                chunk, raw, text = self._stitch(chunk, text)
-                if chunk is None:
+                stitched, raw, text = self._stitch(chunk, text)
+                if stitched is None:
                     return
+                chunk = stitched
             elif progress.chunk_id is None and "id" in chunk:
                 progress.chunk_id, progress.created = chunk.get("id"), chunk.get("created")
             if progress.resumable and not _continues_safely(chunk):

@@ -22,8 +22,18 @@ from tests.llama_server import (  # noqa: F401  (fixtures)
     slow_model,
     write_tiny_model,
 )
-from tests.real_pool import (FLOOD_STREAMS, FLOOD_TOKENS, SHORT_TOKENS, beside, first_token_ms, newcomers, open_pool,
-                             queue_waits, take_turns, warm_up)
+from tests.real_pool import (
+    FLOOD_STREAMS,
+    FLOOD_TOKENS,
+    SHORT_TOKENS,
+    beside,
+    first_token_ms,
+    newcomers,
+    open_pool,
+    queue_waits,
+    take_turns,
+    warm_up,
+)
 from tests.redis_server import open_redis_server
 
 pytestmark = pytest.mark.timeout(240)

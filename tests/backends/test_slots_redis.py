@@ -14,7 +14,6 @@ from apsd.core.clock import ModelClock
 from apsd.core.config import StoreConfig
 from apsd.core.slots import Lease
 from apsd.store.redis_slots import LEASE_TTL_S, RedisSlots
-
 from tests.helpers import wait_until
 from tests.redis_server import open_redis_server
 
@@ -92,7 +91,7 @@ async def test_a_victim_that_may_not_be_preempted_refuses_and_the_claim_gives_wa
         for i in range(2):
             assert await claim(one, lease(one, f"flood-{i}", "flood"))
         await wait_until(lambda: len(two.leases("b")) == 2)
-        refuse = lambda: one.abandon(next(l for l in one.leases("b") if l.lease_id == "flood-0"))  # noqa: E731
+        refuse = lambda: one.abandon(next(l for l in one.leases("b") if l.lease_id == "flood-0"))
         assert not await claim_victims_slot(two, "flood-0", orders[0], refuse)
         assert not any(l.lease_id == "steady-0" for l in two.leases("b"))
 

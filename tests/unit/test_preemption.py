@@ -21,12 +21,17 @@ import trio.testing
 from apsd.core.clock import ModelClock
 from apsd.core.config import ForwardConfig, TenantConfig, parse_config
 from apsd.core.models import Completion, Refusal
+from apsd.core.slots import Lease
 from apsd.core.streams import TokenStream
 from apsd.engines.backends import SimulatedBackendClient, SimulatedServer
-from apsd.engines.preemption import PreemptionRules, Shares, choose_victim, eligible, resumable
-from apsd.core.slots import Lease
+from apsd.engines.preemption import (
+    PreemptionRules,
+    Shares,
+    choose_victim,
+    eligible,
+    resumable,
+)
 from apsd.pipeline import open_pipeline
-
 from tests.helpers import build_policies
 
 RULES = PreemptionRules(min_run_s=1.0, max_preemptions=4)
@@ -89,7 +94,7 @@ def reference_victim(leases, slots, weights, tenant, now, rules):
     share = {t: slots * weights.get(t, 1.0) / total for t in tenants}
     if not held[tenant] < share[tenant] - 1e-12:
         return None
-    w = lambda t: weights.get(t, 1.0)  # noqa: E731
+    w = lambda t: weights.get(t, 1.0)
     candidates = [lease for lease in leases
                   if lease.tenant != tenant and held[lease.tenant] > share[lease.tenant] + 1e-12
                   and (held[lease.tenant] - 1) / w(lease.tenant) >= (held[tenant] + 1) / w(tenant) - 1e-12
