@@ -136,6 +136,18 @@ async def start_apsd(*args: str, **popen: Any) -> tuple[trio.Process, str, list[
     return process, match.group(1).decode(), seen
 
 
+async def wait_for_log(process: trio.Process, seen: list[bytes], pattern: bytes, after: int = 0) -> str:
+    """Read apsd's stderr (into ``seen``) until ``pattern`` appears past byte ``after`` of it; the text
+    read so far. Fails after :data:`WAIT_S`, or if apsd exits first."""
+    with trio.fail_after(WAIT_S):
+        while pattern not in b"".join(seen)[after:]:
+            chunk = await process.stderr.receive_some()
+            if not chunk:
+                raise AssertionError(f"apsd exited before logging {pattern!r}: {b''.join(seen).decode()}")
+            seen.append(chunk)
+    return b"".join(seen).decode(errors="replace")
+
+
 async def stop_apsd(process: trio.Process, seen: list[bytes]) -> str:
     """SIGTERM apsd, require exit status 0, and return its whole stderr (``seen`` plus the rest)."""
     process.send_signal(signal.SIGTERM)

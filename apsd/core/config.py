@@ -711,6 +711,9 @@ class Config:
     classes: dict[str, ServiceClassConfig] = attrs.field(factory=dict)
     #: Where this config came from, for error messages ("<defaults>" if embedded).
     source: str = attrs.field(default="<defaults>", metadata={"toml": False})
+    #: The file declares ``[tenants]`` (else the embedded default tenants above are in it): a reload
+    #: refuses a file that lost them (:meth:`apsd.serve.daemon.Daemon.reload`).
+    tenants_declared: bool = attrs.field(default=False, eq=False, metadata={"toml": False})
 
     def with_overrides(self, **server: Any) -> Config:
         """A copy with ``[server]`` keys replaced (``None`` values are ignored)."""
@@ -814,7 +817,7 @@ def parse_config(data: dict[str, Any], source: str = "<string>") -> Config:
             parsed = _check_value(tenants, dict[str, TenantConfig], "tenants")
             if not parsed:
                 raise ConfigError("tenants: at least one tenant is required")
-            config = attrs.evolve(config, tenants=parsed)
+            config = attrs.evolve(config, tenants=parsed, tenants_declared=True)
         _check_keys_unique(config)
         check_tenant_classes(config.tenants, config.classes)
         config = _check_backends(config, engine_kind_given="kind" in (data.get("engine") or {}))
@@ -905,4 +908,8 @@ def load_config(path: str | Path | None) -> Config:
     if path is None:
         return Config()
     path = Path(path)
-    return parse_config(read_toml(path, "config file", ConfigError), str(path))
+    data = read_toml(path, "config file", ConfigError)
+    if not data:
+        raise ConfigError(f"{path}: the file sets nothing (it is empty, or holds only comments: truncated?); "
+                          "to run on the embedded defaults, give no config file")
+    return parse_config(data, str(path))

@@ -30,7 +30,9 @@ def test_version_and_help():
         (None, ["/no/such/apsd.toml"], "/no/such/apsd.toml: no such config file"),
         ("[server\n", [], "TOML syntax error"),
         ("[server]\nprot = 8002\n", [], "server.prot: unknown key"),
-        ("", ["--policy", "lottery"], "policy preset 'lottery' is unknown (available: aps, fair, fifo, static)"),
+        ("[server]\nport = 0\n", ["--policy", "lottery"],
+         "policy preset 'lottery' is unknown (available: aps, fair, fifo, static)"),
+        ("# emptied by an editor that crashed\n", [], "the file sets nothing (it is empty, or holds only comments"),
     ],
 )
 def test_bad_config_exits_2_with_one_message(tmp_path, text, args, fragment):
