@@ -112,6 +112,8 @@ async def test_disabled_tenants_and_models_a_tenant_may_not_use_are_refused(admi
 
 @pytest.mark.parametrize(("method", "path", "body", "status", "field"), [
     ("POST", "/admin/tenants", b"not json", 400, None),
+    ("POST", "/admin/tenants", ("text/plain", b'{"name": "b", "rate": 1, "burst": 1}'), 415, None),
+    ("PATCH", "/admin/tenants/team-a", ("application/x-www-form-urlencoded", b"weight=2"), 415, None),
     ("POST", "/admin/tenants", {"name": "x y", "rate": 1, "burst": 1}, 422, "name"),
     ("POST", "/admin/tenants", {"name": "b", "rate": 0, "burst": 1}, 422, "rate"),
     ("POST", "/admin/tenants", {"name": "b", "rate": 1, "burst": 1.5}, 422, "burst"),
@@ -134,9 +136,11 @@ async def test_disabled_tenants_and_models_a_tenant_may_not_use_are_refused(admi
     ("GET", "/admin/usage?format=xml", None, 400, "format"),
 ])
 async def test_bad_input_to_every_admin_endpoint_is_a_4xx_naming_the_field(admin, method, path, body, status, field):
-    content = body if isinstance(body, bytes) else None
-    answer = await admin.client.request(method, path, headers=ADMIN_HEADERS, content=content,
-                                        json=None if content is not None or body is None else body)
+    kind, content = body if isinstance(body, tuple) else ("application/json", body)
+    raw = isinstance(content, bytes)
+    answer = await admin.client.request(method, path, headers={**ADMIN_HEADERS, "Content-Type": kind} if raw
+                                        else ADMIN_HEADERS, content=content if raw else None,
+                                        json=None if raw or content is None else content)
     assert answer.status_code == status, answer.text
     assert answer.json().get("field") == field and answer.json()["message"]
 

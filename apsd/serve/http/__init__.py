@@ -26,7 +26,10 @@ the status page's files (``/ui``: no data in them; the data, ``/admin/status``, 
 A metrics key (``[auth] metrics_key_hashes``) reads those two and nothing else: anywhere else
 that asks for a key it is refused 403 ``metrics_only`` before the handler runs (one rule, so a
 new endpoint cannot forget it). The key is checked before the body is parsed. Without keys
-(loopback only) everything is open, and ``X-Apsd-Tenant`` names a ``/v1`` request's tenant.
+(loopback only) everything is open, and ``X-Apsd-Tenant`` names a ``/v1`` request's tenant; but a
+browser may not act for a page of another origin (:func:`apsd.serve.auth.cross_site_refusal`), and
+``/admin`` bodies must say they are JSON (415 ``unsupported_media_type``), so that no cross-site form
+can send one without a CORS preflight.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from werkzeug.exceptions import HTTPException
 
 from apsd.core.models import Refusal
 from apsd.pipeline import Pipeline
+from apsd.serve.auth import cross_site_refusal
 from apsd.serve.prometheus import exporter_for
 from apsd.serve.http import admin, infer, openai, ops, ui
 from apsd.state.keeper import StateKeeper
@@ -73,6 +77,19 @@ def create_app(pipeline: Pipeline, *, keeper: StateKeeper | None = None) -> Quar
                                        keeper=keeper)
     for blueprint in (infer.blueprint, openai.blueprint, ops.blueprint, admin.blueprint, ui.blueprint):
         app.register_blueprint(blueprint)
+
+    @app.before_request
+    async def refuse_cross_site() -> Response | None:
+        """Without API keys: no request from another site's page, nor to a host name that is not this
+        daemon's (:func:`apsd.serve.auth.cross_site_refusal`), before any handler runs."""
+        state: HttpState = app.extensions["apsd"]
+        if state.keyring.get(pipeline.config).enabled:
+            return None
+        refusal = cross_site_refusal(request.method, request.headers, pipeline.config.server.host)
+        if refusal is None:
+            return None
+        pipeline.ledger.count_refusal(None, refusal.error)
+        return _answer_for_path(refusal)
 
     @app.before_request
     async def confine_metrics_keys() -> Response | None:

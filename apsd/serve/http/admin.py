@@ -6,7 +6,8 @@ describes them, the tenant's fields taken from :class:`~apsd.core.config.TenantC
 change is written to the state with its audit entry (:mod:`apsd.state.keeper`), applied here at
 once, and on every other replica within ``[state] poll_interval_s``; none needs a reload.
 
-Errors are apsd's ``{"error", "message", "field"}``: 400 for a body that is not a JSON object,
+Errors are apsd's ``{"error", "message", "field"}``: 415 ``unsupported_media_type`` for a body sent
+without ``Content-Type: application/json``, 400 for a body that is not a JSON object,
 422 ``invalid_field`` naming the field for a value the config file would refuse too (the same
 validation), 404 for an unknown tenant or key, 409 for a conflict (``tenant_exists``,
 ``declared_in_file``, ``admin_key_required``, ``state_off``).
@@ -77,6 +78,13 @@ def admin_endpoint(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awai
 
 
 async def _body() -> dict[str, Any]:
+    """The request's JSON object; 415 ``unsupported_media_type`` unless its ``Content-Type`` says JSON
+    (a browser sends a cross-site form, or a ``no-cors`` fetch, only as ``text/plain``, form data or
+    multipart: requiring JSON makes any other page's request need a CORS preflight, never granted)."""
+    if request.mimetype != "application/json":
+        await request.get_data(cache=False)  # (read it: the connection stays usable)
+        raise BodyError(415, "unsupported_media_type", "an /admin body must be JSON, sent with 'Content-Type: "
+                        f"application/json' (got {request.headers.get('Content-Type', 'none')[:80]!r})")
     return parse_json_object(await request.get_data(cache=False))
 
 
