@@ -450,3 +450,6 @@ async def test_with_keys_other_origins_are_left_to_the_keys(daemon):
                                       headers={**bearer(KEY_ALPHA), "Origin": "http://elsewhere.example",
                                                "Host": "apsd.example.com"})
     assert answer.status_code == 200, answer.text
+    curl = await daemon.client.post("/admin/tenants", content=b'{"name": "by-curl", "rate": 1, "burst": 1}',
+                                    headers={**bearer(ADMIN), "Content-Type": "application/x-www-form-urlencoded"})
+    assert curl.status_code == 201, curl.text  # (curl -d's default type, with the admin key)

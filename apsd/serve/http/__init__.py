@@ -29,7 +29,7 @@ new endpoint cannot forget it). The key is checked before the body is parsed. Wi
 (loopback only) everything is open, and ``X-Apsd-Tenant`` names a ``/v1`` request's tenant; but a
 browser may not act for a page of another origin (:func:`apsd.serve.auth.cross_site_refusal`), and
 ``/admin`` bodies must say they are JSON (415 ``unsupported_media_type``), so that no cross-site form
-can send one without a CORS preflight.
+can send one without a CORS preflight (with keys, the ``Authorization`` header forces one).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ change is written to the state with its audit entry (:mod:`apsd.state.keeper`), 
 once, and on every other replica within ``[state] poll_interval_s``; none needs a reload.
 
 Errors are apsd's ``{"error", "message", "field"}``: 415 ``unsupported_media_type`` for a body sent
-without ``Content-Type: application/json``, 400 for a body that is not a JSON object,
+without ``Content-Type: application/json`` while no key is configured, 400 for a body that is not a JSON object,
 422 ``invalid_field`` naming the field for a value the config file would refuse too (the same
 validation), 404 for an unknown tenant or key, 409 for a conflict (``tenant_exists``,
 ``declared_in_file``, ``admin_key_required``, ``state_off``).
@@ -78,10 +78,12 @@ def admin_endpoint(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awai
 
 
 async def _body() -> dict[str, Any]:
-    """The request's JSON object; 415 ``unsupported_media_type`` unless its ``Content-Type`` says JSON
-    (a browser sends a cross-site form, or a ``no-cors`` fetch, only as ``text/plain``, form data or
-    multipart: requiring JSON makes any other page's request need a CORS preflight, never granted)."""
-    if request.mimetype != "application/json":
+    """The request's JSON object. Without API keys, 415 ``unsupported_media_type`` unless its
+    ``Content-Type`` says JSON: a browser sends a cross-site form, or a ``no-cors`` fetch, only as
+    ``text/plain``, form data or multipart, so requiring JSON makes any other page's request need a
+    CORS preflight, never granted. (With keys, the ``Authorization`` header does that already.)"""
+    state = http_state()
+    if request.mimetype != "application/json" and not state.keyring.get(state.pipeline.config).enabled:
         await request.get_data(cache=False)  # (read it: the connection stays usable)
         raise BodyError(415, "unsupported_media_type", "an /admin body must be JSON, sent with 'Content-Type: "
                         f"application/json' (got {request.headers.get('Content-Type', 'none')[:80]!r})")
@@ -106,7 +108,9 @@ def tenant_view(keeper: StateKeeper, name: str) -> dict[str, Any] | None:
                 "running": status.running, "admitted": status.admitted, "completed": status.completed,
                 "rejected": status.rejected, "prompt_tokens": status.prompt_tokens,
                 "generated_tokens": status.generated_tokens,
-                "budget_used": pipeline.admission.budgets.used(name, tenant) if tenant.budget_tokens else None}}
+                "budget_used": pipeline.admission.budgets.used(name, tenant) if tenant.budget_tokens else None,
+                "budget": None if (budget := pipeline.admission.budgets.view(name, tenant)) is None
+                else attrs.asdict(budget)}}
 
 
 # -- tenants ---------------------------------------------------------------------------------------
