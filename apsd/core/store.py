@@ -9,6 +9,9 @@ import attrs
 import trio
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from apsd.core.budget import Budgets
     from apsd.core.config import TenantConfig
     from apsd.core.models import Refusal
 
@@ -106,6 +109,10 @@ class Store(Protocol):
 
     def share(self, policy: object) -> None:
         """Share the service counters of ``policy`` if it is a :class:`SharedService` (else nothing)."""
+
+    def share_budgets(self, budgets: Budgets, tenants: Callable[[], Mapping[str, TenantConfig]]) -> None:
+        """Hold the tenants' budgets (``tenants()``: the current ones) as leases of budgets shared by
+        every replica (:meth:`Budgets.share`), if this store is shared (else nothing)."""
 
     def statistics(self) -> StoreStatistics: ...
 

@@ -526,6 +526,8 @@ class StateKeeper:
     async def _exchange_spend(self, store: StateStore) -> None:
         budgets = self.budgets
         assert budgets is not None
+        if budgets.shared:
+            return  # (the shared store counts the spend of budgets it leases: apsd.store.leasing)
         settled = budgets.take_settled()
         try:
             totals = await store.add_spend(settled)
