@@ -281,9 +281,13 @@ class QueueConfig:
 
 @attrs.frozen
 class AdmissionConfig:
-    """How a prompt's token count is estimated (there is no tokenizer)."""
+    """How a prompt's token count is estimated (there is no tokenizer): conservatively, so that a
+    backend never counts far more (docs/reference/accounting.md).
 
-    #: ASCII characters per token of a prompt's estimate (English text: about 4) ...
+    Every ASCII character that is not a letter (digits, punctuation, symbols, whitespace but a space
+    that begins a word) counts as one token."""
+
+    #: ASCII letters per token of a prompt's estimate (English text: about 4) ...
     chars_per_token: float = attrs.field(default=4.0, validator=between(0.1, 1000))
     #: ... and UTF-8 bytes per token for the rest of it (CJK, emoji, accents): 1 (the default) is
     #: what a byte-level tokenizer can spend at worst, so the estimate does not undercount them (a

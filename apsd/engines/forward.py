@@ -447,6 +447,7 @@ class ForwardEngine:
         backend.requests += 1
         outcome: Completion | Refusal | None = None
         requeue: str | None = None
+        sending = False
         try:
             api, body, wants_usage = self._body(request, backend)
             with scope:
@@ -454,6 +455,7 @@ class ForwardEngine:
                     if after is not None:
                         await after.wait()
                     sent.set()
+                    sending = True
                     answer = await self.client.complete(backend, api, body, self._relay(request, backend, wants_usage),
                                                         request.request_id)
                     outcome = self._completed(request, backend, answer, start)
@@ -468,6 +470,11 @@ class ForwardEngine:
                                       "the client disconnected while the request was running", kind="cancelled")
             if isinstance(outcome, Refusal) and request.started_at is not None:
                 await self._count_prompt(request, backend, api, body)
+            elif sending and isinstance(outcome, Refusal) and outcome.kind == "cancelled":
+                # its client left before the first token, after the backend took the prompt in (and
+                # prefilled it): charged the backend's count of it, else the estimate
+                request.prompt_charged = True
+                await self._count_prompt(request, backend, api, body)
         except Exception:  # a bug or a surprise: this request fails, the daemon goes on
             log.exception("request %s on backend %s failed unexpectedly", request.request_id, backend.name)
             outcome, requeue = Refusal(502, "backend_failed", f"forwarding to backend {backend.name} failed "
@@ -479,7 +486,8 @@ class ForwardEngine:
 
     async def _count_prompt(self, request: InferenceRequest, backend: Backend, api: str, body: dict) -> None:
         """A request that ended after its first token without the backend's usage (its client left,
-        the stream broke or timed out) is charged the backend's own count of its prompt, asked of
+        the stream broke or timed out), or whose client left once it was sent, is charged the
+        backend's own count of its prompt, asked of
         the backend (bounded by ``health_timeout_s``, shielded: the request's scope may be
         cancelled); apsd's estimate stays when the backend cannot say."""
         with trio.CancelScope(shield=True):
@@ -556,7 +564,7 @@ class ForwardEngine:
         cost = self._cost(request, backend, duration)
         request.cost_usd = cost
         backend.cost_usd += cost
-        backend.prompt_tokens += request.prompt_tokens if request.started_at is not None else 0
+        backend.prompt_tokens += request.prompt_tokens if request.prompt_used else 0
         backend.completion_tokens += request.tokens_generated
         self._tokens += request.tokens_generated
         self._busy_s += duration / backend.config.max_concurrency
