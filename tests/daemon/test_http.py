@@ -440,3 +440,21 @@ async def test_idle_and_slow_connections_are_closed_and_the_backlog_is_configura
     await running.client.aclose()
     running.daemon.request_shutdown()
 
+
+
+async def test_metrics_json_shows_where_requests_were_routed(nursery):
+    """``/metrics.json`` answered 500 (a JSON object cannot have tuple keys) on every deployment whose
+    routing policy had routed a request: several engines, or ``[[backends]]``
+    (``tests/backends/test_gateway.py`` checks the latter against a real llama-server)."""
+    config = make_config({"engine": {"kind": "continuous", "count": 2}, "gpu": {"time_scale": 0.001},
+                          "tenants": {"t": {"rate": 1e6, "burst": 10**6}}},
+                         server=ServerConfig(host="127.0.0.1", port=0))
+    running = await start_daemon(nursery, config)
+    async with running.client as client:
+        for _ in range(3):
+            assert (await client.post("/infer", json=infer_body("t", "hello", 5))).status_code == 200
+        answer = await client.get("/metrics.json")
+        assert answer.status_code == 200, answer.text
+        routes = answer.json()["routes"]
+        assert set(routes) <= {"engine-0", "engine-1"} and sum(n for r in routes.values() for n in r.values()) == 3
+    running.daemon.request_shutdown()

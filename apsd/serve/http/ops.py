@@ -40,6 +40,10 @@ def metrics_document(pipeline: Pipeline) -> dict[str, Any]:
     statistics = pipeline.statistics()
     document = attrs.asdict(statistics.books)
     document.update(attrs.asdict(statistics, filter=lambda field, _: field.name != "books"))
+    routes: dict[str, dict[str, int]] = {}  # (JSON keys are strings: where -> reason -> requests)
+    for (where, reason), count in sorted(statistics.routes.items()):
+        routes.setdefault(where, {})[reason] = count
+    document["routes"] = routes
     return document
 
 
