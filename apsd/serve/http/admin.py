@@ -154,7 +154,16 @@ async def update_tenant(name: str, keeper: StateKeeper, caller: Caller) -> Any:
 @admin_endpoint
 async def delete_tenant(name: str, keeper: StateKeeper, caller: Caller) -> Any:
     await keeper.delete_tenant(_actor(caller), name)
-    return Response(status=204)
+    return no_content()
+
+
+def no_content() -> Response:
+    """204 with nothing after its head. (``Response(status=204)`` gets quart's default body, an
+    iterable it drives with asyncio: under trio that raised "no running event loop" in the middle of
+    the answer, logged an ASGI error and dropped the keep-alive connection.)"""
+    answer = Response(b"", status=204)
+    del answer.headers["Content-Type"], answer.headers["Content-Length"]
+    return answer
 
 
 # -- keys ------------------------------------------------------------------------------------------
