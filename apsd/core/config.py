@@ -523,8 +523,16 @@ class EngineConfig:
 
 
 def http_url(_inst: object, attribute: attrs.Attribute, value: str) -> None:
-    if not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", value):
-        raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+    if not re.fullmatch(r"[!-~]+", value) or not re.fullmatch(r"https?://[^/?#]+(/[^?#]*)?", value):
+        raise ValueError(f"must be an http:// or https:// URL of printable ASCII characters, got {value!r}")
+
+
+def header_safe(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+    """A name that apsd sends in response headers (``X-Apsd-Route``) and metrics labels: printable
+    ASCII (letters, digits, punctuation, spaces inside), at most 128 characters."""
+    if value and (not re.fullmatch(r"[!-~]([ -~]{0,126}[!-~])?", value)):
+        raise ValueError("must be 1-128 printable ASCII characters (letters, digits, punctuation, spaces "
+                         f"inside): it is sent in response headers and metrics labels; got {value!r}")
 
 
 @attrs.frozen
@@ -533,8 +541,8 @@ class BackendConfig:
 
     #: Its base URL, without ``/v1`` (``http://10.0.0.5:8000``).
     url: str = attrs.field(validator=http_url)
-    #: A name for logs and metrics (default: the URL).
-    name: str = ""
+    #: A name for logs, metrics and the ``X-Apsd-Route`` header (default: the URL): printable ASCII.
+    name: str = attrs.field(default="", validator=header_safe)
     #: Sent as ``Authorization: Bearer`` to the backend. Prefer ``api_key_env``: the config file
     #: is world-readable under systemd.
     api_key: str = attrs.field(default="", metadata=SECRET_STRING, repr=False)
@@ -728,6 +736,24 @@ class Config:
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
+class ControlCharacterError(ConfigError):
+    """A config string or table name with a control character (the message does not show it)."""
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _check_text(text: str, key: str, what: str = "value") -> None:
+    """ControlCharacterError naming ``key`` if ``text`` holds a control character: a config string
+    ends up in response headers, metrics labels and log lines, where CR, LF and the like either
+    break the answer (after the work was done) or forge lines."""
+    found = _CONTROL.search(text)
+    if found is not None:
+        raise ControlCharacterError(f"{key}: the {what} holds a control character (U+{ord(found.group()):04X} at "
+                                    f"position {found.start()}): CR, LF, tabs and the like are not allowed in "
+                                    "config strings (they end up in headers, labels and logs)")
+
+
 def _check_value(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against annotation ``tp`` strictly; return the converted value."""
     origin = typing.get_origin(tp)
@@ -738,6 +764,8 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
         _, value_type = typing.get_args(tp)
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: must be a table, got {type(value).__name__}")
+        for name in value:
+            _check_text(name, f"{key}.{name!r}", "name")
         return {name: _check_value(v, value_type, f"{key}.{name}") for name, v in value.items()}
     if origin is tuple:  # tuple[X, ...]: a TOML array
         item_type = typing.get_args(tp)[0]
@@ -754,6 +782,8 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
         return float(value)
     if tp in (int, float) and isinstance(value, bool) or not isinstance(value, tp):
         raise ConfigError(f"{key}: must be {_TYPE_NAMES.get(tp, tp)}, got {value!r}")
+    if isinstance(value, str):
+        _check_text(value, key)
     return value
 
 
@@ -782,6 +812,8 @@ def parse_section(cls: type, table: dict[str, Any], prefix: str = "") -> Any:
             continue
         try:
             value = _check_value(table[name], field.type, key)
+        except ControlCharacterError:
+            raise
         except ConfigError:
             if field.metadata.get("secret"):  # (the usual message shows the value: not for these)
                 raise ConfigError(f"{key}: {field.metadata['secret']} (the value given is not shown)") from None
