@@ -221,3 +221,17 @@ async def test_the_daemons_log_has_no_line_per_forwarded_request(llama_server, t
         log = await stop_apsd(process, seen)
     assert "backend " in log and " is up" in log
     assert "HTTP Request" not in log and "httpx" not in log
+
+
+async def test_metrics_json_answers_once_a_request_was_routed_to_a_backend(nursery, llama_server):
+    """``/metrics.json`` answered 500 on every forward-engine deployment once the routing policy had
+    sent a request (its routes were keyed by a tuple)."""
+    running = await start_daemon(nursery, gateway_config([llama_server]))
+    await wait_until(backends_up(running.daemon, 1))
+    async with running.client as client:
+        assert (await client.post("/infer", json=infer(tokens=3))).status_code == 200
+        answer = await client.get("/metrics.json")
+        assert answer.status_code == 200, answer.text
+        routes = answer.json()["routes"]
+        assert list(routes) == ["b0"] and sum(routes["b0"].values()) == 1, routes
+    running.daemon.request_shutdown()
