@@ -6,13 +6,14 @@ never from each other (the benchmarks under ``benchmarks/`` import them too)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -245,3 +246,38 @@ def max_backlogged_service_gap(run: Any) -> float:
         if at[1] == 1 and all(queued.values()):
             gap = max(gap, abs(served["tenant_a"] - served["tenant_b"]))
     return gap
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str = "1m") -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` (made if missing) for the body of a ``with``, unmounted
+    after: a disk that really fills up (ENOSPC). Needs root (CAP_SYS_ADMIN): the test is skipped
+    without it."""
+    import pytest
+
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (root needed): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fill(directory: Path) -> Path:
+    """Fill the filesystem of ``directory`` to the last byte with one file; returns it (delete it to
+    free the space)."""
+    filler = directory / "filler"
+    descriptor = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for block in (65536, 4096, 1):
+            try:
+                while True:
+                    os.write(descriptor, b"\0" * block)
+            except OSError:
+                pass
+    finally:
+        os.close(descriptor)
+    return filler

@@ -36,8 +36,8 @@ import os
 import re
 import sqlite3
 import secrets
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import attrs
@@ -108,6 +108,24 @@ def _leaf(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
+
+
+@contextmanager
+def _state_errors(store: StateStore, what: str) -> Iterator[None]:
+    """Turn a state that fails now (Redis down, a SQLite disk full or read-only) into 503
+    ``state_unavailable``, logged at WARNING with the cause: an admin write or read gets an answer
+    that says so, never a 500. (AdminError passes through.)"""
+    try:
+        yield
+    except AdminError:
+        raise
+    except Exception as error:  # (sqlite3.Error, OSError, coredis's errors, in groups of one)
+        exc = _leaf(error)
+        log.warning("state: %s failed at %s: %s: %s", what, store.where, type(exc).__name__, exc,
+                    extra={"event": "state"})
+        raise AdminError(503, "state_unavailable", f"the state at {store.where} cannot be used now "
+                         f"({type(exc).__name__}: {str(exc)[:200]}); nothing was changed: retry when it can "
+                         "(the running tenants and keys are served meanwhile)") from None
 
 
 def _unreachable(store: StateStore, exc: BaseException) -> None:
@@ -269,8 +287,14 @@ class StateKeeper:
 
     async def _commit(self, changes: list[Change], audit: list[AuditEntry], why: str) -> None:
         store = self._writable()
-        await store.write(changes, audit)
-        self.snapshot = await store.load()
+        with _state_errors(store, "a change"):
+            await store.write(changes, audit)
+        try:
+            self.snapshot = await store.load()
+        except Exception as error:  # written, but not read back: apply it as written (the next poll reads it)
+            log.warning("state: %s changed, but reading it back failed (%s): applied as written", store.where,
+                        _leaf(error), extra={"event": "state"})
+            self.snapshot = _applied(self.snapshot, changes)
         self._apply(why)
 
     async def create_tenant(self, actor: str, body: Mapping[str, Any]) -> TenantRecord:
@@ -406,8 +430,11 @@ class StateKeeper:
         tenant: what the state holds plus what the next flush will add, so an answer is current."""
         first_hour = int(start) // HOUR_S * HOUR_S
         async with self._usage_lock:
-            rows = {} if self.store is None else await self.store.usage(tenant=tenant, start=first_hour,
-                                                                         end=math.ceil(end))
+            if self.store is None:
+                rows = {}
+            else:
+                with _state_errors(self.store, "reading usage"):
+                    rows = await self.store.usage(tenant=tenant, start=first_hour, end=math.ceil(end))
             pending = self.usage.pending() if self.usage is not None else {}
         for key, fields in pending.items():
             if (tenant is None or key.tenant == tenant) and first_hour <= key.hour < end:
@@ -415,6 +442,14 @@ class StateKeeper:
                 for field, amount in fields.items():
                     merged[field] = merged.get(field, 0) + amount
         return rows
+
+    async def audit(self, *, target: str | None, limit: int, before_id: int | None) -> list[AuditEntry]:
+        """The audit log, newest first (:meth:`StateStore.audit`); 503 ``state_unavailable`` when the
+        state cannot be read now."""
+        if self.store is None:
+            return []
+        with _state_errors(self.store, "reading the audit log"):
+            return await self.store.audit(target=target, limit=limit, before_id=before_id)
 
     # -- background ---------------------------------------------------------------------------
     async def run(self, *, buckets: Callable[[], Mapping[str, tuple[float, float]]],
@@ -565,3 +600,17 @@ class StateKeeper:
             with trio.CancelScope(shield=True):
                 await self.store.close()
 
+
+
+def _applied(snapshot: Snapshot, changes: list[Change]) -> Snapshot:
+    """``snapshot`` with ``changes`` applied (as the store applied them), its version unchanged."""
+    tenants, keys = dict(snapshot.tenants), {k.key_id: k for k in snapshot.keys}
+    for change in changes:
+        match change:
+            case PutTenant(record):
+                tenants[record.name] = record
+            case DeleteTenant(name):
+                tenants.pop(name, None)
+            case PutKey(record):
+                keys[record.key_id] = record
+    return Snapshot(tenants, tuple(sorted(keys.values(), key=lambda k: k.key_id)), snapshot.version)

@@ -49,6 +49,9 @@ return redis.call('INCR', KEYS[5])
 """
 
 SPEND_TTL_S = 40 * 86_400
+#: Wall seconds to connect, and for each answer: a Redis that hangs makes an operation fail (an admin
+#: write answers 503 ``state_unavailable``) rather than wait for ever.
+TIMEOUT_S = 10.0
 
 
 class RedisStateStore:
@@ -66,7 +69,8 @@ class RedisStateStore:
         belongs to the task that opened it. They are rare: a poll a second, a flush every few.)"""
         import coredis
 
-        async with coredis.Redis.from_url(self._url, decode_responses=True) as client:
+        async with coredis.Redis.from_url(self._url, decode_responses=True, connect_timeout=TIMEOUT_S,
+                                          stream_timeout=TIMEOUT_S) as client:
             yield client
 
     async def load(self) -> Snapshot:

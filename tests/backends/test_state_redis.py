@@ -76,3 +76,40 @@ async def test_a_replica_that_starts_while_redis_is_down_serves_the_file_then_se
                                           json={"name": "team-b", "rate": 1, "burst": 10})
             assert made.status_code == 201
             assert sorted(only.daemon.pipeline.config.tenants) == ["team-a", "team-b"]
+
+
+async def test_admin_answers_503_state_unavailable_while_redis_is_down(caplog):
+    """With Redis killed, every admin write and every read of the state answers 503 ``state_unavailable``
+    in bounded time, naming the state; nothing answers 500 and nothing is logged at ERROR. The status
+    page's data still answers (live figures). Once Redis is back, writes work again."""
+    import logging
+
+    async with open_redis_server() as redis:
+        config = store_config(redis.url, {"team-a": {"rate": 1e4, "burst": 10_000}},
+                              auth={"admin_key_hashes": [hash_key(ADMIN)]},
+                              state={"poll_interval_s": 0.1, "flush_interval_s": 0.1})
+        async with replicas(config, 1) as (first,):
+            client = first.client
+            assert (await client.post("/admin/tenants", headers=ADMIN_HEADERS,
+                                      json={"name": "team-b", "rate": 1, "burst": 1})).status_code == 201
+            redis.kill()
+            with trio.fail_after(60):
+                for method, path, body in [
+                    ("POST", "/admin/tenants", {"name": "team-c", "rate": 1, "burst": 1}),
+                    ("PATCH", "/admin/tenants/team-b", {"weight": 2}),
+                    ("DELETE", "/admin/tenants/team-b", None),
+                    ("POST", "/admin/tenants/team-b/keys", {}),
+                    ("GET", "/admin/audit", None),
+                    ("GET", "/admin/usage", None),
+                ]:
+                    answer = await client.request(method, path, headers=ADMIN_HEADERS, json=body)
+                    assert (answer.status_code, answer.json()["error"]) == (503, "state_unavailable"), (path, answer.text)
+                    assert "cannot be used now" in answer.json()["message"]
+                assert (await client.get("/admin/status", headers=ADMIN_HEADERS)).status_code == 200
+            await redis.start()
+            with trio.fail_after(30):
+                while (await client.post("/admin/tenants", headers=ADMIN_HEADERS,
+                                         json={"name": "team-c", "rate": 1, "burst": 1})).status_code != 201:
+                    await trio.sleep(0.2)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors

@@ -4,6 +4,8 @@ concurrency, and what survives ``kill -9``."""
 from __future__ import annotations
 
 import functools
+
+import attrs
 import json
 import logging
 import signal
@@ -318,3 +320,31 @@ async def test_deleting_tenants_keeps_the_connection_and_logs_no_error(admin, ca
         assert listed.startswith(b"HTTP/1.1 200"), listed
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records
                                                                             if r.levelno >= logging.ERROR]
+
+
+async def test_a_full_disk_makes_admin_writes_answer_503_and_they_work_again_once_it_has_room(nursery, tmp_path,
+                                                                                              caplog):
+    """The state file on a 1 MB tmpfs filled to the last byte: admin writes answer 503
+    ``state_unavailable`` (SQLite: "database or disk is full"), never 500, and change nothing; reads
+    still answer. Once the disk has room, the same write is made."""
+    from tests.helpers import fill, small_filesystem
+
+    with small_filesystem(tmp_path / "disk") as disk:
+        config = attrs.evolve(admin_config(tmp_path), state=StateConfig(path=str(disk / "apsd.db"),
+                                                                        flush_interval_s=0.1, poll_interval_s=0.1))
+        running = await start_daemon(nursery, config)
+        async with running.client as client:
+            filler = fill(disk)
+            tenant = {"name": "team-b", "rate": 1, "burst": 1}
+            for _ in range(3):  # (a few, so that SQLite must grow its file or its WAL)
+                answer = await client.post("/admin/tenants", headers=ADMIN_HEADERS, json=tenant)
+                assert (answer.status_code, answer.json()["error"]) == (503, "state_unavailable"), answer.text
+            assert "disk is full" in answer.json()["message"] or "disk I/O" in answer.json()["message"]
+            assert (await client.get("/admin/audit", headers=ADMIN_HEADERS)).status_code == 200
+            assert [t["name"] for t in (await client.get("/admin/tenants", headers=ADMIN_HEADERS)).json()["tenants"]] \
+                == ["team-a"]
+            filler.unlink()
+            made = await client.post("/admin/tenants", headers=ADMIN_HEADERS, json=tenant)
+            assert made.status_code == 201, made.text
+        running.daemon.request_shutdown()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("apsd")]

@@ -10,7 +10,8 @@ Errors are apsd's ``{"error", "message", "field"}``: 415 ``unsupported_media_typ
 without ``Content-Type: application/json`` while no key is configured, 400 for a body that is not a JSON object,
 422 ``invalid_field`` naming the field for a value the config file would refuse too (the same
 validation), 404 for an unknown tenant or key, 409 for a conflict (``tenant_exists``,
-``declared_in_file``, ``admin_key_required``, ``state_off``).
+``declared_in_file``, ``admin_key_required``, ``state_off``), 503 ``state_unavailable`` when the state
+(Redis, the SQLite file) cannot be written or read now (Redis down, a full disk): nothing changed.
 
 An issued key is in the answer to ``POST /admin/tenants/<name>/keys`` and nowhere else: the state
 keeps its hash, lists show its id and first characters, the audit log and the log name it by id.
@@ -220,9 +221,7 @@ async def audit(keeper: StateKeeper, caller: Caller) -> Any:
     ``?before=`` (an entry id: the page after)."""
     limit = _int_arg("limit", 100, 1, MAX_AUDIT_LIMIT)
     before = _int_arg("before", None, 1, 2**62)
-    if keeper.store is None:
-        return json_response({"entries": []})
-    entries = await keeper.store.audit(target=request.args.get("target"), limit=limit or 100, before_id=before)
+    entries = await keeper.audit(target=request.args.get("target"), limit=limit or 100, before_id=before)
     return json_response({"entries": [entry.view() for entry in entries]})
 
 

@@ -42,7 +42,7 @@ from apsd.core.models import InferenceRequest
 from apsd.pipeline import Pipeline
 from apsd.serve.auth import Caller
 from apsd.serve.http.common import authenticated, http_state, json_response
-from apsd.state.keeper import StateKeeper
+from apsd.state.keeper import AdminError, StateKeeper
 from apsd.state.usage import HOUR_S, summarize
 
 __all__ = ["ASSETS", "CONTENT_SECURITY_POLICY", "SAMPLES", "SAMPLE_INTERVAL_S", "StatusSampler", "blueprint",
@@ -167,7 +167,11 @@ async def _usage(keeper: StateKeeper | None, sampler: StatusSampler) -> list[dic
     if cached is not None and 0 <= now - cached[0] < USAGE_CACHE_S:
         return cached[1]
     start = (int(now) // 86_400 - USAGE_DAYS + 1) * 86_400
-    summaries = summarize(await keeper.usage_rows(tenant=None, start=start, end=now + HOUR_S), group_by="day")
+    try:
+        rows = await keeper.usage_rows(tenant=None, start=start, end=now + HOUR_S)
+    except AdminError:  # (the state cannot be read now: the live figures are shown all the same)
+        return cached[1] if cached is not None else []
+    summaries = summarize(rows, group_by="day")
     sampler.usage_cache = (now, summaries)
     return summaries
 
