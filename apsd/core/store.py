@@ -15,7 +15,18 @@ if TYPE_CHECKING:
     from apsd.core.config import TenantConfig
     from apsd.core.models import Refusal
 
-__all__ = ["Bucket", "BucketView", "SharedService", "Store", "StoreStatistics"]
+__all__ = ["Bucket", "BucketView", "SharedService", "Store", "StoreStatistics", "redis_budget_key", "redis_bucket_key"]
+
+
+def redis_bucket_key(prefix: str, tenant: str) -> str:
+    """Where a shared store keeps a tenant's bucket in Redis (a hash: ``tokens``, ``updated``)."""
+    return f"{prefix}:bucket:{tenant}"
+
+
+def redis_budget_key(prefix: str, tenant: str, period: str) -> str:
+    """Where a shared store keeps a tenant's budget account for a period in Redis (a hash: ``spent``,
+    and each replica's lease and settled total)."""
+    return f"{prefix}:budget:{tenant}:{period}"
 
 
 @runtime_checkable

@@ -26,6 +26,16 @@ working within ``poll_interval_s`` of its expiry).
 (:mod:`apsd.state.usage`), each tenant's bucket level with its time (with the memory store; a
 restart refills the bucket for the time it was down, at its rate, rather than handing out a full
 burst), and budgets' spend. A ``kill -9`` loses at most one interval of them.
+
+**A Redis restarted without its data.** Each replica polls the state's version; one that finds it
+gone back writes back the tenants and keys it knows (every replica does: only what is missing is
+written). The audit log and usage are not in a replica's memory, so each replica keeps a copy of
+them (:class:`RedisCopy`: a SQLite file of its own, in the temporary directory, removed at a clean
+stop) following Redis every ``flush_interval_s``; the first replica to find the data gone (a marker in
+Redis says which) writes its copy back: the audit log with its ids (entries made since move after
+them) and the usage rows, added to what was flushed since. What the replicas settled of budgets
+is in the shared store's budget accounts, which the replicas write back at their next exchange
+(:mod:`apsd.core.budget`). Lost: what was flushed in the last ``flush_interval_s`` before the loss.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from pathlib import Path
 import re
 import sqlite3
 import secrets
@@ -49,6 +60,7 @@ from apsd.core.config import Config, ConfigError, TenantConfig, check_tenant_cla
 from apsd.core.keys import hash_key, new_key
 from apsd.state.records import (KEY_PREFIX_CHARS, AuditEntry, KeyRecord, TenantRecord, UsageKey, file_digest, key_view,
                                 settings_dict, tenant_from_settings)
+from apsd.state.sqlite import SqliteState
 from apsd.state.store import Change, DeleteTenant, PutKey, PutTenant, Snapshot, StateStore
 from apsd.state.usage import HOUR_S, UsageRecorder
 
@@ -148,6 +160,8 @@ async def open_keeper(config: Config, *, environ: Mapping[str, str] | None = Non
     except StateFileError as exc:
         raise ConfigError(f"{config.source}: state: {exc}") from None
     keeper = StateKeeper(store=store, file_config=config, wall=wall)
+    if store is not None and store.kind == "redis":
+        keeper.copy = RedisCopy.open()
     try:
         if store is not None:
             try:
@@ -187,6 +201,8 @@ class StateKeeper:
     #: no state at all, the effective configuration is the file's).
     seeded: bool = False
     _pruned_at: float = 0.0
+    #: A replica's copy of the audit log and usage of a Redis state (None: another state, or no copy).
+    copy: RedisCopy | None = None
 
     @property
     def enabled(self) -> bool:
@@ -464,6 +480,8 @@ class StateKeeper:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._every, settings.flush_interval_s, lambda: self.flush(buckets()))
                 nursery.start_soon(self._every, settings.poll_interval_s, self.poll)
+                if self.copy is not None:
+                    nursery.start_soon(self._every, settings.flush_interval_s, self.follow)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(2.0):
                 try:
@@ -530,7 +548,22 @@ class StateKeeper:
             await self.store.write(changes, [AuditEntry(self.wall(), "state", "state.restore", self.store.where,
                                                         {"version": known.version}, {"version": version})])
             self.snapshot = await self.store.load()
+            if self.copy is not None and self.copy.followed and await self.store.claim_restore():  # type: ignore[attr-defined]
+                copied = await self.copy.local.dump()
+                await self.store.restore_audit(copied.audit)  # type: ignore[attr-defined]
+                await self.store.add_usage(copied.usage)
+                log.warning("state: wrote back %d audit entries and %d usage rows into %s from this replica's copy",
+                            len(copied.audit), len(copied.usage), self.store.where, extra={"event": "state"})
         self._apply("the state was written back")
+
+    async def follow(self) -> None:
+        """Bring this replica's copy of a Redis state's audit log and usage up to date (not while the
+        state looks as if it lost its data: the next poll writes the copy back first)."""
+        assert self.store is not None and self.copy is not None
+        async with self._lock:
+            if not self.seeded or await self.store.version() < self.snapshot.version:
+                return
+            await self.copy.follow(self.store, self.wall())
 
     async def flush(self, buckets: Mapping[str, tuple[float, float]]) -> None:
         """Write usage, bucket levels and budget spend (what a kill -9 would lose)."""
@@ -599,6 +632,8 @@ class StateKeeper:
         if self.store is not None:
             with trio.CancelScope(shield=True):
                 await self.store.close()
+                if self.copy is not None:
+                    await self.copy.close()
 
 
 
@@ -614,3 +649,44 @@ def _applied(snapshot: Snapshot, changes: list[Change]) -> Snapshot:
             case PutKey(record):
                 keys[record.key_id] = record
     return Snapshot(tenants, tuple(sorted(keys.values(), key=lambda k: k.key_id)), snapshot.version)
+
+
+@attrs.define(eq=False)
+class RedisCopy:
+    """A replica's copy of a Redis state's audit log and usage (see the module docstring), in a SQLite
+    file of its own: :meth:`follow` copies the entries after the last one it has, and the usage rows
+    of the last two hours (all of them the first time); the file is removed at :meth:`close`."""
+
+    local: SqliteState
+    path: Path
+    followed: bool = False
+    _audit_seen: int = 0
+
+    @classmethod
+    def open(cls) -> RedisCopy | None:
+        import tempfile
+
+        from apsd.state.sqlite import StateFileError
+
+        descriptor, name = tempfile.mkstemp(prefix="apsd-redis-copy-", suffix=".db")
+        os.close(descriptor)
+        try:
+            return cls(SqliteState(Path(name)), Path(name))
+        except StateFileError as exc:
+            log.warning("state: no copy of the audit log and usage can be kept (%s): a Redis restarted without "
+                        "its data would lose them", exc, extra={"event": "state"})
+            return None
+
+    async def follow(self, store: StateStore, now: float) -> None:
+        entries = await store.audit_after(self._audit_seen)  # type: ignore[attr-defined]
+        await self.local.copy_audit(entries)
+        if entries:
+            self._audit_seen = entries[-1].entry_id
+        start = (int(now) // HOUR_S - 2) * HOUR_S if self.followed else 0
+        await self.local.copy_usage(await store.usage(tenant=None, start=start, end=2**62))
+        self.followed = True
+
+    async def close(self) -> None:
+        await self.local.close()
+        for suffix in ("", "-wal", "-shm"):
+            Path(str(self.path) + suffix).unlink(missing_ok=True)

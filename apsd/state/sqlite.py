@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from apsd.state.dump import StateDump
 from apsd.state.records import (AuditEntry, UsageKey, audit_to_json, key_from_json, key_to_json, tenant_from_json,
                                 tenant_to_json)
 from apsd.state.store import Change, DeleteTenant, PutKey, PutTenant, Snapshot, UsageRows
@@ -184,13 +185,16 @@ class SqliteState:
             return found
         return await self._run(read)
 
+    @staticmethod
+    def _add_usage(db: sqlite3.Connection, rows: UsageRows) -> None:
+        values = [(key.hour, key.tenant, key.model, key.backend, field, amount)
+                  for key, fields in rows.items() for field, amount in fields.items()]
+        db.executemany("INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (hour, tenant, model, backend, field) "
+                       "DO UPDATE SET value = value + excluded.value", values)
+
     async def add_usage(self, rows: UsageRows) -> None:
         def add(db: sqlite3.Connection) -> None:
-            values = [(key.hour, key.tenant, key.model, key.backend, field, amount)
-                      for key, fields in rows.items() for field, amount in fields.items()]
-            self._transaction(db, lambda: db.executemany(
-                "INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (hour, tenant, model, backend, field) "
-                "DO UPDATE SET value = value + excluded.value", values))
+            self._transaction(db, lambda: self._add_usage(db, rows))
         if rows:
             await self._run(add)
 
@@ -216,6 +220,74 @@ class SqliteState:
                     db.execute("DELETE FROM audit WHERE at < ?", (audit_before,))
             self._transaction(db, work)
         await self._run(prune)
+
+    # -- the whole state (apsd state export / import), and a replica's copy of Redis's -------------
+    async def dump(self) -> StateDump:
+        def read(db: sqlite3.Connection) -> StateDump:
+            tenants = tuple(tenant_from_json(json.loads(r)) for (r,) in db.execute("SELECT record FROM tenants "
+                                                                                   "ORDER BY name"))
+            keys = tuple(key_from_json(json.loads(r)) for (r,) in db.execute("SELECT record FROM api_keys "
+                                                                             "ORDER BY key_id"))
+            audit = tuple(AuditEntry(**json.loads(e)) for (e,) in db.execute("SELECT entry FROM audit "
+                                                                            "ORDER BY entry_id"))
+            usage: dict[UsageKey, dict[str, float]] = {}
+            for hour, name, model, backend, field, value in db.execute(
+                    "SELECT hour, tenant, model, backend, field, value FROM usage"):
+                usage.setdefault(UsageKey(hour, name, model, backend), {})[field] = value
+            spend = {(t, p): n for t, p, n in db.execute("SELECT tenant, period, tokens FROM spend")}
+            buckets = {t: (tokens, at) for t, tokens, at in db.execute("SELECT tenant, tokens, at FROM buckets")}
+            return StateDump(tenants, keys, audit, usage, spend, buckets)
+        return await self._run(read)
+
+    async def import_dump(self, dump: StateDump) -> None:
+        """Add ``dump`` to this state, in one transaction: its tenants and keys (replacing those of
+        the same name or id), its audit entries after those here (new ids, in order), its usage and
+        spend added to what is here, its bucket levels."""
+        def write(db: sqlite3.Connection) -> None:
+            def work() -> None:
+                for record in dump.tenants:
+                    db.execute("INSERT OR REPLACE INTO tenants VALUES (?, ?)",
+                               (record.name, json.dumps(tenant_to_json(record))))
+                for key in dump.keys:
+                    db.execute("INSERT OR REPLACE INTO api_keys VALUES (?, ?, ?)",
+                               (key.key_id, key.tenant, json.dumps(key_to_json(key))))
+                for entry in dump.audit:
+                    cursor = db.execute("INSERT INTO audit (at, target, entry) VALUES (?, ?, '')", (entry.at, entry.target))
+                    stored = audit_to_json(entry) | {"entry_id": cursor.lastrowid}
+                    db.execute("UPDATE audit SET entry = ? WHERE entry_id = ?", (json.dumps(stored), cursor.lastrowid))
+                self._add_usage(db, dump.usage)
+                db.executemany("INSERT INTO spend VALUES (?, ?, ?) ON CONFLICT (tenant, period) "
+                               "DO UPDATE SET tokens = tokens + excluded.tokens",
+                               [(t, p, n) for (t, p), n in dump.spend.items()])
+                db.executemany("INSERT OR REPLACE INTO buckets VALUES (?, ?, ?)",
+                               [(t, tokens, at) for t, (tokens, at) in dump.buckets.items()])
+                db.execute("UPDATE meta SET value = value + 1 WHERE name = 'version'")
+            self._transaction(db, work)
+        await self._run(write)
+
+    async def copy_audit(self, entries: Sequence[AuditEntry]) -> None:
+        """Keep ``entries`` with their ids (a copy of another state's log: an entry already here is
+        replaced by the same id's)."""
+        def write(db: sqlite3.Connection) -> None:
+            self._transaction(db, lambda: db.executemany(
+                "INSERT OR REPLACE INTO audit (entry_id, at, target, entry) VALUES (?, ?, ?, ?)",
+                [(e.entry_id, e.at, e.target, json.dumps(audit_to_json(e))) for e in entries]))
+        if entries:
+            await self._run(write)
+
+    async def copy_usage(self, rows: UsageRows) -> None:
+        """Set ``rows`` as they are (a copy of another state's rows: values replaced, not added)."""
+        def write(db: sqlite3.Connection) -> None:
+            self._transaction(db, lambda: db.executemany(
+                "INSERT OR REPLACE INTO usage VALUES (?, ?, ?, ?, ?, ?)",
+                [(k.hour, k.tenant, k.model, k.backend, field, value)
+                 for k, fields in rows.items() for field, value in fields.items()]))
+        if rows:
+            await self._run(write)
+
+    async def last_audit_id(self) -> int:
+        return await self._run(lambda db: int(db.execute("SELECT COALESCE(MAX(entry_id), 0) FROM audit")
+                                              .fetchone()[0]))
 
     async def close(self) -> None:
         def close(db: sqlite3.Connection) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 
 from apsd.core.budget import LEASE_TTL_S, BudgetAsk
 from apsd.core.config import StoreConfig
+from apsd.core.store import redis_budget_key, redis_bucket_key
 from apsd.store.leasing import LeaseAsk, LeasingStore
 
 __all__ = ["BUDGET_SCRIPT", "LEASE_SCRIPT", "QuietCoredis", "RedisState", "SERVICE_SCRIPT", "redis_store"]
@@ -203,7 +204,7 @@ class _RedisSession:
         for ask in asks:
             args += [str(ask.budget), str(ask.settled), str(ask.acknowledged), str(ask.known_spent),
                      repr(ask.holding), repr(ask.want)]
-        result = await self._budget(keys=[f"{self._prefix}:budget:{ask.tenant}:{ask.period}" for ask in asks],
+        result = await self._budget(keys=[redis_budget_key(self._prefix, ask.tenant, ask.period) for ask in asks],
                                     args=args)
         return [(float(result[3 * i]), int(float(result[3 * i + 1])), float(result[3 * i + 2]))
                 for i in range(len(asks))]
@@ -212,7 +213,7 @@ class _RedisSession:
         args = [str(BUCKET_TTL_S)]
         for ask in asks:
             args += [repr(ask.rate), repr(ask.burst), repr(ask.want), repr(ask.returned)]
-        result = await self._lease(keys=[f"{self._prefix}:bucket:{ask.tenant}" for ask in asks], args=args)
+        result = await self._lease(keys=[redis_bucket_key(self._prefix, ask.tenant) for ask in asks], args=args)
         return [(float(result[2 * i]), float(result[2 * i + 1])) for i in range(len(asks))]
 
     async def service(self, replica: str, given: Mapping[str, float]) -> tuple[int, dict[str, float]]:

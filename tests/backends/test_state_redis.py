@@ -113,3 +113,61 @@ async def test_admin_answers_503_state_unavailable_while_redis_is_down(caplog):
                     await trio.sleep(0.2)
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, errors
+
+
+async def test_a_redis_restarted_without_its_data_gets_back_the_audit_log_usage_and_budget_spend():
+    """Two replicas; tenants, a key, requests (usage, a budget's spend) and their audit entries; then
+    Redis is killed and started again empty. The replicas write back the tenants and keys, and the
+    first to notice writes back the audit log (its ids kept) and the usage from its copy; the budget's
+    spend comes back with the next lease exchange. Nothing made before the loss is missing."""
+    async with open_redis_server() as redis:
+        team_a_key = "team-a-key-" + "a" * 30
+        config = store_config(redis.url, {"team-a": {"rate": 1e4, "burst": 10_000, "budget_tokens": 100_000,
+                                                     "api_key_hashes": [hash_key(team_a_key)]}},
+                              auth={"admin_key_hashes": [hash_key(ADMIN)]},
+                              state={"poll_interval_s": 0.1, "flush_interval_s": 0.1})
+        async with replicas(config, 2) as (first, second):
+            made = await first.client.post("/admin/tenants", headers=ADMIN_HEADERS,
+                                           json={"name": "team-b", "rate": 1e4, "burst": 10_000})
+            assert made.status_code == 201
+            key = (await first.client.post("/admin/tenants/team-b/keys", headers=ADMIN_HEADERS, json={})).json()
+            await wait_until(lambda: "team-b" in second.daemon.pipeline.config.tenants, limit_s=10)
+            for daemon in (first, second):
+                for tenant_key in (team_a_key, key["key"]):
+                    answer = await daemon.client.post("/infer", headers={"Authorization": f"Bearer {tenant_key}"},
+                                                      json=infer_body(None))
+                    assert answer.status_code == 200, answer.text
+
+            async def views(daemon) -> tuple[list, list, int]:
+                audit = (await daemon.client.get("/admin/audit", headers=ADMIN_HEADERS)).json()["entries"]
+                usage = (await daemon.client.get("/admin/usage", headers=ADMIN_HEADERS)).json()["rows"]
+                budget = (await daemon.client.get("/admin/tenants/team-a", headers=ADMIN_HEADERS)).json()
+                return audit, usage, budget["live"]["budget"]["spent"]
+
+            with trio.fail_after(20):  # (flushed, and followed by both replicas' copies)
+                while True:
+                    audit, usage, spent = await views(first)
+                    if sum(r["completed"] for r in usage) == 4 and spent > 0 and all(
+                            getattr(getattr(d.daemon.keeper, "copy", None), "followed", True) for d in (first, second)):
+                        break
+                    await trio.sleep(0.1)
+            await trio.sleep(0.5)  # (the copies follow once more: they hold the last flush)
+            audit, usage, spent = await views(first)
+
+            await redis.restart()  # (SIGKILL, then started again: no persistence, nothing is left)
+            with trio.fail_after(30):
+                while True:
+                    try:
+                        again_audit, again_usage, again_spent = await views(second)
+                    except (KeyError, TypeError):
+                        again_audit, again_usage, again_spent = [], [], 0
+                    if len(again_audit) > len(audit) and again_spent >= spent and again_usage:
+                        break
+                    await trio.sleep(0.2)
+            restores = [e for e in again_audit if e["action"] == "state.restore"]  # (each replica's write-back)
+            assert restores and again_audit[len(restores):] == audit   # (the ids kept; the write-backs after them)
+            totals = {f: sum(r[f] for r in usage) for f in ("completed", "prompt_tokens", "output_tokens")}
+            assert {f: sum(r[f] for r in again_usage) for f in totals} == totals
+            assert again_spent == spent
+            auth = {"Authorization": f"Bearer {key['key']}"}
+            assert (await first.client.post("/infer", headers=auth, json=infer_body(None))).status_code == 200
