@@ -9,12 +9,14 @@ committed before they are answered.
 Python's :mod:`sqlite3` does the work, on one connection that a lock guards, in a worker thread
 (:func:`trio.to_thread.run_sync`): a slow disk never stalls the event loop. The schema is created
 on first open and carries a version (``PRAGMA user_version``); a file written by a newer apsd is
-refused rather than misread.
+refused rather than misread. The file is the owner's only (0600): one found readable by others is
+tightened at open, with a WARNING naming it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -53,6 +55,8 @@ INSERT OR IGNORE INTO meta VALUES ('version', 0);
 
 T = TypeVar("T")
 
+log = logging.getLogger("apsd.state")
+
 
 class StateFileError(Exception):
     """The state file cannot be opened or used (the message names the file)."""
@@ -70,8 +74,11 @@ class SqliteState:
         try:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             # The file holds key hashes and usage: the owner's only. Made before SQLite opens it, so
-            # that the -wal and -shm files SQLite creates beside it take the same permissions.
+            # that the -wal and -shm files SQLite creates beside it take the same permissions; one
+            # that exists readable by others (copied, restored from a backup) is tightened, and said so.
             os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+            for file in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+                _tighten(file)
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = FULL")
@@ -293,6 +300,18 @@ class SqliteState:
         def close(db: sqlite3.Connection) -> None:
             db.close()
         await self._run(close)
+
+
+def _tighten(file: Path) -> None:
+    """Make ``file`` (if it exists) readable and writable by its owner only, logging the change."""
+    try:
+        mode = file.stat().st_mode & 0o777
+    except FileNotFoundError:
+        return
+    if mode & 0o077:
+        os.chmod(file, 0o600)
+        log.warning("state: %s was readable by others (mode %04o): now 0600, the owner's only (it holds key "
+                    "hashes and usage)", file, mode, extra={"event": "state"})
 
 
 def _version(db: sqlite3.Connection) -> int:

@@ -19,7 +19,7 @@ from apsd.core.config import AuthConfig, ServerConfig, StateConfig, TenantConfig
 from apsd.serve.auth import hash_key
 from apsd.serve.http import create_app
 from apsd.serve.http.admin import openapi_document
-from tests.helpers import FAST_GPU, infer_body, make_config, run_cli, start_apsd, start_daemon, wait_until
+from tests.helpers import FAST_GPU, infer_body, make_config, run_cli, start_apsd, start_daemon, stop_apsd, wait_until
 
 ADMIN = "admin-key-" + "a" * 30
 FILE_KEY = "file-tenant-key-" + "f" * 20
@@ -348,3 +348,25 @@ async def test_a_full_disk_makes_admin_writes_answer_503_and_they_work_again_onc
             assert made.status_code == 201, made.text
         running.daemon.request_shutdown()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("apsd")]
+
+
+async def test_a_world_readable_state_file_is_made_the_owners_only_at_start(tmp_path):
+    """A state file restored from a backup (or copied) as 0644 stayed readable by everyone: apsd now
+    makes it 0600 when it opens it, and says so in its log."""
+    import os
+    import stat
+
+    state = tmp_path / "apsd.db"
+    with sqlite3.connect(state) as db:
+        db.execute("CREATE TABLE t (x)")
+    os.chmod(state, 0o644)
+    config = tmp_path / "apsd.toml"
+    config.write_text(f'[server]\nport = 0\n[gpu]\ntime_scale = 0.001\n[state]\npath = "{state}"\n')
+    process, _, seen = await start_apsd(str(config))
+    try:
+        assert stat.S_IMODE(state.stat().st_mode) == 0o600
+        log = await stop_apsd(process, seen)
+    finally:
+        if process.returncode is None:
+            process.kill()
+    assert f"state: {state} was readable by others (mode 0644): now 0600" in log

@@ -240,11 +240,13 @@ async def test_a_metrics_key_reads_the_metrics_and_nothing_else(keyed):
     models = await client.get("/v1/models", headers=bearer(SCRAPER))
     for answer in (chat, models):  # (OpenAI's error shape under /v1)
         assert (answer.status_code, answer.json()["error"]["code"]) == (403, "metrics_only"), answer.text
-    for path in ("/health", "/ready"):  # open stays open
-        assert (await client.get(path, headers=bearer(SCRAPER))).status_code == 200
+    for path in ("/health", "/ready", "/ui", "/ui/app.js", "/ui/style.css"):  # open stays open (the page's
+        assert (await client.get(path, headers=bearer(SCRAPER))).status_code == 200, path  # files hold no data)
+    status = await client.get("/admin/status", headers=bearer(SCRAPER))  # (its data is the admin's)
+    assert (status.status_code, status.json()["error"]) == (403, "metrics_only")
     assert (await client.post("/infer", json=job(), headers=bearer(KEY_A))).status_code == 200  # (unaffected)
     metrics = (await client.get("/metrics.json", headers=bearer(SCRAPER))).json()["requests"]
-    assert (metrics["admitted"], metrics["rejected_by_error"]) == (1, {"metrics_only": 7})
+    assert (metrics["admitted"], metrics["rejected_by_error"]) == (1, {"metrics_only": 8})
     assert (await client.get("/tenants/tenant_a/status", headers=bearer(ADMIN))).json()["rejected"] == 0
 
 

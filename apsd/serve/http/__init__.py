@@ -93,7 +93,8 @@ def create_app(pipeline: Pipeline, *, keeper: StateKeeper | None = None) -> Quar
 
     @app.before_request
     async def confine_metrics_keys() -> Response | None:
-        """A metrics key goes no further than ``/metrics``, ``/metrics.json`` and the open endpoints:
+        """A metrics key goes no further than ``/metrics``, ``/metrics.json`` and the open endpoints
+        (``/health``, ``/ready``, the status page's files):
         anywhere else (a submission, a tenant's status, ``/v1/models``, an unknown path) it is
         refused 403 ``metrics_only``, counted like every refusal, before any handler runs."""
         if request.endpoint in ops.METRICS_ENDPOINTS or request.endpoint in ops.OPEN_ENDPOINTS:

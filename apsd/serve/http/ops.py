@@ -31,8 +31,9 @@ blueprint = Blueprint("ops", __name__)
 
 #: The endpoints a metrics key may read (Quart endpoint names); it is refused everywhere else.
 METRICS_ENDPOINTS = frozenset({"ops.metrics", "ops.metrics_json"})
-#: The endpoints that ask for no key: open to anyone, whatever key a request carries.
-OPEN_ENDPOINTS = frozenset({"ops.health", "ops.ready"})
+#: The endpoints that ask for no key: open to anyone, whatever key a request carries (the status
+#: page's files hold no data: :mod:`apsd.serve.http.ui`).
+OPEN_ENDPOINTS = frozenset({"ops.health", "ops.ready", "ui.page", "ui.asset"})
 
 
 def metrics_document(pipeline: Pipeline) -> dict[str, Any]:
