@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -29,6 +30,7 @@ from tests.llama_server import REQUIRE_ENV
 ADMIN = "status-admin-key-" + "a" * 30
 KEY_ALPHA = "alpha-tenant-key-" + "b" * 30
 KEY_BETA = "beta-tenant-key-" + "c" * 30
+KEY_GAMMA = "gamma-tenant-key-" + "d" * 30
 #: Environment: the Chromium binary to drive, overriding PATH.
 CHROMIUM_ENV = "APSD_CHROMIUM"
 #: Playwright's limit on each step in the browser (a real second each; bounded waits, never sleeps).
@@ -453,3 +455,84 @@ async def test_with_keys_other_origins_are_left_to_the_keys(daemon):
     curl = await daemon.client.post("/admin/tenants", content=b'{"name": "by-curl", "rate": 1, "burst": 1}',
                                     headers={**bearer(ADMIN), "Content-Type": "application/x-www-form-urlencoded"})
     assert curl.status_code == 201, curl.text  # (curl -d's default type, with the admin key)
+
+
+# -- the tenants' table: its width, budgets, refusals now -------------------------------------------------
+
+def measure_tenants_table(chromium: str, url: str, widths: tuple[int, ...]) -> dict[int, dict[str, Any]]:
+    """At each window width, the tenants' card and table boxes, and what the budget and refusal
+    cells say (in Chromium; the page opened with the admin key)."""
+    from playwright.sync_api import expect, sync_playwright
+
+    found: dict[int, dict[str, Any]] = {}
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, headless=True,
+                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            page = browser.new_page(viewport={"width": widths[0], "height": 1000})
+            page.set_default_timeout(STEP_MS)
+            expect.set_options(timeout=STEP_MS)
+            page.goto(url + "/ui")
+            page.fill("#key-input", ADMIN)
+            page.click("#key-form button[type=submit]")
+            expect(page.locator("#connection")).to_have_text("live")
+            expect(page.locator('#tenants tr[data-tenant="analytics-batch-team"] .refusals')).to_contain_text(
+                "rate_limited")
+            for width in widths:
+                page.set_viewport_size({"width": width, "height": 1000})
+                found[width] = page.evaluate("""() => {
+                    const card = document.getElementById("tenants-section").getBoundingClientRect();
+                    const table = document.getElementById("tenants").getBoundingClientRect();
+                    const scroll = document.querySelector("#tenants-section .table-scroll");
+                    const style = getComputedStyle(document.getElementById("tenants-section"));
+                    const row = (name) => document.querySelector(`#tenants tr[data-tenant="${name}"]`);
+                    return {card_left: card.left, card_right: card.right - parseFloat(style.paddingRight),
+                            table_left: table.left, table_right: table.right,
+                            scroll_width: scroll.scrollWidth, client_width: scroll.clientWidth,
+                            page_width: document.documentElement.scrollWidth, viewport: window.innerWidth,
+                            budget: row("analytics-batch-team").querySelector(".budget").textContent,
+                            no_budget: row("beta").querySelector(".budget").textContent,
+                            refusals: row("analytics-batch-team").querySelector(".refusals").textContent,
+                            columns: [...document.querySelectorAll("#tenants th")].map(
+                              (th) => [th.textContent, Math.round(th.getBoundingClientRect().width)])};
+                }""")
+        finally:
+            browser.close()
+    return found
+
+
+@pytest.mark.timeout(240)
+async def test_the_tenants_table_fits_its_card_and_shows_budgets_and_refusals_now(chromium, nursery, tmp_path):
+    """At 1280, 1440, 1600 and 1920 px the tenants' table stays inside its card (no scrolling needed),
+    each tenant's budget reads "spent / limit", and refusals are those of the last minute (a count
+    since start, shown before, never went down)."""
+    config = attrs.evolve(status_config(tmp_path), tenants={
+        **status_config(tmp_path).tenants,
+        "analytics-batch-team": TenantConfig(rate=1e-6, burst=100, budget_tokens=3000, weight=1.5,
+                                             api_key_hashes=[hash_key(KEY_GAMMA)]),
+        "a-tenant-with-a-long-name-and-large-figures": TenantConfig(  # (what widens columns)
+            rate=123456.789, burst=987_654_321, weight=12.345, budget_tokens=98_765_432_100)})
+    running = await start_daemon(nursery, config)
+    async with running.client as client:
+        body = infer_body(None, "x" * 16, 26)  # 30 tokens: 3 fit the bucket of 100
+        answers = [await client.post("/infer", json=body, headers=bearer(KEY_GAMMA)) for _ in range(5)]
+        assert [a.status_code for a in answers] == [200, 200, 200, 429, 429]
+        too_big = await client.post("/infer", json=infer_body(None, "x" * 16, 5000), headers=bearer(KEY_GAMMA))
+        assert too_big.status_code == 413
+        sampler = ui.sampler_for(running.daemon.pipeline)
+        widths = (1280, 1440, 1600, 1920)
+        found = await trio.to_thread.run_sync(functools.partial(measure_tenants_table, chromium, running.url, widths))
+        for width in widths:
+            box = found[width]
+            assert box["page_width"] <= box["viewport"], (width, box)           # nothing spills off the page
+            assert box["scroll_width"] <= box["client_width"], (width, box["columns"], box)  # the table needs no scrolling
+            assert box["card_left"] <= box["table_left"] and box["table_right"] <= box["card_right"] + 0.5, box
+            assert box["budget"] == "90 / 3,000" and box["no_budget"] == "none"
+            assert box["refusals"].startswith("3 (") and "rate_limited: 2" in box["refusals"], box["refusals"]
+        # a minute later, the same refusals no longer count as now
+        sampler.clock = lambda real=sampler.clock: real() + ui.REFUSAL_WINDOW_S + 1
+        tenant = next(t for t in (await client.get("/admin/status", headers=bearer(ADMIN))).json()["tenants"]
+                      if t["name"] == "analytics-batch-team")
+        assert (tenant["refused_last_minute"], tenant["refused_last_minute_by_error"]) == (0, {})
+        assert tenant["rejected"] == 3 and tenant["budget"]["spent"] == 90
+    running.daemon.request_shutdown()
