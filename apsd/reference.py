@@ -485,7 +485,8 @@ def cli_page() -> str:
     out = ["# Command-line reference", "", _NOTICE.format(source="`apsd/cli.py`"), "",
            paragraphs(cli.__doc__), ""]
     out.append(command_section(cli.build_parser()))
-    for command in (cli.hash_key_main, cli.usage_main, cli.plugins_main):
+    for command in (cli.hash_key_main, cli.usage_main, cli.state_export_main, cli.state_import_main,
+                    cli.plugins_main):
         out.append(command_section(_parser_of(command)))
     out.append(command_section(cli.simulate_parser()))
     out.append(_workloads_section())
