@@ -76,6 +76,8 @@ LEASE_TTL_S = 30.0
 HOLD_S = 2.0
 #: The share of what a budget has left that an idle replica keeps leased, per replica.
 IDLE_SHARE = 0.25
+#: Seconds between two reads of an idle budget's account (its spend, what is left), at most.
+READ_S = 1.0
 
 
 @attrs.frozen
@@ -133,8 +135,9 @@ class _Account:
     #: Room the lease keeps for refused requests, until (trio seconds) their clients are due back.
     waiting: float = 0.0
     waiting_until: float = 0.0
-    #: Whether the shared store has answered for this account since it was made.
+    #: Whether the shared store has answered for this account since it was made, and when (trio seconds).
     exchanged: bool = False
+    exchanged_at: float = 0.0
     #: What no replica held or spent of the budget, at the last exchange.
     unleased: float = 0.0
 
@@ -286,10 +289,12 @@ class Budgets:
             account.waiting = max(account.waiting, float(account.refused))
             left = max(0.0, tenant.budget_tokens - account.spent - unexchanged)
             target = max(2.0 * account.taken, account.waiting, IDLE_SHARE * left / max(1, self.replicas))
+            # (slack on the way back: an idle lease is not trimmed at every exchange as the others'
+            # spending shrinks its share a little)
             want = max(0.0, target - free)
-            returned = max(0.0, min(free, free - target))
+            returned = free - target if free > 1.5 * target else 0.0
             changes = want > 0 or returned > 0 or unexchanged or not account.exchanged
-            if not changes and reads <= 0:
+            if not changes and (reads <= 0 or now - account.exchanged_at < READ_S):
                 continue
             reads -= 0 if changes else 1
             asks.append(BudgetAsk(tenant_id, account.key, tenant.budget_tokens, account.settled_total,
@@ -319,4 +324,4 @@ class Budgets:
         account.spent = spent
         account.unleased = unleased
         account.taken = account.refused = 0
-        account.exchanged = True
+        account.exchanged, account.exchanged_at = True, trio.current_time()
