@@ -79,6 +79,17 @@ def infer_body(tenant: str | None = "tenant_a", prompt: str = "Hello world", tok
     return body
 
 
+def expected_prompt_tokens(text: str) -> float:
+    """The documented estimate of a prompt (docs/reference/accounting.md), written out independently of
+    apsd's: ASCII letters at 4 a token, every other ASCII character one token but a space that begins
+    a word, each UTF-8 byte beyond ASCII one token. Not rounded (callers add, then round up)."""
+    letters = sum(1 for c in text if c.isascii() and c.isalpha())
+    word_spaces = sum(1 for a, b in zip(text, text[1:]) if a == " " and b.isascii() and b.isalpha())
+    ascii_chars = sum(1 for c in text if ord(c) < 128)
+    other_bytes = len(text.encode("utf-8", "surrogatepass")) - ascii_chars
+    return letters / 4 + (ascii_chars - letters - word_spaces) + other_bytes
+
+
 async def wait_until(predicate: Callable[[], bool], limit_s: float = WAIT_S, step_s: float = 0.05) -> None:
     """Poll ``predicate`` every ``step_s`` (trio's clock) until it holds; fail after ``limit_s``."""
     with trio.fail_after(limit_s):

@@ -60,7 +60,7 @@ from hypothesis import strategies as st
 
 from apsd.core.models import Completion
 
-from tests.helpers import WAIT_S
+from tests.helpers import WAIT_S, expected_prompt_tokens
 
 APSD = str(Path(sys.executable).with_name("apsd"))
 LISTENING = re.compile(r"apsd listening on (http://\S+)")
@@ -314,7 +314,7 @@ def expected_infer(raw: bytes) -> tuple[set[int], dict[str, str] | None]:
     tenant = data["tenant_id"]
     if tenant not in TENANTS:
         return {404}, {"tenant_id": "unknown_tenant"}
-    cost = math.ceil(len(data["prompt"]) / 4) + data["tokens_requested"]
+    cost = math.ceil(expected_prompt_tokens(data["prompt"])) + data["tokens_requested"]
     if cost > TENANTS[tenant]:
         return {413}, {"": "exceeds_tenant_burst"}
     if cost > KV_CAP:
@@ -364,10 +364,8 @@ def post_infer(apsd: Apsd, raw: bytes, extra_headers: dict[str, str] | None = No
         assert set(data) == COMPLETION_KEYS, data
         assert data["tenant_id"] == sent["tenant_id"]
         assert data["tokens_generated"] == sent["tokens_requested"]
-        # the estimate: ASCII characters at 4 per token, the UTF-8 bytes of the rest at 1 per token
-        ascii_chars = sum(1 for c in sent["prompt"] if ord(c) < 128)
-        other_bytes = len(sent["prompt"].encode("utf-8", "surrogatepass")) - ascii_chars
-        assert data["prompt_tokens"] == math.ceil(ascii_chars / 4 + other_bytes)
+        # the estimate (docs/reference/accounting.md)
+        assert data["prompt_tokens"] == math.ceil(expected_prompt_tokens(sent["prompt"]))
         assert "RateLimit" in response.headers and "RateLimit-Policy" in response.headers
         return
     assert faults is not None
