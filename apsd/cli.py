@@ -5,6 +5,9 @@
 * ``apsd hash-key [--new]`` makes an API key's hash for the config (:mod:`apsd.serve.auth`).
 * ``apsd usage [--tenant T] [--from WHEN] [--to WHEN] [--group-by hour|day]`` prints a running
   daemon's usage history (``GET /admin/usage``; the admin key from ``APSD_ADMIN_KEY``).
+* ``apsd state export [CONFIG] [--output FILE]`` and ``apsd state import [CONFIG] FILE [--merge]``
+  write the whole state (:mod:`apsd.state`) the config names as one JSON document, and add one to
+  it: how a single daemon's SQLite state moves into Redis for replicas (:mod:`apsd.state.dump`).
 * ``apsd plugins [--json]`` lists every registered plugin and what it provides.
 * ``apsd simulate [--workload W | --trace FILE] [--policy P ...]`` compares policies on one workload in
   virtual time and writes a report (:mod:`apsd.sim.runner`, :mod:`apsd.sim.report`); with
@@ -132,6 +135,117 @@ def hash_key_main(argv: Sequence[str]) -> int:
         parser.exit(2, f"apsd hash-key: error: a key must be at least {MIN_KEY_CHARS} characters of "
                        "A-Z a-z 0-9 - . _ ~ + / (a Bearer token); use 'apsd hash-key --new' for a random one\n")
     print(hash_key(key))
+    return 0
+
+
+def _state_store(parser: argparse.ArgumentParser, config_path: str | None, *, must_exist: bool) -> Any:
+    """The state the config at ``config_path`` names (its SQLite file, or its Redis), or exit 2."""
+    from apsd.state.keeper import state_store_for
+    from apsd.state.sqlite import StateFileError
+
+    try:
+        config = load_config(config_path)
+        if must_exist and config.state.kind in ("auto", "sqlite") and not config.store.shared:
+            path = config.state.sqlite_path(os.environ)
+            if not path.is_file():
+                parser.exit(2, f"{parser.prog}: error: no state file at {path} ([state] path of "
+                               f"{config.source})\n")
+        store = state_store_for(config, os.environ)
+    except (ConfigError, StateFileError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    if store is None:
+        parser.exit(2, f"{parser.prog}: error: {config.source}: [state] kind = \"off\": there is no state\n")
+    return store
+
+
+def _state_error(parser: argparse.ArgumentParser, store: Any, exc: BaseException) -> None:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    parser.exit(1, f"{parser.prog}: error: the state at {store.where} cannot be used: {type(exc).__name__}: {exc}\n")
+
+
+def state_export_main(argv: Sequence[str]) -> int:
+    """``apsd state export``: the whole state as one JSON document."""
+    from apsd.state.dump import dump_to_json
+
+    parser = argparse.ArgumentParser(
+        prog="apsd state export",
+        description="Write the whole state the config names (its [state]: the SQLite file of a single daemon, "
+                    "or the Redis of replicas) as one JSON document: tenants, issued keys (their hashes, never "
+                    "a key), the audit log, usage, budgets' spend and bucket levels. It may run beside the "
+                    "daemon: changes made after it are not in the document.",
+        epilog="Example: apsd state export /etc/apsd/apsd.toml --output apsd-state.json")
+    parser.add_argument("config", nargs="?", metavar="CONFIG", help="the daemon's config file (default: the "
+                        "embedded defaults, whose state is the default SQLite file)")
+    parser.add_argument("--output", "-o", metavar="FILE", help="write it here (mode 0600) instead of standard output")
+    args = parser.parse_args(argv)
+    store = _state_store(parser, args.config, must_exist=True)
+
+    async def export() -> Any:
+        try:
+            return await store.dump()
+        finally:
+            await store.close()
+
+    try:
+        dump = trio.run(export)
+    except Exception as exc:
+        _state_error(parser, store, exc)
+    text = json.dumps(dump_to_json(dump), indent=1) + "\n"
+    if args.output:
+        descriptor = os.open(args.output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w", encoding="utf-8") as out:
+            out.write(text)
+    else:
+        sys.stdout.write(text)
+    print(f"apsd state export: {dump.counts()} from {store.where}", file=sys.stderr)
+    return 0
+
+
+def state_import_main(argv: Sequence[str]) -> int:
+    """``apsd state import``: add a JSON document of ``apsd state export`` to a state."""
+    from apsd.state.dump import DumpError, dump_from_json
+
+    parser = argparse.ArgumentParser(
+        prog="apsd state import",
+        description="Add a document written by 'apsd state export' to the state the config names: its "
+                    "tenants and keys (replacing those of the same name or id), its audit log (its ids kept "
+                    "in Redis), its usage, budgets' spend and bucket levels. Running replicas see the tenants "
+                    "and keys within [state] poll_interval_s. A state that already holds tenants, audit "
+                    "entries or usage is refused unless --merge is given (importing twice counts usage twice).",
+        epilog="Example: apsd state import /etc/apsd/replicas.toml apsd-state.json")
+    parser.add_argument("config", nargs="?", metavar="CONFIG", help="the config file whose [state] receives it")
+    parser.add_argument("file", metavar="FILE", help="the document ('-': standard input)")
+    parser.add_argument("--merge", action="store_true", help="add it to a state that is not empty")
+    args = parser.parse_args(argv)
+    try:
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
+        dump = dump_from_json(json.loads(text))
+    except OSError as exc:
+        parser.exit(2, f"apsd state import: error: {args.file}: {exc.strerror or exc}\n")
+    except (ValueError, DumpError) as exc:
+        parser.exit(2, f"apsd state import: error: {args.file}: {exc}\n")
+    store = _state_store(parser, args.config, must_exist=False)
+
+    async def add() -> str | None:
+        try:
+            if not args.merge:
+                here = await store.dump()
+                if here.tenants or here.audit or here.usage:
+                    return (f"the state at {store.where} is not empty ({here.counts()}); import into an empty "
+                            "state (before the replicas first start), or give --merge to add to it")
+            await store.import_dump(dump)
+            return None
+        finally:
+            await store.close()
+
+    try:
+        refused = trio.run(add)
+    except Exception as exc:
+        _state_error(parser, store, exc)
+    if refused:
+        parser.exit(1, f"apsd state import: error: {refused}\n")
+    print(f"apsd state import: {dump.counts()} into {store.where}", file=sys.stderr)
     return 0
 
 
@@ -551,6 +665,13 @@ def _main(argv: Sequence[str] | None) -> int:
         return profile_main(argv[1:])
     if argv[:1] == ["usage"]:
         return usage_main(argv[1:])
+    if argv[:2] == ["state", "export"]:
+        return state_export_main(argv[2:])
+    if argv[:2] == ["state", "import"]:
+        return state_import_main(argv[2:])
+    if argv[:1] == ["state"]:
+        print("apsd state: error: say 'apsd state export' or 'apsd state import' (--help for each)", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_format, prompts=args.log_prompts)

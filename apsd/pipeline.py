@@ -177,6 +177,7 @@ class Pipeline:
         ledger.settle, ledger.tell_policies = admission.settle, scheduler.policy_finished
         scheduler.on_new_queue = store.share
         store.share(scheduler.queue)
+        store.share_budgets(admission.budgets, lambda: admission.tenants)
         send, receive = trio.open_memory_channel[InferenceRequest](config.queue.ingress_buffer)
         return cls(config=config, policies=policies, clock=clock, ledger=ledger, admission=admission,
                    scheduler=scheduler, engines=engines, store=store, slots=slots, classes=classes,

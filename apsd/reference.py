@@ -151,7 +151,8 @@ _NAMED_VALIDATORS: dict[str, Callable[[], str]] = {
     "key_hashes": lambda: "`sha256:` and 64 lower-case hex digits each (what `apsd hash-key` prints); "
                           "no hash twice",
     "redis_url": lambda: "empty, or a `redis://`, `rediss://` or `unix://` URL",
-    "http_url": lambda: "an `http://` or `https://` URL",
+    "http_url": lambda: "an `http://` or `https://` URL of printable ASCII",
+    "header_safe": lambda: "printable ASCII, at most 128 characters",
     "engine_kind": _engine_kinds,
     "model_names": lambda: "model names, none empty, none twice",
     "class_names": lambda: "names of `[classes.<name>]`, none empty, none twice",
@@ -281,7 +282,9 @@ def config_page() -> str:
            "optional unless it says *required*. An unknown key, a value of the wrong type (`port = \"80\"` is not "
            "a port, `burst = 5000.0` is not an integer; an integer is accepted where a number is expected) or a "
            "value out of its range is an error that names the file and the key, and apsd does not start (exit "
-           "status 2):", "",
+           "status 2). So is a control character (CR, LF, a tab, ...) in any string or table name: config "
+           "strings end up in response headers, metrics labels and log lines. So is a file that sets nothing "
+           "(empty, or only comments): give no file to run on the defaults.", "",
            "```", "apsd: error: bad.toml: tenants.tenant_a.rate: must be between 1e-06 and 1e+12, got -5.0", "```", "",
            "A live reload (SIGHUP) applies most keys at once; what needs a restart is listed in "
            "[Reload and shut down](../how-to/reload-and-shutdown.md). Durations are in model seconds unless a key "
@@ -482,7 +485,8 @@ def cli_page() -> str:
     out = ["# Command-line reference", "", _NOTICE.format(source="`apsd/cli.py`"), "",
            paragraphs(cli.__doc__), ""]
     out.append(command_section(cli.build_parser()))
-    for command in (cli.hash_key_main, cli.usage_main, cli.plugins_main):
+    for command in (cli.hash_key_main, cli.usage_main, cli.state_export_main, cli.state_import_main,
+                    cli.plugins_main):
         out.append(command_section(_parser_of(command)))
     out.append(command_section(cli.simulate_parser()))
     out.append(_workloads_section())

@@ -6,13 +6,14 @@ never from each other (the benchmarks under ``benchmarks/`` import them too)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,17 @@ def infer_body(tenant: str | None = "tenant_a", prompt: str = "Hello world", tok
     return body
 
 
+def expected_prompt_tokens(text: str) -> float:
+    """The documented estimate of a prompt (docs/reference/accounting.md), written out independently of
+    apsd's: ASCII letters at 4 a token, every other ASCII character one token but a space that begins
+    a word, each UTF-8 byte beyond ASCII one token. Not rounded (callers add, then round up)."""
+    letters = sum(1 for c in text if c.isascii() and c.isalpha())
+    word_spaces = sum(1 for a, b in zip(text, text[1:]) if a == " " and b.isascii() and b.isalpha())
+    ascii_chars = sum(1 for c in text if ord(c) < 128)
+    other_bytes = len(text.encode("utf-8", "surrogatepass")) - ascii_chars
+    return letters / 4 + (ascii_chars - letters - word_spaces) + other_bytes
+
+
 async def wait_until(predicate: Callable[[], bool], limit_s: float = WAIT_S, step_s: float = 0.05) -> None:
     """Poll ``predicate`` every ``step_s`` (trio's clock) until it holds; fail after ``limit_s``."""
     with trio.fail_after(limit_s):
@@ -134,6 +146,18 @@ async def start_apsd(*args: str, **popen: Any) -> tuple[trio.Process, str, list[
         process.kill()
         raise
     return process, match.group(1).decode(), seen
+
+
+async def wait_for_log(process: trio.Process, seen: list[bytes], pattern: bytes, after: int = 0) -> str:
+    """Read apsd's stderr (into ``seen``) until ``pattern`` appears past byte ``after`` of it; the text
+    read so far. Fails after :data:`WAIT_S`, or if apsd exits first."""
+    with trio.fail_after(WAIT_S):
+        while pattern not in b"".join(seen)[after:]:
+            chunk = await process.stderr.receive_some()
+            if not chunk:
+                raise AssertionError(f"apsd exited before logging {pattern!r}: {b''.join(seen).decode()}")
+            seen.append(chunk)
+    return b"".join(seen).decode(errors="replace")
 
 
 async def stop_apsd(process: trio.Process, seen: list[bytes]) -> str:
@@ -233,3 +257,38 @@ def max_backlogged_service_gap(run: Any) -> float:
         if at[1] == 1 and all(queued.values()):
             gap = max(gap, abs(served["tenant_a"] - served["tenant_b"]))
     return gap
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str = "1m") -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` (made if missing) for the body of a ``with``, unmounted
+    after: a disk that really fills up (ENOSPC). Needs root (CAP_SYS_ADMIN): the test is skipped
+    without it."""
+    import pytest
+
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (root needed): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fill(directory: Path) -> Path:
+    """Fill the filesystem of ``directory`` to the last byte with one file; returns it (delete it to
+    free the space)."""
+    filler = directory / "filler"
+    descriptor = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for block in (65536, 4096, 1):
+            try:
+                while True:
+                    os.write(descriptor, b"\0" * block)
+            except OSError:
+                pass
+    finally:
+        os.close(descriptor)
+    return filler

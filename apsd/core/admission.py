@@ -72,18 +72,34 @@ __all__ = ["Admission", "estimate_tokens"]
 log = logging.getLogger("apsd.core.admission")
 
 
-def estimate_tokens(text: str, settings: AdmissionConfig) -> int:
-    """A prompt's tokens before any tokenizer has seen it: its ASCII characters at
-    ``chars_per_token``, and the UTF-8 bytes of the rest at ``non_ascii_bytes_per_token``.
+#: ASCII letters: the only characters estimated at ``chars_per_token``.
+_LETTERS = bytes(range(ord("A"), ord("Z") + 1)) + bytes(range(ord("a"), ord("z") + 1))
+#: Bytes of UTF-8 text outside ASCII.
+_NON_ASCII = bytes(range(128, 256))
+#: Every ASCII letter as ``a`` (a space that begins a word is then ``b" a"``: tokenizers fold it into
+#: the word's first token).
+_LETTERS_AS_A = bytes(ord("a") if chr(b).isascii() and chr(b).isalpha() else b for b in range(256))
 
-    Characters alone (the old rule) undercounted CJK text 4-16 times (a byte-level tokenizer
-    spends up to a token per byte), letting concurrent requests overshoot a tenant's contract
-    before their settlement caught up."""
-    if text.isascii():
-        return math.ceil(len(text) / settings.chars_per_token)
-    ascii_chars = len(text.encode("ascii", "ignore"))
-    other_bytes = len(text.encode("utf-8", "surrogatepass")) - ascii_chars
-    return math.ceil(ascii_chars / settings.chars_per_token + other_bytes / settings.non_ascii_bytes_per_token)
+
+def estimate_tokens(text: str, settings: AdmissionConfig) -> int:
+    """A prompt's tokens before any tokenizer has seen it, never far below what a backend counts:
+    ASCII letters at ``chars_per_token``; every other ASCII character (digits, punctuation, symbols,
+    whitespace) one token, but a space that begins a word (it goes with the word); every UTF-8 byte
+    outside ASCII at ``non_ascii_bytes_per_token``.
+
+    All but letters are counted at the worst case of a tokenizer that spends at least one character
+    (one byte, beyond ASCII) per token: text without letters is never estimated below such a
+    tokenizer's count, and a backend can count more than the estimate only on letters (at most
+    ``chars_per_token`` times their part: docs/reference/accounting.md states the bound). Characters
+    alone (an old rule) let digit- and symbol-heavy prompts, which tokenizers cut into one token a
+    character or nearly, pass a bucket or a budget several times over before settlement caught up."""
+    data = text.encode("utf-8", "surrogatepass")
+    size = len(data)
+    letters = size - len(data.translate(None, _LETTERS))
+    non_ascii = 0 if text.isascii() else size - len(data.translate(None, _NON_ASCII))
+    word_spaces = data.translate(_LETTERS_AS_A).count(b" a") if letters else 0
+    others = size - letters - non_ascii - word_spaces
+    return math.ceil(letters / settings.chars_per_token + others + non_ascii / settings.non_ascii_bytes_per_token)
 
 
 #: A tenant's settings a reconfiguration reports by name when they change (rate and burst are

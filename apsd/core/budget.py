@@ -11,10 +11,22 @@ The rule is reserve-then-settle, as for the bucket: a request is admitted only i
 period has spent, plus what admitted requests have reserved and not yet settled, plus its own
 whole cost (prompt estimate + requested output) fits the budget. So concurrent requests cannot
 all slip under the limit at once (the race of gateways that check spend first and count it when
-the request ends); one process exceeds a budget only by what its requests used beyond their
-reservation (a backend's real prompt longer than the estimate). Replicas learn each other's spend
-every ``[state] flush_interval_s``: together they may pass a budget by what the others admitted
-within that interval.
+the request ends); a process exceeds a budget only by what its requests used beyond their
+reservation (a backend's real prompt longer than the estimate, which
+``docs/reference/accounting.md`` bounds).
+
+**Across replicas a budget is a hard cap too** (:meth:`Budgets.share`, done by a shared store,
+:mod:`apsd.store.leasing`): each replica admits only from its **lease** of the tenant's budget,
+granted by the shared store out of what no replica spent or holds, and the store counts what each
+replica settled. A request the lease cannot cover is refused at once: 429 ``budget_exhausted`` when
+the budget, as last known, cannot cover it either (``Retry-After``: the period's end), else 429
+``budget_leasing`` with ``Retry-After: 1``, and the next exchange (every ``[store] sync_interval_s``)
+leases for it. The replicas together spend at most the budget plus what requests used beyond their
+reservation. What the store counted is the period's spend every replica reports. A replica keeps a
+lease of a quarter of its share of what is left while idle (``(budget - spent) / (4 * replicas)``),
+twice its last interval's demand while busy, and room for the requests it refused until they are
+due back; it returns the rest. A replica that is not seen for :data:`LEASE_TTL_S` loses its lease
+to the others.
 
 Periods are UTC calendar days or months of the wall clock.
 """
@@ -22,15 +34,17 @@ Periods are UTC calendar days or months of the wall clock.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 
 import attrs
+import trio
 
 from apsd.core.clock import calendar_time
 from apsd.core.config import TenantConfig
 from apsd.core.models import Refusal
 
-__all__ = ["Budgets", "period_end", "period_key"]
+__all__ = ["BudgetAsk", "BudgetView", "Budgets", "LEASE_TTL_S", "period_end", "period_key"]
 
 
 def _utc(wall: float) -> datetime.datetime:
@@ -55,16 +69,81 @@ def period_end(period: str, wall: float) -> float:
     return end.timestamp()
 
 
+#: Seconds a replica that has not exchanged with the shared store keeps its lease of a budget: then
+#: the lease goes back to the budget (a replica that crashed gives it back this way).
+LEASE_TTL_S = 30.0
+#: Seconds a lease keeps room for refused requests after their ``Retry-After`` (the bucket's ``HOLD_S``).
+HOLD_S = 2.0
+#: The share of what a budget has left that an idle replica keeps leased, per replica.
+IDLE_SHARE = 0.25
+#: Seconds between two reads of an idle budget's account (its spend, what is left), at most.
+READ_S = 1.0
+
+
+@attrs.frozen
+class BudgetView:
+    """A tenant's budget as this process knows it: its limit and period, what the period spent
+    (every replica's, as of the last exchange when shared) and what requests in flight reserved here."""
+
+    limit: int
+    period: str
+    spent: int
+    reserved: int
+    #: Unix seconds when the period (and so the budget) starts again.
+    resets_at: float
+
+
+@attrs.frozen
+class BudgetAsk:
+    """One tenant's part of an exchange with the shared store (see :meth:`Budgets.asks`)."""
+
+    tenant: str
+    #: The period key (``2026-11-26``): the shared store keeps one account per tenant and period.
+    period: str
+    budget: int
+    #: Tokens this replica settled in the period, all told, and how many of them the store counted
+    #: (what it counted is kept per replica: sending the total again never counts it twice).
+    settled: int
+    acknowledged: int
+    #: The period's spend as this replica last heard it (a store that lost it starts from there).
+    known_spent: int
+    #: What this replica holds of the budget after this exchange's return, before the grant.
+    holding: float
+    want: float
+
+
 @attrs.define
 class _Account:
     period: str
     key: str
-    #: Settled spend of the period, every replica's, as of the keeper's last exchange with the store.
+    #: Settled spend of the period, every replica's, as of the last exchange with a store.
     spent: int = 0
-    #: Settled here since the keeper last took it (not yet in ``spent``).
+    #: Settled here since the keeper last took it (not yet in ``spent``; unshared budgets).
     settled_here: int = 0
     #: Admitted here and not settled yet: their whole cost.
     reserved: int = 0
+    # -- shared budgets ----------------------------------------------------------------------------
+    #: Tokens of the budget this replica holds: what it reserved and settled since the last exchange
+    #: comes out of it.
+    lease: float = 0.0
+    #: Settled here in the period, all told; of which the shared store has counted ``acknowledged``.
+    settled_total: int = 0
+    acknowledged: int = 0
+    #: Reserved since the last exchange (demand); refused for want of a lease since then.
+    taken: int = 0
+    refused: int = 0
+    #: Room the lease keeps for refused requests, until (trio seconds) their clients are due back.
+    waiting: float = 0.0
+    waiting_until: float = 0.0
+    #: Whether the shared store has answered for this account since it was made, and when (trio seconds).
+    exchanged: bool = False
+    exchanged_at: float = 0.0
+    #: What no replica held or spent of the budget, at the last exchange.
+    unleased: float = 0.0
+
+    @property
+    def unexchanged(self) -> int:
+        return self.settled_total - self.acknowledged
 
 
 @attrs.define(eq=False)
@@ -74,6 +153,19 @@ class Budgets:
     #: Unix seconds now (a test passes its own).
     wall: Callable[[], float] = calendar_time
     _accounts: dict[str, _Account] = attrs.field(factory=dict)
+    #: Seconds between two exchanges with a shared store (None: budgets are this process's own).
+    sync_interval_s: float | None = None
+    #: Replicas seen sharing the store (for the idle lease).
+    replicas: int = 1
+
+    @property
+    def shared(self) -> bool:
+        return self.sync_interval_s is not None
+
+    def share(self, sync_interval_s: float) -> None:
+        """Hold budgets as leases from a shared store that exchanges every ``sync_interval_s`` (see
+        the module docstring); the store calls :meth:`asks` and :meth:`exchanged`."""
+        self.sync_interval_s = sync_interval_s
 
     def _account(self, tenant_id: str, tenant: TenantConfig) -> _Account:
         key = period_key(tenant.budget_period, self.wall())
@@ -86,14 +178,39 @@ class Budgets:
     def used(self, tenant_id: str, tenant: TenantConfig) -> int:
         """Tokens of the current period spent or reserved, as far as this process knows."""
         account = self._account(tenant_id, tenant)
-        return account.spent + account.settled_here + account.reserved
+        return account.spent + account.settled_here + account.unexchanged + account.reserved
 
-    def refusal(self, tenant_id: str, tenant: TenantConfig, cost: int) -> Refusal | None:
-        """429 ``budget_exhausted`` if ``cost`` more tokens would pass the tenant's budget, else None."""
+    def view(self, tenant_id: str, tenant: TenantConfig) -> BudgetView | None:
+        """The tenant's budget now (None: it has none)."""
         if not tenant.budget_tokens:
             return None
+        account = self._account(tenant_id, tenant)
+        return BudgetView(limit=tenant.budget_tokens, period=tenant.budget_period,
+                          spent=account.spent + account.settled_here + account.unexchanged,
+                          reserved=account.reserved, resets_at=period_end(tenant.budget_period, self.wall()))
+
+    def refusal(self, tenant_id: str, tenant: TenantConfig, cost: int) -> Refusal | None:
+        """429 ``budget_exhausted`` if ``cost`` more tokens would pass the tenant's budget (shared: 429
+        ``budget_leasing`` when the budget could cover it but this replica's lease cannot now), else None."""
+        if not tenant.budget_tokens:
+            return None
+        account = self._account(tenant_id, tenant)
         used = self.used(tenant_id, tenant)
-        if used + cost <= tenant.budget_tokens:
+        if self.shared:
+            if cost <= account.lease - account.reserved - account.unexchanged:
+                return None
+            account.refused += cost
+            if used + cost <= tenant.budget_tokens:
+                retry = max(1, math.ceil(self.sync_interval_s or 0))
+                if account.waiting_until < trio.current_time() + retry + HOLD_S:
+                    account.waiting_until = trio.current_time() + retry + HOLD_S
+                held = max(0, int(account.lease - account.reserved - account.unexchanged))
+                return Refusal(429, "budget_leasing",
+                               f"tenant {tenant_id!r} has {tenant.budget_tokens - used} tokens of its budget left "
+                               f"as last known, but this replica holds {held} of them and this request reserves "
+                               f"{cost}; it is leasing more from the shared budget: retry in {retry} s",
+                               headers={"Retry-After": str(retry)})
+        elif used + cost <= tenant.budget_tokens:
             return None
         now = self.wall()
         retry = max(1, int(period_end(tenant.budget_period, now) - now) + 1)
@@ -104,7 +221,10 @@ class Budgets:
 
     def reserve(self, tenant_id: str, tenant: TenantConfig, cost: int) -> None:
         if tenant.budget_tokens:
-            self._account(tenant_id, tenant).reserved += cost
+            account = self._account(tenant_id, tenant)
+            account.reserved += cost
+            account.taken += cost
+            account.waiting = max(0.0, account.waiting - cost)
 
     def settle(self, tenant_id: str, tenant: TenantConfig | None, reserved: int, used: int) -> None:
         """A request that reserved ``reserved`` tokens ended having used ``used``."""
@@ -114,10 +234,15 @@ class Budgets:
         if tenant is not None and tenant.budget_tokens:
             account = self._account(tenant_id, tenant)
         account.reserved = max(0, account.reserved - reserved)
-        account.settled_here += used
+        if self.shared:
+            account.settled_total += used
+        else:
+            account.settled_here += used
 
+    # -- unshared budgets: the state keeper keeps the spend ------------------------------------------
     def take_settled(self) -> dict[tuple[str, str], int]:
-        """Spend settled here since the last call, by (tenant, period key); forgets it."""
+        """Spend settled here since the last call, by (tenant, period key); forgets it. (Nothing for
+        shared budgets: the shared store counts those.)"""
         taken = {}
         for tenant_id, account in self._accounts.items():
             if account.settled_here:
@@ -139,7 +264,64 @@ class Budgets:
         return {tenant_id: account.key for tenant_id, account in self._accounts.items()}
 
     def set_spent(self, tenant_id: str, tenant: TenantConfig, key: str, spent: int) -> None:
-        """The store's total for the tenant's period ``key`` (every replica's settled spend)."""
+        """The store's total for the tenant's period ``key`` (every replica's settled spend). For a
+        shared budget it only raises what this replica knows (the shared store's count wins)."""
         account = self._account(tenant_id, tenant)
         if account.key == key:
-            account.spent = spent
+            account.spent = max(account.spent, spent) if self.shared else spent
+
+    # -- shared budgets: the store's exchange -------------------------------------------------------
+    def asks(self, tenants: Mapping[str, TenantConfig], reads: int = 100) -> list[BudgetAsk]:
+        """What the next exchange asks for each budgeted tenant of ``tenants`` whose lease changes,
+        whose settlements the store has not counted, or that was never exchanged; and up to ``reads``
+        others (a read: their spend and what is left), in turn."""
+        now = trio.current_time()
+        asks = []
+        for tenant_id, tenant in tenants.items():
+            if not tenant.budget_tokens:
+                continue
+            account = self._account(tenant_id, tenant)
+            unexchanged = account.unexchanged
+            holding = max(0.0, account.lease - unexchanged)
+            free = holding - account.reserved
+            if now >= account.waiting_until:
+                account.waiting = 0.0
+            account.waiting = max(account.waiting, float(account.refused))
+            left = max(0.0, tenant.budget_tokens - account.spent - unexchanged)
+            target = max(2.0 * account.taken, account.waiting, IDLE_SHARE * left / max(1, self.replicas))
+            # (slack on the way back: an idle lease is not trimmed at every exchange as the others'
+            # spending shrinks its share a little)
+            want = max(0.0, target - free)
+            returned = free - target if free > 1.5 * target else 0.0
+            changes = want > 0 or returned > 0 or unexchanged or not account.exchanged
+            if not changes and (reads <= 0 or now - account.exchanged_at < READ_S):
+                continue
+            reads -= 0 if changes else 1
+            asks.append(BudgetAsk(tenant_id, account.key, tenant.budget_tokens, account.settled_total,
+                                  account.acknowledged, account.spent, holding - returned, want))
+        return asks
+
+    def releases(self, tenants: Mapping[str, TenantConfig]) -> list[BudgetAsk]:
+        """At a clean stop: asks that report what was settled and give back every lease but what
+        requests still reserve."""
+        asks = []
+        for tenant_id, tenant in tenants.items():
+            account = self._accounts.get(tenant_id)
+            if not tenant.budget_tokens or account is None or not account.exchanged:
+                continue
+            asks.append(BudgetAsk(tenant_id, account.key, tenant.budget_tokens, account.settled_total,
+                                  account.acknowledged, account.spent, float(account.reserved), 0.0))
+        return asks
+
+    def exchanged(self, ask: BudgetAsk, granted: float, spent: int, unleased: float) -> None:
+        """The store's answer to ``ask``: the lease is what this replica said it holds plus the grant
+        (what it reserved or settled since the ask comes out of it, as usual)."""
+        account = self._accounts.get(ask.tenant)
+        if account is None or account.key != ask.period:
+            return  # (the period ended meanwhile: the new one starts its own lease)
+        account.lease = ask.holding + granted
+        account.acknowledged = max(account.acknowledged, ask.settled)
+        account.spent = spent
+        account.unleased = unleased
+        account.taken = account.refused = 0
+        account.exchanged, account.exchanged_at = True, trio.current_time()

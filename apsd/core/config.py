@@ -281,9 +281,13 @@ class QueueConfig:
 
 @attrs.frozen
 class AdmissionConfig:
-    """How a prompt's token count is estimated (there is no tokenizer)."""
+    """How a prompt's token count is estimated (there is no tokenizer): conservatively, so that a
+    backend never counts far more (docs/reference/accounting.md).
 
-    #: ASCII characters per token of a prompt's estimate (English text: about 4) ...
+    Every ASCII character that is not a letter (digits, punctuation, symbols, whitespace but a space
+    that begins a word) counts as one token."""
+
+    #: ASCII letters per token of a prompt's estimate (English text: about 4) ...
     chars_per_token: float = attrs.field(default=4.0, validator=between(0.1, 1000))
     #: ... and UTF-8 bytes per token for the rest of it (CJK, emoji, accents): 1 (the default) is
     #: what a byte-level tokenizer can spend at worst, so the estimate does not undercount them (a
@@ -522,8 +526,16 @@ class EngineConfig:
 
 
 def http_url(_inst: object, attribute: attrs.Attribute, value: str) -> None:
-    if not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", value):
-        raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+    if not re.fullmatch(r"[!-~]+", value) or not re.fullmatch(r"https?://[^/?#]+(/[^?#]*)?", value):
+        raise ValueError(f"must be an http:// or https:// URL of printable ASCII characters, got {value!r}")
+
+
+def header_safe(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+    """A name that apsd sends in response headers (``X-Apsd-Route``) and metrics labels: printable
+    ASCII (letters, digits, punctuation, spaces inside), at most 128 characters."""
+    if value and (not re.fullmatch(r"[!-~]([ -~]{0,126}[!-~])?", value)):
+        raise ValueError("must be 1-128 printable ASCII characters (letters, digits, punctuation, spaces "
+                         f"inside): it is sent in response headers and metrics labels; got {value!r}")
 
 
 @attrs.frozen
@@ -532,8 +544,8 @@ class BackendConfig:
 
     #: Its base URL, without ``/v1`` (``http://10.0.0.5:8000``).
     url: str = attrs.field(validator=http_url)
-    #: A name for logs and metrics (default: the URL).
-    name: str = ""
+    #: A name for logs, metrics and the ``X-Apsd-Route`` header (default: the URL): printable ASCII.
+    name: str = attrs.field(default="", validator=header_safe)
     #: Sent as ``Authorization: Bearer`` to the backend. Prefer ``api_key_env``: the config file
     #: is world-readable under systemd.
     api_key: str = attrs.field(default="", metadata=SECRET_STRING, repr=False)
@@ -720,6 +732,9 @@ class Config:
     classes: dict[str, ServiceClassConfig] = attrs.field(factory=dict)
     #: Where this config came from, for error messages ("<defaults>" if embedded).
     source: str = attrs.field(default="<defaults>", metadata={"toml": False})
+    #: The file declares ``[tenants]`` (else the embedded default tenants above are in it): a reload
+    #: refuses a file that lost them (:meth:`apsd.serve.daemon.Daemon.reload`).
+    tenants_declared: bool = attrs.field(default=False, eq=False, metadata={"toml": False})
 
     def with_overrides(self, **server: Any) -> Config:
         """A copy with ``[server]`` keys replaced (``None`` values are ignored)."""
@@ -728,6 +743,24 @@ class Config:
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+class ControlCharacterError(ConfigError):
+    """A config string or table name with a control character (the message does not show it)."""
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _check_text(text: str, key: str, what: str = "value") -> None:
+    """ControlCharacterError naming ``key`` if ``text`` holds a control character: a config string
+    ends up in response headers, metrics labels and log lines, where CR, LF and the like either
+    break the answer (after the work was done) or forge lines."""
+    found = _CONTROL.search(text)
+    if found is not None:
+        raise ControlCharacterError(f"{key}: the {what} holds a control character (U+{ord(found.group()):04X} at "
+                                    f"position {found.start()}): CR, LF, tabs and the like are not allowed in "
+                                    "config strings (they end up in headers, labels and logs)")
 
 
 def _check_value(value: Any, tp: Any, key: str) -> Any:
@@ -740,6 +773,8 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
         _, value_type = typing.get_args(tp)
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: must be a table, got {type(value).__name__}")
+        for name in value:
+            _check_text(name, f"{key}.{name!r}", "name")
         return {name: _check_value(v, value_type, f"{key}.{name}") for name, v in value.items()}
     if origin is tuple:  # tuple[X, ...]: a TOML array
         item_type = typing.get_args(tp)[0]
@@ -756,6 +791,8 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
         return float(value)
     if tp in (int, float) and isinstance(value, bool) or not isinstance(value, tp):
         raise ConfigError(f"{key}: must be {_TYPE_NAMES.get(tp, tp)}, got {value!r}")
+    if isinstance(value, str):
+        _check_text(value, key)
     return value
 
 
@@ -784,6 +821,8 @@ def parse_section(cls: type, table: dict[str, Any], prefix: str = "") -> Any:
             continue
         try:
             value = _check_value(table[name], field.type, key)
+        except ControlCharacterError:
+            raise
         except ConfigError:
             if field.metadata.get("secret"):  # (the usual message shows the value: not for these)
                 raise ConfigError(f"{key}: {field.metadata['secret']} (the value given is not shown)") from None
@@ -823,7 +862,7 @@ def parse_config(data: dict[str, Any], source: str = "<string>") -> Config:
             parsed = _check_value(tenants, dict[str, TenantConfig], "tenants")
             if not parsed:
                 raise ConfigError("tenants: at least one tenant is required")
-            config = attrs.evolve(config, tenants=parsed)
+            config = attrs.evolve(config, tenants=parsed, tenants_declared=True)
         _check_keys_unique(config)
         check_tenant_classes(config.tenants, config.classes)
         config = _check_backends(config, engine_kind_given="kind" in (data.get("engine") or {}))
@@ -914,4 +953,8 @@ def load_config(path: str | Path | None) -> Config:
     if path is None:
         return Config()
     path = Path(path)
-    return parse_config(read_toml(path, "config file", ConfigError), str(path))
+    data = read_toml(path, "config file", ConfigError)
+    if not data:
+        raise ConfigError(f"{path}: the file sets nothing (it is empty, or holds only comments: truncated?); "
+                          "to run on the embedded defaults, give no config file")
+    return parse_config(data, str(path))

@@ -406,7 +406,7 @@ class Ledger:
                 stats.cancelled += 1
                 totals.cancelled += 1
         if billed_tokens(request, outcome):
-            prompt = request.prompt_tokens if request.started_at is not None else 0
+            prompt = request.prompt_tokens if request.prompt_used else 0
             stats.prompt_tokens += prompt
             stats.generated_tokens += request.tokens_generated
             stats.cost_usd += request.cost_usd

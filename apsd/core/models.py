@@ -191,6 +191,9 @@ class InferenceRequest:
     finished_at: float | None = None
     #: Output tokens produced so far.
     tokens_generated: int = 0
+    #: Its engine took its prompt in though no token came (a forwarded request whose client left after
+    #: it was sent: the backend prefilled it), so it is charged its prompt as if it had started.
+    prompt_charged: bool = False
     #: Its share of its engine's cost so far, in USD.
     cost_usd: float = 0.0
     #: Times it went back to the queue because its engine failed before its first token.
@@ -232,10 +235,16 @@ class InferenceRequest:
         return self.prompt_tokens + self.tokens_requested
 
     @property
+    def prompt_used(self) -> bool:
+        """Whether its prompt counts as used: it started, or its engine took the prompt in
+        (``prompt_charged``)."""
+        return self.started_at is not None or self.prompt_charged
+
+    @property
     def used_tokens(self) -> int:
-        """The tokens it used so far: its prompt once it started (its cached tokens at
-        ``cached_discount``), and its output."""
-        if self.started_at is None:
+        """The tokens it used so far: its prompt once it started or its engine took it in (its cached
+        tokens at ``cached_discount``), and its output."""
+        if not self.prompt_used:
             return self.tokens_generated
         spared = int(self.cached_tokens * self.cached_discount) if self.cached_tokens else 0
         return self.prompt_tokens - spared + self.tokens_generated

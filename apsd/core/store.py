@@ -9,10 +9,24 @@ import attrs
 import trio
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from apsd.core.budget import Budgets
     from apsd.core.config import TenantConfig
     from apsd.core.models import Refusal
 
-__all__ = ["Bucket", "BucketView", "SharedService", "Store", "StoreStatistics"]
+__all__ = ["Bucket", "BucketView", "SharedService", "Store", "StoreStatistics", "redis_budget_key", "redis_bucket_key"]
+
+
+def redis_bucket_key(prefix: str, tenant: str) -> str:
+    """Where a shared store keeps a tenant's bucket in Redis (a hash: ``tokens``, ``updated``)."""
+    return f"{prefix}:bucket:{tenant}"
+
+
+def redis_budget_key(prefix: str, tenant: str, period: str) -> str:
+    """Where a shared store keeps a tenant's budget account for a period in Redis (a hash: ``spent``,
+    and each replica's lease and settled total)."""
+    return f"{prefix}:budget:{tenant}:{period}"
 
 
 @runtime_checkable
@@ -106,6 +120,10 @@ class Store(Protocol):
 
     def share(self, policy: object) -> None:
         """Share the service counters of ``policy`` if it is a :class:`SharedService` (else nothing)."""
+
+    def share_budgets(self, budgets: Budgets, tenants: Callable[[], Mapping[str, TenantConfig]]) -> None:
+        """Hold the tenants' budgets (``tenants()``: the current ones) as leases of budgets shared by
+        every replica (:meth:`Budgets.share`), if this store is shared (else nothing)."""
 
     def statistics(self) -> StoreStatistics: ...
 

@@ -506,7 +506,7 @@ class ForwardEngine:
         start = self.clock.now()
         outcome: Completion | Refusal | None = None
         requeue: str | None = None
-        pause = False
+        pause = sending = False
         try:
             with attempt.scope:
                 try:
@@ -519,6 +519,7 @@ class ForwardEngine:
                         start = lease.since = self.clock.now()
                         backend.requests += 1
                         api, body, relay = self._prepare(attempt)
+                        sending = True
                         answer = await self.client.complete(backend, api, body, relay, request.request_id)
                         outcome = self._completed(attempt, answer, start)
                 except BackendError as error:
@@ -526,6 +527,11 @@ class ForwardEngine:
             if attempt.scope.cancelled_caught:
                 outcome, requeue, pause = self._stopped(attempt)
             if (pause or isinstance(outcome, Refusal)) and request.started_at is not None:
+                await self._count_prompt(request, backend)
+            elif sending and isinstance(outcome, Refusal) and outcome.kind == "cancelled":
+                # its client left before the first token, after the backend took the prompt in (and
+                # prefilled it): charged the backend's count of it, else the estimate
+                request.prompt_charged = True
                 await self._count_prompt(request, backend)
         except Exception:  # a bug or a surprise: this request fails, the daemon goes on
             log.exception("request %s on backend %s failed unexpectedly", request.request_id, backend.name)
@@ -592,8 +598,8 @@ class ForwardEngine:
 
     async def _count_prompt(self, request: InferenceRequest, backend: Backend) -> None:
         """A request that ended or paused after its first token without the backend's usage (its client
-        left, the stream broke or timed out, it was preempted) is charged the backend's own count of its
-        prompt, asked of the backend (bounded by ``health_timeout_s``, shielded: the request's scope may
+        left, the stream broke or timed out, it was preempted), or whose client left once it was sent, is
+        charged the backend's own count of its prompt, asked of the backend (bounded by ``health_timeout_s``, shielded: the request's scope may
         be cancelled); apsd's estimate stays when the backend cannot say. Counted once per request."""
         progress = self._progress.get(request)
         if progress is not None and progress.prompt_tokens is not None:
@@ -699,10 +705,10 @@ class ForwardEngine:
         duration = self.clock.now() - start
         cost = duration * c.cost_per_gpu_hour_usd * c.gpus / 3600.0 / c.max_concurrency
         output = request.tokens_generated - attempt.base_tokens
-        started = request.started_at is not None
-        prompt = request.prompt_tokens if started and not attempt.base_tokens else 0
+        used = request.prompt_used
+        prompt = request.prompt_tokens if used and not attempt.base_tokens else 0
         if ends:
-            cost += ((request.prompt_tokens if started else 0) * c.cost_per_1m_prompt_tokens_usd
+            cost += ((request.prompt_tokens if used else 0) * c.cost_per_1m_prompt_tokens_usd
                      + request.tokens_generated * c.cost_per_1m_output_tokens_usd) / 1e6
         request.cost_usd += cost
         backend.cost_usd += cost

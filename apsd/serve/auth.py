@@ -21,7 +21,8 @@ The rules (docs/how-to/api-keys.md says them for operators):
 * No key is configured at all: authentication is off and every caller is
   :data:`OPEN_ACCESS` (the quick start on 127.0.0.1). Then the body's ``tenant_id``
   says who the request is for. :func:`check_exposure` refuses to listen beyond
-  loopback in that state.
+  loopback in that state, and :func:`cross_site_refusal` keeps browsers from acting for
+  pages of other origins (a cross-site form, a DNS-rebinding page).
 * Keys and hashes never appear in logs or in answers.
 """
 
@@ -31,6 +32,7 @@ import hashlib
 import hmac
 import ipaddress
 import re
+from collections.abc import Mapping
 
 import attrs
 
@@ -38,7 +40,8 @@ from apsd.core.config import KEY_HASH_PATTERN, Config, ConfigError
 from apsd.core.keys import MIN_KEY_CHARS, TOKEN, hash_key, is_usable_key, new_key
 from apsd.core.models import Refusal
 
-__all__ = ["Caller", "KeyRing", "METRICS_READER", "OPEN_ACCESS", "check_exposure", "hash_key", "is_loopback",
+__all__ = ["Caller", "KeyRing", "METRICS_READER", "OPEN_ACCESS", "check_exposure", "cross_site_refusal", "hash_key",
+           "is_allowed_host", "is_loopback",
            "is_usable_key", "new_key", "KEY_HASH_PATTERN", "MIN_KEY_CHARS"]
 
 _TOKEN = TOKEN
@@ -156,6 +159,57 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # a host name other than localhost: it may resolve to anything
+
+
+#: Methods that change nothing: a cross-site page may send them (it cannot read the answer once the
+#: Host is checked).
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def _hostname(authority: str) -> str:
+    """The host of a ``Host`` header or an origin's authority, without its port, lower case."""
+    authority = authority.strip().lower()
+    if authority.startswith("["):
+        return authority[1:authority.find("]")] if "]" in authority else authority
+    return authority.rsplit(":", 1)[0] if authority.count(":") == 1 else authority
+
+
+def is_allowed_host(authority: str, listen_host: str) -> bool:
+    """Whether a request's ``Host`` names this daemon as only a local client would: a loopback name
+    or address, or the configured listen address. A page whose own domain resolves to 127.0.0.1
+    (DNS rebinding) sends its own domain, and is refused."""
+    host = _hostname(authority)
+    if not host:
+        return True  # (no Host: HTTP/1.0; browsers always send one)
+    return host == _hostname(listen_host) or host.endswith(".localhost") or is_loopback(host)
+
+
+def cross_site_refusal(method: str, headers: Mapping[str, str], listen_host: str) -> Refusal | None:
+    """Without API keys anyone who reaches apsd may act as the admin and as any tenant, so a browser
+    must not be made to act for a page from elsewhere (the daemon runs on the operator's machine):
+    403 ``host_not_allowed`` for a ``Host`` that is not this daemon's own (:func:`is_allowed_host`),
+    and, for a method that changes something, 403 ``cross_site_request`` when the browser says the
+    request comes from another origin (``Sec-Fetch-Site`` other than ``same-origin``/``none``, or an
+    ``Origin`` other than the ``Host`` it was sent to). Clients that are not browsers send neither
+    header and pass. (With keys, a cross-site page cannot send ``Authorization`` without a CORS
+    preflight, which apsd never grants.)"""
+    host = headers.get("Host", "")
+    if not is_allowed_host(host, listen_host):
+        return Refusal(403, "host_not_allowed", f"without API keys apsd answers only requests addressed to it by a "
+                       f"loopback name or its listen address, not {host[:100]!r} (a DNS-rebinding page?)")
+    if method.upper() in SAFE_METHODS:
+        return None
+    site = headers.get("Sec-Fetch-Site")
+    if site is not None and site.strip().lower() not in ("same-origin", "none"):
+        return Refusal(403, "cross_site_request", f"a cross-site request ({site[:40]}) cannot change anything: "
+                       "without API keys apsd accepts only same-origin requests from a browser")
+    origin = headers.get("Origin")
+    if origin is not None:
+        authority = origin.strip().lower().split("://", 1)[-1].rstrip("/")
+        if origin.strip().lower() == "null" or authority != host.strip().lower():
+            return Refusal(403, "cross_site_request", f"a request from another origin ({origin[:100]}) cannot "
+                           "change anything: without API keys apsd accepts only same-origin requests from a browser")
+    return None
 
 
 def check_exposure(config: Config) -> None:

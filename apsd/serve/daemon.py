@@ -317,6 +317,7 @@ class Daemon:
             config = load_config(self.config_path).with_overrides(**self.overrides)
             check_exposure(config)  # (what a restart would do) and what runs now: [server] needs a restart
             check_exposure(attrs.evolve(config, server=self.config.server))
+            self._check_not_emptied(config)
             if config == attrs.evolve(self.config, source=config.source) and self.reload_error is None:
                 log.info("reloaded %s: no change", self.config_path or "<defaults>", extra={"event": "reload"})
                 await self.notifier.ready(status=self.status_text())
@@ -340,6 +341,23 @@ class Daemon:
                  extra={"event": "reload"})
         await self.notifier.ready(status=self.status_text())
         return True
+
+    def _check_not_emptied(self, config: Config) -> None:
+        """Refuse (ConfigError) a file that would switch authentication off, or put the embedded default
+        tenants in place of the file's: what a truncated or half-written file looks like, and what an
+        operator never means by a reload (a restart does either, on purpose). Whatever the listener:
+        apsd on 127.0.0.1 behind a proxy is as exposed as the proxy. An empty file is refused by
+        :func:`~apsd.core.config.load_config` itself."""
+        assert self.pipeline is not None
+        if KeyRing.from_config(self.pipeline.config).enabled and not KeyRing.from_config(config).enabled:
+            raise ConfigError(f"{config.source}: the file configures no API key ([auth] admin_key_hashes, "
+                              "metrics_key_hashes or any tenant's api_key_hashes) while keys are in force: a "
+                              "reload never turns authentication off (a truncated file?); the keys stay. To run "
+                              "without keys, restart apsd")
+        if self.config.tenants_declared and not config.tenants_declared:
+            raise ConfigError(f"{config.source}: tenants: the file declares no [tenants] (a truncated file?) and "
+                              f"the running one declared {len(self.config.tenants)}: a reload does not replace them "
+                              "with the embedded default tenants; declare them, or restart apsd")
 
     @staticmethod
     def _log_access(config: Config) -> None:

@@ -26,6 +26,16 @@ working within ``poll_interval_s`` of its expiry).
 (:mod:`apsd.state.usage`), each tenant's bucket level with its time (with the memory store; a
 restart refills the bucket for the time it was down, at its rate, rather than handing out a full
 burst), and budgets' spend. A ``kill -9`` loses at most one interval of them.
+
+**A Redis restarted without its data.** Each replica polls the state's version; one that finds it
+gone back writes back the tenants and keys it knows (every replica does: only what is missing is
+written). The audit log and usage are not in a replica's memory, so each replica keeps a copy of
+them (:class:`RedisCopy`: a SQLite file of its own, in the temporary directory, removed at a clean
+stop) following Redis every ``flush_interval_s``; the first replica to find the data gone (a marker in
+Redis says which) writes its copy back: the audit log with its ids (entries made since move after
+them) and the usage rows, added to what was flushed since. What the replicas settled of budgets
+is in the shared store's budget accounts, which the replicas write back at their next exchange
+(:mod:`apsd.core.budget`). Lost: what was flushed in the last ``flush_interval_s`` before the loss.
 """
 
 from __future__ import annotations
@@ -33,11 +43,12 @@ from __future__ import annotations
 import logging
 import math
 import os
+from pathlib import Path
 import re
 import sqlite3
 import secrets
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import attrs
@@ -49,6 +60,7 @@ from apsd.core.config import Config, ConfigError, TenantConfig, check_tenant_cla
 from apsd.core.keys import hash_key, new_key
 from apsd.state.records import (KEY_PREFIX_CHARS, AuditEntry, KeyRecord, TenantRecord, UsageKey, file_digest, key_view,
                                 settings_dict, tenant_from_settings)
+from apsd.state.sqlite import SqliteState
 from apsd.state.store import Change, DeleteTenant, PutKey, PutTenant, Snapshot, StateStore
 from apsd.state.usage import HOUR_S, UsageRecorder
 
@@ -110,6 +122,24 @@ def _leaf(exc: BaseException) -> BaseException:
     return exc
 
 
+@contextmanager
+def _state_errors(store: StateStore, what: str) -> Iterator[None]:
+    """Turn a state that fails now (Redis down, a SQLite disk full or read-only) into 503
+    ``state_unavailable``, logged at WARNING with the cause: an admin write or read gets an answer
+    that says so, never a 500. (AdminError passes through.)"""
+    try:
+        yield
+    except AdminError:
+        raise
+    except Exception as error:  # (sqlite3.Error, OSError, coredis's errors, in groups of one)
+        exc = _leaf(error)
+        log.warning("state: %s failed at %s: %s: %s", what, store.where, type(exc).__name__, exc,
+                    extra={"event": "state"})
+        raise AdminError(503, "state_unavailable", f"the state at {store.where} cannot be used now "
+                         f"({type(exc).__name__}: {str(exc)[:200]}); nothing was changed: retry when it can "
+                         "(the running tenants and keys are served meanwhile)") from None
+
+
 def _unreachable(store: StateStore, exc: BaseException) -> None:
     exc = _leaf(exc)
     log.warning("state: %s cannot be reached (%s: %s): serving the config file's tenants and keys until it "
@@ -130,6 +160,8 @@ async def open_keeper(config: Config, *, environ: Mapping[str, str] | None = Non
     except StateFileError as exc:
         raise ConfigError(f"{config.source}: state: {exc}") from None
     keeper = StateKeeper(store=store, file_config=config, wall=wall)
+    if store is not None and store.kind == "redis":
+        keeper.copy = RedisCopy.open()
     try:
         if store is not None:
             try:
@@ -169,6 +201,8 @@ class StateKeeper:
     #: no state at all, the effective configuration is the file's).
     seeded: bool = False
     _pruned_at: float = 0.0
+    #: A replica's copy of the audit log and usage of a Redis state (None: another state, or no copy).
+    copy: RedisCopy | None = None
 
     @property
     def enabled(self) -> bool:
@@ -269,8 +303,14 @@ class StateKeeper:
 
     async def _commit(self, changes: list[Change], audit: list[AuditEntry], why: str) -> None:
         store = self._writable()
-        await store.write(changes, audit)
-        self.snapshot = await store.load()
+        with _state_errors(store, "a change"):
+            await store.write(changes, audit)
+        try:
+            self.snapshot = await store.load()
+        except Exception as error:  # written, but not read back: apply it as written (the next poll reads it)
+            log.warning("state: %s changed, but reading it back failed (%s): applied as written", store.where,
+                        _leaf(error), extra={"event": "state"})
+            self.snapshot = _applied(self.snapshot, changes)
         self._apply(why)
 
     async def create_tenant(self, actor: str, body: Mapping[str, Any]) -> TenantRecord:
@@ -406,8 +446,11 @@ class StateKeeper:
         tenant: what the state holds plus what the next flush will add, so an answer is current."""
         first_hour = int(start) // HOUR_S * HOUR_S
         async with self._usage_lock:
-            rows = {} if self.store is None else await self.store.usage(tenant=tenant, start=first_hour,
-                                                                         end=math.ceil(end))
+            if self.store is None:
+                rows = {}
+            else:
+                with _state_errors(self.store, "reading usage"):
+                    rows = await self.store.usage(tenant=tenant, start=first_hour, end=math.ceil(end))
             pending = self.usage.pending() if self.usage is not None else {}
         for key, fields in pending.items():
             if (tenant is None or key.tenant == tenant) and first_hour <= key.hour < end:
@@ -415,6 +458,14 @@ class StateKeeper:
                 for field, amount in fields.items():
                     merged[field] = merged.get(field, 0) + amount
         return rows
+
+    async def audit(self, *, target: str | None, limit: int, before_id: int | None) -> list[AuditEntry]:
+        """The audit log, newest first (:meth:`StateStore.audit`); 503 ``state_unavailable`` when the
+        state cannot be read now."""
+        if self.store is None:
+            return []
+        with _state_errors(self.store, "reading the audit log"):
+            return await self.store.audit(target=target, limit=limit, before_id=before_id)
 
     # -- background ---------------------------------------------------------------------------
     async def run(self, *, buckets: Callable[[], Mapping[str, tuple[float, float]]],
@@ -429,6 +480,8 @@ class StateKeeper:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._every, settings.flush_interval_s, lambda: self.flush(buckets()))
                 nursery.start_soon(self._every, settings.poll_interval_s, self.poll)
+                if self.copy is not None:
+                    nursery.start_soon(self._every, settings.flush_interval_s, self.follow)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(2.0):
                 try:
@@ -495,7 +548,22 @@ class StateKeeper:
             await self.store.write(changes, [AuditEntry(self.wall(), "state", "state.restore", self.store.where,
                                                         {"version": known.version}, {"version": version})])
             self.snapshot = await self.store.load()
+            if self.copy is not None and self.copy.followed and await self.store.claim_restore():  # type: ignore[attr-defined]
+                copied = await self.copy.local.dump()
+                await self.store.restore_audit(copied.audit)  # type: ignore[attr-defined]
+                await self.store.add_usage(copied.usage)
+                log.warning("state: wrote back %d audit entries and %d usage rows into %s from this replica's copy",
+                            len(copied.audit), len(copied.usage), self.store.where, extra={"event": "state"})
         self._apply("the state was written back")
+
+    async def follow(self) -> None:
+        """Bring this replica's copy of a Redis state's audit log and usage up to date (not while the
+        state looks as if it lost its data: the next poll writes the copy back first)."""
+        assert self.store is not None and self.copy is not None
+        async with self._lock:
+            if not self.seeded or await self.store.version() < self.snapshot.version:
+                return
+            await self.copy.follow(self.store, self.wall())
 
     async def flush(self, buckets: Mapping[str, tuple[float, float]]) -> None:
         """Write usage, bucket levels and budget spend (what a kill -9 would lose)."""
@@ -526,6 +594,8 @@ class StateKeeper:
     async def _exchange_spend(self, store: StateStore) -> None:
         budgets = self.budgets
         assert budgets is not None
+        if budgets.shared:
+            return  # (the shared store counts the spend of budgets it leases: apsd.store.leasing)
         settled = budgets.take_settled()
         try:
             totals = await store.add_spend(settled)
@@ -562,4 +632,61 @@ class StateKeeper:
         if self.store is not None:
             with trio.CancelScope(shield=True):
                 await self.store.close()
+                if self.copy is not None:
+                    await self.copy.close()
 
+
+
+def _applied(snapshot: Snapshot, changes: list[Change]) -> Snapshot:
+    """``snapshot`` with ``changes`` applied (as the store applied them), its version unchanged."""
+    tenants, keys = dict(snapshot.tenants), {k.key_id: k for k in snapshot.keys}
+    for change in changes:
+        match change:
+            case PutTenant(record):
+                tenants[record.name] = record
+            case DeleteTenant(name):
+                tenants.pop(name, None)
+            case PutKey(record):
+                keys[record.key_id] = record
+    return Snapshot(tenants, tuple(sorted(keys.values(), key=lambda k: k.key_id)), snapshot.version)
+
+
+@attrs.define(eq=False)
+class RedisCopy:
+    """A replica's copy of a Redis state's audit log and usage (see the module docstring), in a SQLite
+    file of its own: :meth:`follow` copies the entries after the last one it has, and the usage rows
+    of the last two hours (all of them the first time); the file is removed at :meth:`close`."""
+
+    local: SqliteState
+    path: Path
+    followed: bool = False
+    _audit_seen: int = 0
+
+    @classmethod
+    def open(cls) -> RedisCopy | None:
+        import tempfile
+
+        from apsd.state.sqlite import StateFileError
+
+        descriptor, name = tempfile.mkstemp(prefix="apsd-redis-copy-", suffix=".db")
+        os.close(descriptor)
+        try:
+            return cls(SqliteState(Path(name)), Path(name))
+        except StateFileError as exc:
+            log.warning("state: no copy of the audit log and usage can be kept (%s): a Redis restarted without "
+                        "its data would lose them", exc, extra={"event": "state"})
+            return None
+
+    async def follow(self, store: StateStore, now: float) -> None:
+        entries = await store.audit_after(self._audit_seen)  # type: ignore[attr-defined]
+        await self.local.copy_audit(entries)
+        if entries:
+            self._audit_seen = entries[-1].entry_id
+        start = (int(now) // HOUR_S - 2) * HOUR_S if self.followed else 0
+        await self.local.copy_usage(await store.usage(tenant=None, start=start, end=2**62))
+        self.followed = True
+
+    async def close(self) -> None:
+        await self.local.close()
+        for suffix in ("", "-wal", "-shm"):
+            Path(str(self.path) + suffix).unlink(missing_ok=True)

@@ -8,7 +8,11 @@ already outlive a replica's restart there (so no bucket levels are saved here). 
 * ``audit``: a sorted set of JSON entries scored by their id, ``audit:seq`` the last id;
 * ``version``: moved by every change to tenants or keys, which each replica polls;
 * ``spend:<tenant>:<period>``: budget spend (expires 40 days after its last change);
-* ``usage:<hour>:<row>``: a hash of usage fields per row, indexed by hour in ``usage:index``.
+* ``usage:<hour>:<row>``: a hash of usage fields per row, indexed by hour in ``usage:index``;
+* ``restored``: set by the first replica that writes back what a Redis restarted without its data
+  lost (the audit log and usage, from its copy: :mod:`apsd.state.keeper`).
+
+Budgets' spend, with a shared store, is in the store's budget accounts (``<prefix>:budget:...``).
 
 A change and its audit entries are written by one Lua script, atomically.
 """
@@ -22,6 +26,8 @@ from typing import Any
 
 from coredis.tokens import PureToken
 
+from apsd.core.store import redis_budget_key, redis_bucket_key
+from apsd.state.dump import StateDump, audit_member
 from apsd.state.records import (AuditEntry, UsageKey, audit_to_json, key_from_json, key_to_json, tenant_from_json,
                                 tenant_to_json)
 from apsd.state.store import Change, DeleteTenant, PutKey, PutTenant, Snapshot, UsageRows
@@ -49,6 +55,36 @@ return redis.call('INCR', KEYS[5])
 """
 
 SPEND_TTL_S = 40 * 86_400
+#: A shared budget account and a shared bucket live this long after their last change (as the shared
+#: store keeps them: :mod:`apsd.store.redis`).
+BUDGET_KEY_TTL_S = 40 * 86_400
+BUCKET_KEY_TTL_S = 86_400
+
+#: KEYS: a budget account; ARGV: tokens, TTL. Its spend is raised to ``tokens`` (never lowered).
+RAISE_SPEND_SCRIPT = """
+local spent = tonumber(redis.call('HGET', KEYS[1], 'spent') or '0')
+if tonumber(ARGV[1]) > spent then redis.call('HSET', KEYS[1], 'spent', ARGV[1]) end
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
+return 1
+"""
+
+#: KEYS: the audit log, its last id. ARGV: the highest id about to be put back. Entries here at or
+#: below it are renumbered after it, in order, and the last id moves past them.
+MAKE_ROOM_SCRIPT = """
+local top = tonumber(ARGV[1])
+local seq = tonumber(redis.call('GET', KEYS[2]) or '0')
+local here = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', top)
+if seq < top then redis.call('SET', KEYS[2], top) end
+for _, member in ipairs(here) do
+  redis.call('ZREM', KEYS[1], member)
+  local id = redis.call('INCR', KEYS[2])
+  redis.call('ZADD', KEYS[1], id, '{"entry_id": ' .. id .. string.match(member, '^{"entry_id": %d+(.*)$'))
+end
+return #here
+"""
+#: Wall seconds to connect, and for each answer: a Redis that hangs makes an operation fail (an admin
+#: write answers 503 ``state_unavailable``) rather than wait for ever.
+TIMEOUT_S = 10.0
 
 
 class RedisStateStore:
@@ -57,6 +93,7 @@ class RedisStateStore:
     def __init__(self, url: str, prefix: str) -> None:
         self._url = url
         self.where = url.split("@")[-1]  # (no credentials in logs)
+        self._prefix = prefix
         self._p = f"{prefix}:state"
 
     @asynccontextmanager
@@ -66,7 +103,8 @@ class RedisStateStore:
         belongs to the task that opened it. They are rare: a poll a second, a flush every few.)"""
         import coredis
 
-        async with coredis.Redis.from_url(self._url, decode_responses=True) as client:
+        async with coredis.Redis.from_url(self._url, decode_responses=True, connect_timeout=TIMEOUT_S,
+                                          stream_timeout=TIMEOUT_S) as client:
             yield client
 
     async def load(self) -> Snapshot:
@@ -187,6 +225,72 @@ class RedisStateStore:
                         await redis.zrem(f"{self._p}:audit", stale)
                     if len(stale) < len(batch):
                         break
+
+    # -- the whole state (apsd state export / import), and writing back what Redis lost -------------
+    async def dump(self) -> StateDump:
+        snapshot = await self.load()
+        audit = await self.audit_after(0)
+        usage = await self.usage(tenant=None, start=0, end=2**62)
+        spend: dict[tuple[str, str], int] = {}
+        buckets: dict[str, tuple[float, float]] = {}
+        async with self._redis() as redis:
+            async for key in redis.scan_iter(match=f"{self._p}:spend:*"):
+                tenant, period = key[len(self._p) + 7:].rsplit(":", 1)
+                spend[(tenant, period)] = int(await redis.get(key) or 0)
+            budgets = self._prefix + ":budget:"
+            async for key in redis.scan_iter(match=budgets + "*"):
+                tenant, period = key[len(budgets):].rsplit(":", 1)
+                spent = int(float(await redis.hget(key, "spent") or 0))
+                spend[(tenant, period)] = max(spend.get((tenant, period), 0), spent)
+            bucket = self._prefix + ":bucket:"
+            async for key in redis.scan_iter(match=bucket + "*"):
+                tokens, updated = await redis.hmget(key, ["tokens", "updated"])
+                if tokens is not None and updated is not None:
+                    buckets[key[len(bucket):]] = (float(tokens), float(updated))
+        return StateDump(tuple(snapshot.tenants.values()), snapshot.keys, tuple(audit), usage, spend, buckets)
+
+    async def import_dump(self, dump: StateDump) -> None:
+        """Add ``dump`` to this state: its tenants and keys (replacing those of the same name or id, in
+        one change that replicas see), its audit entries with their ids (entries here that would
+        collide move after them), its usage added, each budget's spend raised to the dump's (the
+        shared budgets' accounts), and the bucket levels of tenants whose shared bucket does not exist."""
+        await self.write([PutTenant(r) for r in dump.tenants] + [PutKey(k) for k in dump.keys], [])
+        await self.restore_audit(dump.audit)
+        await self.add_usage(dump.usage)
+        async with self._redis() as redis:
+            for (tenant, period), tokens in dump.spend.items():
+                await redis.eval(RAISE_SPEND_SCRIPT, keys=[redis_budget_key(self._prefix, tenant, period)],
+                                 args=[str(tokens), str(BUDGET_KEY_TTL_S)])
+            for tenant, (tokens, at) in dump.buckets.items():
+                key = redis_bucket_key(self._prefix, tenant)
+                if not await redis.exists([key]):
+                    await redis.hset(key, {"tokens": repr(tokens), "updated": repr(at)})
+                    await redis.expire(key, BUCKET_KEY_TTL_S)
+
+    async def audit_after(self, entry_id: int, limit: int | None = None) -> list[AuditEntry]:
+        """Entries whose id is above ``entry_id``, oldest first (at most ``limit``)."""
+        async with self._redis() as redis:
+            members = await redis.zrange(f"{self._p}:audit", f"({entry_id}", "+inf", sortby=PureToken.BYSCORE,
+                                         **({"offset": 0, "count": limit} if limit else {}))
+        return [AuditEntry(**json.loads(member)) for member in members]
+
+    async def restore_audit(self, entries: Sequence[AuditEntry]) -> None:
+        """Put ``entries`` back with their ids; the entries already here whose ids they would take (a
+        Redis that lost its data numbers from 1 again) are moved after them first, in order."""
+        if not entries:
+            return
+        top = max(e.entry_id for e in entries)
+        async with self._redis() as redis:
+            await redis.eval(MAKE_ROOM_SCRIPT, keys=[f"{self._p}:audit", f"{self._p}:audit:seq"], args=[str(top)])
+            for start in range(0, len(entries), 500):
+                chunk = entries[start:start + 500]
+                await redis.zadd(f"{self._p}:audit", {audit_member(e): e.entry_id for e in chunk})
+
+    async def claim_restore(self) -> bool:
+        """Whether this call is the first to write back into this Redis's data since it lost them (a
+        marker no replica's write-back finds but the first)."""
+        async with self._redis() as redis:
+            return bool(await redis.set(f"{self._p}:restored", "1", condition=PureToken.NX))
 
     async def close(self) -> None:
         """Nothing: every operation closes its own connection."""

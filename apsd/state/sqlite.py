@@ -9,12 +9,14 @@ committed before they are answered.
 Python's :mod:`sqlite3` does the work, on one connection that a lock guards, in a worker thread
 (:func:`trio.to_thread.run_sync`): a slow disk never stalls the event loop. The schema is created
 on first open and carries a version (``PRAGMA user_version``); a file written by a newer apsd is
-refused rather than misread.
+refused rather than misread. The file is the owner's only (0600): one found readable by others is
+tightened at open, with a WARNING naming it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -24,6 +26,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from apsd.state.dump import StateDump
 from apsd.state.records import (AuditEntry, UsageKey, audit_to_json, key_from_json, key_to_json, tenant_from_json,
                                 tenant_to_json)
 from apsd.state.store import Change, DeleteTenant, PutKey, PutTenant, Snapshot, UsageRows
@@ -52,6 +55,8 @@ INSERT OR IGNORE INTO meta VALUES ('version', 0);
 
 T = TypeVar("T")
 
+log = logging.getLogger("apsd.state")
+
 
 class StateFileError(Exception):
     """The state file cannot be opened or used (the message names the file)."""
@@ -69,8 +74,11 @@ class SqliteState:
         try:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             # The file holds key hashes and usage: the owner's only. Made before SQLite opens it, so
-            # that the -wal and -shm files SQLite creates beside it take the same permissions.
+            # that the -wal and -shm files SQLite creates beside it take the same permissions; one
+            # that exists readable by others (copied, restored from a backup) is tightened, and said so.
             os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+            for file in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+                _tighten(file)
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = FULL")
@@ -184,13 +192,16 @@ class SqliteState:
             return found
         return await self._run(read)
 
+    @staticmethod
+    def _add_usage(db: sqlite3.Connection, rows: UsageRows) -> None:
+        values = [(key.hour, key.tenant, key.model, key.backend, field, amount)
+                  for key, fields in rows.items() for field, amount in fields.items()]
+        db.executemany("INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (hour, tenant, model, backend, field) "
+                       "DO UPDATE SET value = value + excluded.value", values)
+
     async def add_usage(self, rows: UsageRows) -> None:
         def add(db: sqlite3.Connection) -> None:
-            values = [(key.hour, key.tenant, key.model, key.backend, field, amount)
-                      for key, fields in rows.items() for field, amount in fields.items()]
-            self._transaction(db, lambda: db.executemany(
-                "INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (hour, tenant, model, backend, field) "
-                "DO UPDATE SET value = value + excluded.value", values))
+            self._transaction(db, lambda: self._add_usage(db, rows))
         if rows:
             await self._run(add)
 
@@ -217,10 +228,90 @@ class SqliteState:
             self._transaction(db, work)
         await self._run(prune)
 
+    # -- the whole state (apsd state export / import), and a replica's copy of Redis's -------------
+    async def dump(self) -> StateDump:
+        def read(db: sqlite3.Connection) -> StateDump:
+            tenants = tuple(tenant_from_json(json.loads(r)) for (r,) in db.execute("SELECT record FROM tenants "
+                                                                                   "ORDER BY name"))
+            keys = tuple(key_from_json(json.loads(r)) for (r,) in db.execute("SELECT record FROM api_keys "
+                                                                             "ORDER BY key_id"))
+            audit = tuple(AuditEntry(**json.loads(e)) for (e,) in db.execute("SELECT entry FROM audit "
+                                                                            "ORDER BY entry_id"))
+            usage: dict[UsageKey, dict[str, float]] = {}
+            for hour, name, model, backend, field, value in db.execute(
+                    "SELECT hour, tenant, model, backend, field, value FROM usage"):
+                usage.setdefault(UsageKey(hour, name, model, backend), {})[field] = value
+            spend = {(t, p): n for t, p, n in db.execute("SELECT tenant, period, tokens FROM spend")}
+            buckets = {t: (tokens, at) for t, tokens, at in db.execute("SELECT tenant, tokens, at FROM buckets")}
+            return StateDump(tenants, keys, audit, usage, spend, buckets)
+        return await self._run(read)
+
+    async def import_dump(self, dump: StateDump) -> None:
+        """Add ``dump`` to this state, in one transaction: its tenants and keys (replacing those of
+        the same name or id), its audit entries after those here (new ids, in order), its usage and
+        spend added to what is here, its bucket levels."""
+        def write(db: sqlite3.Connection) -> None:
+            def work() -> None:
+                for record in dump.tenants:
+                    db.execute("INSERT OR REPLACE INTO tenants VALUES (?, ?)",
+                               (record.name, json.dumps(tenant_to_json(record))))
+                for key in dump.keys:
+                    db.execute("INSERT OR REPLACE INTO api_keys VALUES (?, ?, ?)",
+                               (key.key_id, key.tenant, json.dumps(key_to_json(key))))
+                for entry in dump.audit:
+                    cursor = db.execute("INSERT INTO audit (at, target, entry) VALUES (?, ?, '')", (entry.at, entry.target))
+                    stored = audit_to_json(entry) | {"entry_id": cursor.lastrowid}
+                    db.execute("UPDATE audit SET entry = ? WHERE entry_id = ?", (json.dumps(stored), cursor.lastrowid))
+                self._add_usage(db, dump.usage)
+                db.executemany("INSERT INTO spend VALUES (?, ?, ?) ON CONFLICT (tenant, period) "
+                               "DO UPDATE SET tokens = tokens + excluded.tokens",
+                               [(t, p, n) for (t, p), n in dump.spend.items()])
+                db.executemany("INSERT OR REPLACE INTO buckets VALUES (?, ?, ?)",
+                               [(t, tokens, at) for t, (tokens, at) in dump.buckets.items()])
+                db.execute("UPDATE meta SET value = value + 1 WHERE name = 'version'")
+            self._transaction(db, work)
+        await self._run(write)
+
+    async def copy_audit(self, entries: Sequence[AuditEntry]) -> None:
+        """Keep ``entries`` with their ids (a copy of another state's log: an entry already here is
+        replaced by the same id's)."""
+        def write(db: sqlite3.Connection) -> None:
+            self._transaction(db, lambda: db.executemany(
+                "INSERT OR REPLACE INTO audit (entry_id, at, target, entry) VALUES (?, ?, ?, ?)",
+                [(e.entry_id, e.at, e.target, json.dumps(audit_to_json(e))) for e in entries]))
+        if entries:
+            await self._run(write)
+
+    async def copy_usage(self, rows: UsageRows) -> None:
+        """Set ``rows`` as they are (a copy of another state's rows: values replaced, not added)."""
+        def write(db: sqlite3.Connection) -> None:
+            self._transaction(db, lambda: db.executemany(
+                "INSERT OR REPLACE INTO usage VALUES (?, ?, ?, ?, ?, ?)",
+                [(k.hour, k.tenant, k.model, k.backend, field, value)
+                 for k, fields in rows.items() for field, value in fields.items()]))
+        if rows:
+            await self._run(write)
+
+    async def last_audit_id(self) -> int:
+        return await self._run(lambda db: int(db.execute("SELECT COALESCE(MAX(entry_id), 0) FROM audit")
+                                              .fetchone()[0]))
+
     async def close(self) -> None:
         def close(db: sqlite3.Connection) -> None:
             db.close()
         await self._run(close)
+
+
+def _tighten(file: Path) -> None:
+    """Make ``file`` (if it exists) readable and writable by its owner only, logging the change."""
+    try:
+        mode = file.stat().st_mode & 0o777
+    except FileNotFoundError:
+        return
+    if mode & 0o077:
+        os.chmod(file, 0o600)
+        log.warning("state: %s was readable by others (mode %04o): now 0600, the owner's only (it holds key "
+                    "hashes and usage)", file, mode, extra={"event": "state"})
 
 
 def _version(db: sqlite3.Connection) -> int:

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import attrs
 
+from apsd.state.dump import StateDump
 from apsd.state.records import AuditEntry, KeyRecord, TenantRecord, UsageKey
 
 __all__ = ["DeleteTenant", "PutKey", "PutTenant", "Snapshot", "StateStore", "UsageRows"]
@@ -87,5 +88,12 @@ class StateStore(Protocol):
 
     async def prune(self, *, usage_before: int | None, audit_before: float | None) -> None:
         """Delete usage of hours before ``usage_before`` and audit entries before ``audit_before``."""
+
+    async def dump(self) -> StateDump:
+        """Everything it holds (``apsd state export``)."""
+
+    async def import_dump(self, dump: StateDump) -> None:
+        """Add ``dump`` to what it holds (``apsd state import``): tenants and keys replace those of the
+        same name or id; audit entries, usage and spend are added."""
 
     async def close(self) -> None: ...

@@ -76,7 +76,7 @@ class UsageRecorder:
                 add(row, "failed", 1)
             case _:
                 add(row, "cancelled", 1)
-        if request.started_at is not None and request.prompt_tokens:
+        if request.prompt_used and request.prompt_tokens:
             add(row, "prompt_tokens", request.prompt_tokens)
         if request.tokens_generated:
             add(row, "output_tokens", request.tokens_generated)

@@ -46,6 +46,13 @@ is read at every exchange that leases for the tenant; an idle tenant's level is 
 writes nothing to a bucket that exists), so a replica that serves a tenant no traffic still sees
 what the others took, and its optimistic share is taken from a recent level.
 
+Budgets. A tenant's ``budget_tokens`` is a hard cap across replicas: the same exchange leases slices
+of each budgeted tenant's budget for the period and reports what this replica settled (its running
+total, so a repeated report never counts twice); admission admits only from the lease, without
+optimism (:mod:`apsd.core.budget` states the rule and the lease sizes). A replica not seen for
+``LEASE_TTL_S`` loses its lease to the others. During an outage a replica admits from the lease it
+holds, and no more.
+
 Unavailable shared state (a failed or slow exchange): the store logs the switch and the recovery
 (WARNING, once each), counts it (``apsd_store_available``, ``apsd_store_outages_total``) and
 retries every interval. With ``on_unavailable = "local"`` each bucket keeps admitting at its share
@@ -64,7 +71,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
@@ -72,6 +79,7 @@ import attrs
 import trio
 
 from apsd.core.bucket import TokenBucket
+from apsd.core.budget import BudgetAsk, Budgets
 from apsd.core.config import StoreConfig, TenantConfig
 from apsd.core.models import Refusal
 from apsd.core.store import Bucket, BucketView, SharedService, StoreStatistics
@@ -114,6 +122,14 @@ class SharedSession(Protocol):
     async def service(self, replica: str, given: Mapping[str, float]) -> tuple[int, dict[str, float]]:
         """Add ``given`` (tenant -> weighted service) to the totals and mark ``replica`` seen now;
         (replicas seen in the last second, every tenant's total)."""
+
+    async def budget(self, replica: str, asks: Sequence[BudgetAsk]) -> list[tuple[float, int, float]]:
+        """For each ask, on the tenant's account for its period: count what ``replica`` settled that was
+        not counted yet (its ``settled`` total against what the account last counted for it, else
+        against ``acknowledged``), raise the spend to ``known_spent`` if it is below (a state that lost
+        the account), drop the leases of replicas not seen for ``LEASE_TTL_S``, set ``replica``'s
+        lease to ``holding`` and grant up to ``want`` of what no replica spent or holds; per ask,
+        (granted, the period's spend, what is left unleased after the grant)."""
 
 
 class SharedState(Protocol):
@@ -305,6 +321,8 @@ class LeasingStore:
         self._buckets: dict[str, LeasedBucket] = {}
         self._policy: SharedService | None = None
         self._service_seen: dict[str, float] | None = None
+        self._budgets: Budgets | None = None
+        self._tenants: Callable[[], Mapping[str, TenantConfig]] = dict
         self._outages = 0
         self._syncs = 0
         self._failures = 0
@@ -342,6 +360,10 @@ class LeasingStore:
             self._policy, self._service_seen = policy, None
         else:
             self._policy = None
+
+    def share_budgets(self, budgets: Budgets, tenants: Callable[[], Mapping[str, TenantConfig]]) -> None:
+        budgets.share(self.sync_interval_s)
+        self._budgets, self._tenants = budgets, tenants
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(kind=self.kind, available=self.available, outages=self._outages, syncs=self._syncs,
@@ -392,6 +414,7 @@ class LeasingStore:
                     self._buckets[ask.tenant].settle(granted, left)
                 asks = []
             await self._exchange_service(session)
+            await self._exchange_budgets(session)
         except BaseException:
             for ask in asks:  # (not sent, or no answer: nothing granted, keep the returns)
                 self._buckets[ask.tenant].unrequest(ask.returned)
@@ -418,6 +441,17 @@ class LeasingStore:
             self._policy.add_service({t: v for t, v in remote.items() if v})
             self._service_seen = totals
 
+    async def _exchange_budgets(self, session: SharedSession) -> None:
+        """Lease budgets and report what was settled (after the service exchange: it counts the replicas)."""
+        budgets = self._budgets
+        if budgets is None:
+            return
+        budgets.replicas = self.replicas
+        asks = budgets.asks(self._tenants(), READS_PER_EXCHANGE)
+        if asks:
+            for ask, (granted, spent, unleased) in zip(asks, await session.budget(self.replica_id, asks)):
+                budgets.exchanged(ask, granted, spent, unleased)
+
     def _unavailable(self, exc: BaseException) -> None:
         """An exchange failed: switch to ``on_unavailable`` (logged once per outage)."""
         self._failures += 1
@@ -432,17 +466,22 @@ class LeasingStore:
                 bucket.falling_back = True
 
     async def _return_leases(self) -> None:
-        """Give back what this replica holds (a clean stop); best effort, within a second."""
+        """Give back what this replica holds of buckets and budgets (a clean stop), and report what it
+        settled; best effort, within a second."""
         if not self.available:
             return
         asks = [LeaseAsk(name, b.rate, b.burst, 0.0, b.tokens - b.optimistic - b.outage_spent)
                 for name, b in self._buckets.items() if b.tokens - b.optimistic - b.outage_spent]
-        if not asks:
+        budget_asks = self._budgets.releases(self._tenants()) if self._budgets is not None else []
+        if not asks and not budget_asks:
             return
         with trio.move_on_after(1.0):
             try:
                 async with self.state.session() as session:
-                    await session.lease(asks)
+                    if asks:
+                        await session.lease(asks)
+                    if budget_asks:
+                        await session.budget(self.replica_id, budget_asks)
             except Exception as exc:
                 log.warning("could not return leases to %s: %s", self.state.name, _describe(exc))
 

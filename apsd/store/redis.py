@@ -16,7 +16,8 @@ dropped.
 Keys, under ``[store] key_prefix``: ``<prefix>:bucket:<tenant>`` (a hash: ``tokens`` and
 ``updated``, Redis's ``TIME``; it expires a day after its last exchange, and a tenant idle for
 longer starts full), ``<prefix>:service`` (a hash: tenant -> weighted service given by every
-replica), ``<prefix>:replicas`` (a sorted set: replica -> last seen).
+replica), ``<prefix>:replicas`` (a sorted set: replica -> last seen), ``<prefix>:budget:<tenant>:<period>``
+(a hash: a budget's spend in the period, and each replica's lease and settled total: ``BUDGET_SCRIPT``).
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+from apsd.core.budget import LEASE_TTL_S, BudgetAsk
 from apsd.core.config import StoreConfig
+from apsd.core.store import redis_budget_key, redis_bucket_key
 from apsd.store.leasing import LeaseAsk, LeasingStore
 
-__all__ = ["LEASE_SCRIPT", "QuietCoredis", "RedisState", "SERVICE_SCRIPT", "redis_store"]
+__all__ = ["BUDGET_SCRIPT", "LEASE_SCRIPT", "QuietCoredis", "RedisState", "SERVICE_SCRIPT", "redis_store"]
 
 log = logging.getLogger("apsd.store")
 
@@ -86,6 +89,55 @@ for i = 1, #all do out[i + 1] = all[i] end
 return out
 """
 
+#: KEYS: one budget account per tenant and period. ARGV: replica, lease TTL (s), key TTL (s), then per
+#: account budget, settled, acknowledged, known_spent, holding, want (the fields of BudgetAsk).
+#: Returns per account: granted, the period's spend, what is left unleased (as strings).
+#: The account is a hash: ``spent``; per replica ``settled:<id>`` (its settled total last counted),
+#: ``lease:<id>`` (what it holds) and ``seen:<id>`` (Redis's TIME at its last exchange).
+BUDGET_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local replica, lease_ttl, key_ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local out = {}
+for i, key in ipairs(KEYS) do
+  local b = 4 + 6 * (i - 1)
+  local budget, settled, acked = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
+  local known, holding, want = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5])
+  local fields = {}
+  local all = redis.call('HGETALL', key)
+  for j = 1, #all, 2 do fields[all[j]] = all[j + 1] end
+  local spent = math.max(tonumber(fields['spent'] or '0'), known)  -- (a Redis that lost it: written back)
+  local base = tonumber(fields['settled:' .. replica] or acked)
+  if settled > base then spent = spent + (settled - base) end
+  local others = 0
+  for name, value in pairs(fields) do
+    if string.sub(name, 1, 5) == 'seen:' then
+      local other = string.sub(name, 6)
+      if other ~= replica then
+        if now - tonumber(value) > lease_ttl then
+          redis.call('HDEL', key, name, 'lease:' .. other)
+        else
+          others = others + tonumber(fields['lease:' .. other] or '0')
+        end
+      end
+    end
+  end
+  local unleased = budget - spent - others - holding
+  local grant = 0
+  if want > 0 and unleased > 0 then grant = math.min(want, unleased) end
+  redis.call('HSET', key, 'spent', tostring(spent), 'settled:' .. replica, tostring(math.max(settled, base)),
+             'lease:' .. replica, tostring(holding + grant), 'seen:' .. replica, tostring(now))
+  redis.call('EXPIRE', key, key_ttl)
+  out[3 * i - 2] = tostring(grant)
+  out[3 * i - 1] = tostring(spent)
+  out[3 * i] = tostring(unleased - grant)
+end
+return out
+"""
+
+#: A budget account lives this long after its last exchange (longer than any period).
+BUDGET_TTL_S = 40 * 86_400
+
 #: A bucket key lives this long after its last exchange (a tenant idle for longer starts full).
 BUCKET_TTL_S = 86_400
 
@@ -121,7 +173,8 @@ class RedisState:
 
         client = coredis.Redis.from_url(self.name, decode_responses=True, retry_policy=coredis.retry.NoRetryPolicy())
         async with client:
-            yield _RedisSession(self.prefix, _Script(client, LEASE_SCRIPT), _Script(client, SERVICE_SCRIPT))
+            yield _RedisSession(self.prefix, _Script(client, LEASE_SCRIPT), _Script(client, SERVICE_SCRIPT),
+                                _Script(client, BUDGET_SCRIPT))
 
 
 class _Script:
@@ -143,14 +196,24 @@ class _Script:
 
 
 class _RedisSession:
-    def __init__(self, prefix: str, lease: _Script, service: _Script) -> None:
-        self._prefix, self._lease, self._service = prefix, lease, service
+    def __init__(self, prefix: str, lease: _Script, service: _Script, budget: _Script) -> None:
+        self._prefix, self._lease, self._service, self._budget = prefix, lease, service, budget
+
+    async def budget(self, replica: str, asks: Sequence[BudgetAsk]) -> list[tuple[float, int, float]]:
+        args = [replica, repr(LEASE_TTL_S), str(BUDGET_TTL_S)]
+        for ask in asks:
+            args += [str(ask.budget), str(ask.settled), str(ask.acknowledged), str(ask.known_spent),
+                     repr(ask.holding), repr(ask.want)]
+        result = await self._budget(keys=[redis_budget_key(self._prefix, ask.tenant, ask.period) for ask in asks],
+                                    args=args)
+        return [(float(result[3 * i]), int(float(result[3 * i + 1])), float(result[3 * i + 2]))
+                for i in range(len(asks))]
 
     async def lease(self, asks: Sequence[LeaseAsk]) -> list[tuple[float, float]]:
         args = [str(BUCKET_TTL_S)]
         for ask in asks:
             args += [repr(ask.rate), repr(ask.burst), repr(ask.want), repr(ask.returned)]
-        result = await self._lease(keys=[f"{self._prefix}:bucket:{ask.tenant}" for ask in asks], args=args)
+        result = await self._lease(keys=[redis_bucket_key(self._prefix, ask.tenant) for ask in asks], args=args)
         return [(float(result[2 * i]), float(result[2 * i + 1])) for i in range(len(asks))]
 
     async def service(self, replica: str, given: Mapping[str, float]) -> tuple[int, dict[str, float]]:

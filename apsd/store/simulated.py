@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
+from apsd.core.budget import LEASE_TTL_S, BudgetAsk
 from apsd.core.config import StoreConfig
 from apsd.store.leasing import LeaseAsk, LeasingStore
 
@@ -30,6 +31,8 @@ class SimulatedSharedState:
         self.buckets: dict[str, list[float]] = {}
         self.totals: dict[str, float] = {}
         self.seen: dict[str, float] = {}
+        #: (tenant, period) -> the budget account's fields, named as in Redis's hash.
+        self.budgets: dict[tuple[str, str], dict[str, float]] = {}
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[SimulatedSharedState]:
@@ -50,6 +53,29 @@ class SimulatedSharedState:
             if ask.want or ask.returned or state is None:  # (an ask for nothing only reads, as in Lua)
                 self.buckets[ask.tenant] = [tokens - grant, updated]
             out.append((grant, tokens - grant))
+        return out
+
+    async def budget(self, replica: str, asks: Sequence[BudgetAsk]) -> list[tuple[float, int, float]]:
+        await trio.sleep(self.delay_s)
+        now = trio.current_time()
+        out = []
+        for ask in asks:
+            account = self.budgets.setdefault((ask.tenant, ask.period), {})
+            spent = max(account.get("spent", 0), ask.known_spent)
+            base = account.get(f"settled:{replica}", ask.acknowledged)
+            if ask.settled > base:
+                spent += ask.settled - base
+            others = 0.0
+            for name in [f[5:] for f in account if f.startswith("seen:") and f[5:] != replica]:
+                if now - account[f"seen:{name}"] > LEASE_TTL_S:
+                    del account[f"seen:{name}"], account[f"lease:{name}"]
+                else:
+                    others += account[f"lease:{name}"]
+            unleased = ask.budget - spent - others - ask.holding
+            grant = min(ask.want, unleased) if ask.want > 0 and unleased > 0 else 0.0
+            account.update({"spent": spent, f"settled:{replica}": max(ask.settled, base),
+                            f"lease:{replica}": ask.holding + grant, f"seen:{replica}": now})
+            out.append((grant, int(spent), unleased - grant))
         return out
 
     async def service(self, replica: str, given: Mapping[str, float]) -> tuple[int, dict[str, float]]:

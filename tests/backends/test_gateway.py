@@ -4,6 +4,7 @@ priority order while the backends are saturated. Real HTTP both ways, real proce
 
 from __future__ import annotations
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -221,3 +222,54 @@ async def test_the_daemons_log_has_no_line_per_forwarded_request(llama_server, t
         log = await stop_apsd(process, seen)
     assert "backend " in log and " is up" in log
     assert "HTTP Request" not in log and "httpx" not in log
+
+
+async def test_metrics_json_answers_once_a_request_was_routed_to_a_backend(nursery, llama_server):
+    """``/metrics.json`` answered 500 on every forward-engine deployment once the routing policy had
+    sent a request (its routes were keyed by a tuple)."""
+    running = await start_daemon(nursery, gateway_config([llama_server]))
+    await wait_until(backends_up(running.daemon, 1))
+    async with running.client as client:
+        assert (await client.post("/infer", json=infer(tokens=3))).status_code == 200
+        answer = await client.get("/metrics.json")
+        assert answer.status_code == 200, answer.text
+        routes = answer.json()["routes"]
+        assert list(routes) == ["b0"] and sum(routes["b0"].values()) == 1, routes
+    running.daemon.request_shutdown()
+
+
+async def test_models_lists_only_what_the_tenant_may_use(nursery, llama_server):
+    """``/v1/models`` listed every model to every tenant, including those its ``models`` forbids (which
+    it would then be refused 403 ``model_not_allowed``). Two backends serve ``tiny`` and ``tiny-chat``;
+    a tenant limited to ``tiny-chat`` sees that one only, through the official client, with a key and
+    without keys; the admin key and an unlimited tenant see both."""
+    import openai
+
+    from apsd.core.config import AuthConfig
+    from apsd.serve.auth import hash_key, new_key
+
+    limited, free, admin = new_key(), new_key(), new_key()
+    base = forwarding_config([llama_server.url, llama_server.url], {})
+    backends = (attrs.evolve(base.backends[0], models=("tiny",)), attrs.evolve(base.backends[1], models=("tiny-chat",)))
+    tenants = {"limited": TenantConfig(rate=1e6, burst=10**6, models=("tiny-chat",)),
+               "free": TenantConfig(rate=1e6, burst=10**6)}
+    keyed = attrs.evolve(base, backends=backends, auth=AuthConfig(admin_key_hashes=[hash_key(admin)]),
+                         tenants={"limited": attrs.evolve(tenants["limited"], api_key_hashes=[hash_key(limited)]),
+                                  "free": attrs.evolve(tenants["free"], api_key_hashes=[hash_key(free)])})
+    open_daemon = attrs.evolve(base, backends=backends, tenants=tenants)
+    for config, callers in ((keyed, {limited: ["tiny-chat"], free: ["tiny", "tiny-chat"], admin: ["tiny", "tiny-chat"]}),
+                            (open_daemon, {"limited": ["tiny-chat"], "free": ["tiny", "tiny-chat"],
+                                           None: ["tiny", "tiny-chat"]})):
+        running = await start_daemon(nursery, config)
+        await wait_until(backends_up(running.daemon, 2))
+
+        def listed(who):
+            headers = {"X-Apsd-Tenant": who} if config is open_daemon and who else {}
+            client = openai.OpenAI(base_url=running.url + "/v1", api_key=who if config is keyed else "unused",
+                                   default_headers=headers, max_retries=0, timeout=30)
+            return sorted(m.id for m in client.models.list().data)
+
+        for who, expected in callers.items():
+            assert await trio.to_thread.run_sync(listed, who) == expected, who
+        await running.client.aclose()
+        running.daemon.request_shutdown()

@@ -327,9 +327,10 @@ async def test_a_replica_killed_and_restarted_finds_its_tenants_buckets_where_th
 
 async def test_the_simulated_shared_state_exchanges_as_the_lua_scripts_do():
     """The same random exchanges against Redis and against the simulator's shared state give the same
-    grants, levels and totals (rate 0: Redis's clock and trio's never meet)."""
+    grants, levels and totals (rate 0: Redis's clock and trio's never meet), budgets' leases included."""
     import random
 
+    from apsd.core.budget import BudgetAsk
     from apsd.store.leasing import LeaseAsk
     from apsd.store.redis import RedisState
     from apsd.store.simulated import SimulatedSharedState
@@ -346,6 +347,14 @@ async def test_the_simulated_shared_state_exchanges_as_the_lua_scripts_do():
                 given = {f"t{rng.randrange(4)}": rng.choice([1.5, 20.0, -3.0])}
                 (_, remote), (_, local) = await session.service("r", given), await simulated.service("r", given)
                 assert remote == pytest.approx(local)
+                replica, settled = rng.choice("abc"), rng.choice([0, 30, 90, 400])
+                budget_asks = [BudgetAsk(f"t{rng.randrange(3)}", rng.choice(["2026-11-26", "2026-11-27"]), 1000,
+                                         settled, rng.choice([0, settled // 2, settled]), rng.choice([0, 0, 200]),
+                                         float(rng.choice([0, 60, 250])), float(rng.choice([0, 30, 500])))
+                               for _ in range(rng.randint(1, 3))]
+                budget_asks = list({(a.tenant, a.period): a for a in budget_asks}.values())
+                remote, local = await session.budget(replica, budget_asks), await simulated.budget(replica, budget_asks)
+                assert remote == [pytest.approx(x) for x in local]
 
 
 def test_simulated_replicas_stay_within_what_the_buckets_grant():
@@ -514,3 +523,122 @@ async def test_a_replicas_status_follows_the_shared_bucket_in_virtual_time(virtu
         status = pipeline.tenant_status("t")
         assert status.tokens_available == pytest.approx(550, abs=0.5), status
     assert status.replica_tokens == pytest.approx(275, abs=0.5)  # its optimistic half, nothing leased
+
+
+# -- budgets across replicas ----------------------------------------------------------------------------
+
+BUDGET = 3000
+
+
+async def spend_a_budget_in_a_burst(daemons: list[LiveDaemon], requests: int, tokens: int) -> tuple[int, list[str]]:
+    """``requests`` concurrent requests (prompt of 4 tokens + ``tokens``) through the replicas in turn,
+    each retried at its ``Retry-After`` while the budget is not exhausted (at most 20 tries): the tokens
+    the admitted ones used, and every refusal's code."""
+    used = 0
+    refusals: list[str] = []
+
+    async def one(daemon: LiveDaemon) -> None:
+        nonlocal used
+        for _ in range(20):
+            answer = await daemon.client.post("/infer", json=infer("t", tokens))
+            if answer.status_code == 200:
+                used += answer.json()["tokens_generated"] + 4
+                return
+            refusals.append(answer.json()["error"])
+            if answer.json()["error"] == "budget_exhausted":
+                return
+            assert answer.status_code == 429, answer.text
+            await trio.sleep(float(answer.headers["Retry-After"]))
+        raise AssertionError("still refused after 20 tries")
+
+    with trio.fail_after(WAIT_S * 2):
+        async with trio.open_nursery() as senders:
+            for daemon, _ in zip(itertools.cycle(daemons), range(requests)):
+                senders.start_soon(one, daemon)
+    return used, refusals
+
+
+async def test_two_replicas_hold_a_budget_under_a_burst_of_200_concurrent_requests():
+    """Two replicas sharing a real Redis, one tenant with a 3,000-token budget and a bucket that never
+    refuses: 200 concurrent requests of 30 tokens each (twice the budget), split between them. They
+    use at most 2% more than the budget (the budget is reserved through the shared store: a replica
+    admits only from its lease of it), and at least 90% of it; then both replicas report the same
+    spend, which is what was used."""
+    async with open_redis_server() as redis:
+        config = store_config(redis.url, {"t": {"rate": 1e9, "burst": 10**9, "budget_tokens": BUDGET}})
+        async with replicas(config, 2) as daemons:
+            await wait_for_store(daemons, available=True)
+            with trio.fail_after(WAIT_S):
+                for daemon in daemons:
+                    await wait_for_replicas(daemon, 2)
+            used, refusals = await spend_a_budget_in_a_burst(daemons, 200, 26)
+            print(f"200 concurrent requests of 30 tokens through two replicas: {used} tokens used of a "
+                  f"{BUDGET}-token budget ({used / BUDGET - 1:+.1%}); refusals {collections.Counter(refusals)}")
+            assert used <= BUDGET * 1.02
+            assert used >= BUDGET * 0.9
+
+            async def spent(daemon: LiveDaemon) -> int:
+                view = (await daemon.client.get("/admin/tenants/t")).json()["live"]["budget"]
+                return view["spent"]
+
+            with trio.fail_after(WAIT_S):  # (the replicas' next exchanges bring each other's spend)
+                while [await spent(d) for d in daemons] != [used, used]:
+                    await trio.sleep(0.1)
+
+
+async def test_a_vanished_replicas_budget_lease_goes_back_after_the_lease_ttl(monkeypatch):
+    """A replica that vanishes (no more exchanges) while holding a lease of a budget loses it after
+    ``LEASE_TTL_S`` (here 0.3 s, on a real Redis): another replica can then lease the rest of the
+    budget, and the spend the vanished one reported is kept."""
+    from apsd.core.budget import BudgetAsk
+    from apsd.store import redis as redis_module
+    from apsd.store.redis import RedisState
+
+    monkeypatch.setattr(redis_module, "LEASE_TTL_S", 0.3)
+    async with open_redis_server() as redis:
+        async with RedisState(redis.url, "ttl").session() as session:
+            def ask(settled: int, holding: float, want: float) -> BudgetAsk:
+                return BudgetAsk("t", "2026-11-26", 3000, settled, 0, 0, holding, want)
+
+            assert await session.budget("gone", [ask(0, 0, 1000)]) == [(1000.0, 0, 2000.0)]
+            assert await session.budget("other", [ask(0, 0, 3000)]) == [(2000.0, 0, 0.0)]
+            await session.budget("gone", [ask(100, 900, 0)])                # it spent 100, holds 900, then vanishes
+            assert (await session.budget("other", [ask(0, 2000, 0)]))[0][1] == 100
+            await trio.sleep(0.5)                                           # (real time: Redis's clock)
+            assert await session.budget("other", [ask(0, 2000, 3000)]) == [(900.0, 100, 0.0)]
+
+
+async def test_a_replica_stopped_cleanly_returns_its_budget_lease(virtual_pipeline, autojump_clock):
+    """Two replicas over the simulator's shared state: the idle one holds a lease of the budget (an
+    eighth of what is left); once it stops, the busy one spends the budget to the token."""
+    from apsd.store.simulated import SimulatedSharedState, simulated_store
+
+    config = make_config({"tenants": {"t": {"rate": 1e9, "burst": 10**9, "budget_tokens": BUDGET}},
+                          "store": {"sync_interval_s": 0.05}})
+    state = SimulatedSharedState(delay_s=0.002)
+    idle, busy = [await virtual_pipeline(config, store=simulated_store(config.store, state, i)) for i in (0, 1)]
+    await trio.sleep(1.0)
+    assert idle.admission.budgets.view("t", config.tenants["t"]) is not None
+    (account,) = state.budgets.values()
+    assert account["lease:replica-0"] == BUDGET / 8  # (idle: a quarter of its half of what is left)
+    idle.stop_stages()
+    await trio.sleep(0.1)
+    assert account["lease:replica-0"] == 0
+    from apsd.core.budget import LEASE_TTL_S
+
+    start, used, refusals = trio.current_time(), 0, collections.Counter()
+    while True:
+        request = busy.new_request(tenant_id="t", prompt=PROMPT, tokens_requested=26, priority_bid=5)
+        assert busy.submit_nowait(request) is None
+        outcome = await request.reply.wait()
+        if getattr(outcome, "error", None) is None:
+            used += outcome.prompt_tokens + outcome.tokens_generated
+            continue
+        refusals[outcome.error] += 1
+        if outcome.error == "budget_exhausted":
+            break
+        await trio.sleep(1.0)
+    assert used == BUDGET, refusals
+    assert trio.current_time() - start < LEASE_TTL_S, refusals  # (given back, not expired)
+    await trio.sleep(0.2)  # (the busy replica's next exchange reports its last settlement)
+    assert account["lease:replica-0"] == 0 and account["spent"] == BUDGET

@@ -4,6 +4,8 @@ concurrency, and what survives ``kill -9``."""
 from __future__ import annotations
 
 import functools
+
+import attrs
 import json
 import logging
 import signal
@@ -17,7 +19,7 @@ from apsd.core.config import AuthConfig, ServerConfig, StateConfig, TenantConfig
 from apsd.serve.auth import hash_key
 from apsd.serve.http import create_app
 from apsd.serve.http.admin import openapi_document
-from tests.helpers import FAST_GPU, infer_body, make_config, run_cli, start_apsd, start_daemon, wait_until
+from tests.helpers import FAST_GPU, infer_body, make_config, run_cli, start_apsd, start_daemon, stop_apsd, wait_until
 
 ADMIN = "admin-key-" + "a" * 30
 FILE_KEY = "file-tenant-key-" + "f" * 20
@@ -134,9 +136,11 @@ async def test_disabled_tenants_and_models_a_tenant_may_not_use_are_refused(admi
     ("GET", "/admin/usage?format=xml", None, 400, "format"),
 ])
 async def test_bad_input_to_every_admin_endpoint_is_a_4xx_naming_the_field(admin, method, path, body, status, field):
-    content = body if isinstance(body, bytes) else None
-    answer = await admin.client.request(method, path, headers=ADMIN_HEADERS, content=content,
-                                        json=None if content is not None or body is None else body)
+    kind, content = body if isinstance(body, tuple) else ("application/json", body)
+    raw = isinstance(content, bytes)
+    answer = await admin.client.request(method, path, headers={**ADMIN_HEADERS, "Content-Type": kind} if raw
+                                        else ADMIN_HEADERS, content=content if raw else None,
+                                        json=None if raw or content is None else content)
     assert answer.status_code == status, answer.text
     assert answer.json().get("field") == field and answer.json()["message"]
 
@@ -173,27 +177,31 @@ async def test_the_openapi_description_covers_every_admin_route(admin):
 
 
 async def test_a_budget_is_never_passed_by_concurrent_requests(nursery, tmp_path):
-    """30 requests at once against a budget with room for 9: 9 admitted, the rest refused 429
-    budget_exhausted, and what was used stays within the budget (reserve-then-settle)."""
+    """200 requests at once against a 3,000-token budget with room for 100 of them: exactly 100
+    admitted, the rest refused 429 budget_exhausted; what was used is the budget, to the token, and
+    the tenant's budget says so (reserve-then-settle, one daemon)."""
     config = make_config(
         server=ServerConfig(host="127.0.0.1", port=0), gpu=FAST_GPU,
         state=StateConfig(path=str(tmp_path / "apsd.db")),
-        tenants={"capped": TenantConfig(rate=1e6, burst=1_000_000, budget_tokens=1000)})
+        tenants={"capped": TenantConfig(rate=1e6, burst=1_000_000, budget_tokens=3000)})
     running = await start_daemon(nursery, config)
-    body = infer_body("capped", "x" * 12, 100)  # 3 prompt tokens + 100: 103 reserved each
+    body = infer_body("capped", "x" * 16, 26)  # 4 prompt tokens + 26: 30 reserved each
     answers = []
 
     async def send() -> None:
         answers.append(await running.client.post("/infer", json=body))
 
     async with running.client, trio.open_nursery() as senders:
-        for _ in range(30):
+        for _ in range(200):
             senders.start_soon(send)
     statuses = sorted(a.status_code for a in answers)
-    assert statuses.count(200) == 1000 // 103 and statuses.count(429) == 30 - 1000 // 103
+    assert statuses.count(200) == 100 and statuses.count(429) == 100
     assert {a.json()["error"] for a in answers if a.status_code == 429} == {"budget_exhausted"}
     used = sum(a.json()["prompt_tokens"] + a.json()["tokens_generated"] for a in answers if a.status_code == 200)
-    assert used <= 1000
+    assert used == 3000
+    async with httpx.AsyncClient(base_url=running.url) as client:
+        budget = (await client.get("/admin/tenants/capped")).json()["live"]["budget"]
+    assert (budget["spent"], budget["reserved"], budget["limit"], budget["period"]) == (3000, 0, 3000, "day")
     running.daemon.request_shutdown()
 
 
@@ -273,3 +281,92 @@ def test_a_state_file_that_cannot_be_opened_stops_the_daemon_with_one_line(tmp_p
     answer = run_cli(str(config))
     assert answer.returncode == 2 and "Traceback" not in answer.stderr
     assert f"apsd: error: {config}: state: {blocker}/apsd.db: cannot open the state file" in answer.stderr
+
+
+async def test_deleting_tenants_keeps_the_connection_and_logs_no_error(admin, caplog):
+    """Every tenant DELETE used to log an ASGI error (``RuntimeError: no running event loop``: quart's
+    default body of a bodiless 204, driven by asyncio) and drop the keep-alive connection. Now three
+    creations and deletions, then a read, go over one connection; the 204s carry no body headers."""
+    host, port = admin.url.removeprefix("http://").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    received = b""
+
+    async def exchange(head: str, body: bytes = b"") -> bytes:
+        nonlocal received
+        await stream.send_all(head.encode() + f"Host: localhost\r\nAuthorization: Bearer {ADMIN}\r\n"
+                              f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        with trio.fail_after(30):
+            while b"\r\n\r\n" not in received:
+                chunk = await stream.receive_some()
+                assert chunk, f"the connection was closed after {head!r}"
+                received += chunk
+            answer_head, received = received.split(b"\r\n\r\n", 1)
+            length = next((int(line.split(b":")[1]) for line in answer_head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            while len(received) < length:
+                received += await stream.receive_some()
+        received = received[length:]
+        return answer_head
+
+    async with stream:
+        for name in ("gone-1", "gone-2", "gone-3"):
+            made = await exchange("POST /admin/tenants HTTP/1.1\r\n",
+                                  json.dumps({"name": name, "rate": 1, "burst": 1}).encode())
+            assert made.startswith(b"HTTP/1.1 201"), made
+            deleted = await exchange(f"DELETE /admin/tenants/{name} HTTP/1.1\r\n")
+            assert deleted.startswith(b"HTTP/1.1 204"), deleted
+            assert b"content-length" not in deleted.lower() and b"content-type" not in deleted.lower(), deleted
+        listed = await exchange("GET /admin/tenants HTTP/1.1\r\n")
+        assert listed.startswith(b"HTTP/1.1 200"), listed
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records
+                                                                            if r.levelno >= logging.ERROR]
+
+
+async def test_a_full_disk_makes_admin_writes_answer_503_and_they_work_again_once_it_has_room(nursery, tmp_path,
+                                                                                              caplog):
+    """The state file on a 1 MB tmpfs filled to the last byte: admin writes answer 503
+    ``state_unavailable`` (SQLite: "database or disk is full"), never 500, and change nothing; reads
+    still answer. Once the disk has room, the same write is made."""
+    from tests.helpers import fill, small_filesystem
+
+    with small_filesystem(tmp_path / "disk") as disk:
+        config = attrs.evolve(admin_config(tmp_path), state=StateConfig(path=str(disk / "apsd.db"),
+                                                                        flush_interval_s=0.1, poll_interval_s=0.1))
+        running = await start_daemon(nursery, config)
+        async with running.client as client:
+            filler = fill(disk)
+            tenant = {"name": "team-b", "rate": 1, "burst": 1}
+            for _ in range(3):  # (a few, so that SQLite must grow its file or its WAL)
+                answer = await client.post("/admin/tenants", headers=ADMIN_HEADERS, json=tenant)
+                assert (answer.status_code, answer.json()["error"]) == (503, "state_unavailable"), answer.text
+            assert "disk is full" in answer.json()["message"] or "disk I/O" in answer.json()["message"]
+            assert (await client.get("/admin/audit", headers=ADMIN_HEADERS)).status_code == 200
+            assert [t["name"] for t in (await client.get("/admin/tenants", headers=ADMIN_HEADERS)).json()["tenants"]] \
+                == ["team-a"]
+            filler.unlink()
+            made = await client.post("/admin/tenants", headers=ADMIN_HEADERS, json=tenant)
+            assert made.status_code == 201, made.text
+        running.daemon.request_shutdown()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("apsd")]
+
+
+async def test_a_world_readable_state_file_is_made_the_owners_only_at_start(tmp_path):
+    """A state file restored from a backup (or copied) as 0644 stayed readable by everyone: apsd now
+    makes it 0600 when it opens it, and says so in its log."""
+    import os
+    import stat
+
+    state = tmp_path / "apsd.db"
+    with sqlite3.connect(state) as db:
+        db.execute("CREATE TABLE t (x)")
+    os.chmod(state, 0o644)
+    config = tmp_path / "apsd.toml"
+    config.write_text(f'[server]\nport = 0\n[gpu]\ntime_scale = 0.001\n[state]\npath = "{state}"\n')
+    process, _, seen = await start_apsd(str(config))
+    try:
+        assert stat.S_IMODE(state.stat().st_mode) == 0o600
+        log = await stop_apsd(process, seen)
+    finally:
+        if process.returncode is None:
+            process.kill()
+    assert f"state: {state} was readable by others (mode 0644): now 0600" in log

@@ -6,6 +6,7 @@ import functools
 import hashlib
 import hmac
 import logging
+import signal
 import subprocess
 
 import attrs
@@ -19,7 +20,7 @@ from apsd.serve.daemon import Daemon
 from apsd.plugins import make_plugin_manager
 
 from tests.helpers import (APSD, FAST_GPU, infer_body, make_config, run_cli, start_apsd, start_daemon,
-                           stop_apsd)
+                           stop_apsd, wait_for_log)
 
 KEY_A, KEY_A2, KEY_B, ADMIN, SCRAPER = (new_key() for _ in range(5))
 
@@ -239,11 +240,13 @@ async def test_a_metrics_key_reads_the_metrics_and_nothing_else(keyed):
     models = await client.get("/v1/models", headers=bearer(SCRAPER))
     for answer in (chat, models):  # (OpenAI's error shape under /v1)
         assert (answer.status_code, answer.json()["error"]["code"]) == (403, "metrics_only"), answer.text
-    for path in ("/health", "/ready"):  # open stays open
-        assert (await client.get(path, headers=bearer(SCRAPER))).status_code == 200
+    for path in ("/health", "/ready", "/ui", "/ui/app.js", "/ui/style.css"):  # open stays open (the page's
+        assert (await client.get(path, headers=bearer(SCRAPER))).status_code == 200, path  # files hold no data)
+    status = await client.get("/admin/status", headers=bearer(SCRAPER))  # (its data is the admin's)
+    assert (status.status_code, status.json()["error"]) == (403, "metrics_only")
     assert (await client.post("/infer", json=job(), headers=bearer(KEY_A))).status_code == 200  # (unaffected)
     metrics = (await client.get("/metrics.json", headers=bearer(SCRAPER))).json()["requests"]
-    assert (metrics["admitted"], metrics["rejected_by_error"]) == (1, {"metrics_only": 7})
+    assert (metrics["admitted"], metrics["rejected_by_error"]) == (1, {"metrics_only": 8})
     assert (await client.get("/tenants/tenant_a/status", headers=bearer(ADMIN))).json()["rejected"] == 0
 
 
@@ -333,6 +336,54 @@ async def test_a_reload_that_would_drop_every_key_beyond_loopback_is_refused(nur
     assert "without API keys" in daemon.reload_error
     assert KeyRing.from_config(daemon.pipeline.config).enabled
     daemon.request_shutdown()
+
+
+async def test_an_emptied_or_truncated_config_on_reload_keeps_the_keys_and_the_tenants(tmp_path):
+    """``: > apsd.toml; kill -HUP`` on a loopback daemon with keys (as behind nginx) must not switch
+    authentication off, nor delete the file's tenants from the state and bring in the default ones;
+    neither may a file truncated to ``[server]``, one that lost every key, or one that lost its
+    ``[tenants]``. Each is refused with one ERROR line; a sound reload still applies afterwards."""
+    path = tmp_path / "apsd.toml"
+    server = f'[server]\nhost = "127.0.0.1"\nport = 0\n[state]\npath = "{tmp_path / "apsd.db"}"\n'
+    auth = f'[auth]\nadmin_key_hashes = ["{hash_key(ADMIN)}"]\n'
+    tenants = f'[tenants.team]\nrate = 1e4\nburst = 10000\napi_key_hashes = ["{hash_key(KEY_A)}"]\n'
+    path.write_text(server + "[gpu]\ntime_scale = 0.001\n" + auth + tenants)
+    process, url, seen = await start_apsd(str(path))
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            async def still_guarded() -> None:
+                assert (await client.get("/admin/tenants")).status_code == 401
+                assert (await client.post("/infer", json=job(tenant_id="tenant_a"))).status_code == 401
+                assert (await client.post("/infer", json=job(tenant_id="team"))).status_code == 401
+                assert (await client.post("/infer", json=job(), headers=bearer(KEY_A))).status_code == 200
+                listed = (await client.get("/admin/tenants", headers=bearer(ADMIN))).json()["tenants"]
+                assert [t["name"] for t in listed] == ["team"]
+
+            await still_guarded()
+            for broken, why in [("", b"the file sets nothing"),
+                                ("# the rest was lost\n\n", b"the file sets nothing"),
+                                (server, b"configures no API key"),
+                                (server + tenants.replace(f'"{hash_key(KEY_A)}"', ""), b"configures no API key"),
+                                (server + auth, b"declares no [tenants]")]:
+                path.write_text(broken)
+                mark = len(b"".join(seen))
+                process.send_signal(signal.SIGHUP)
+                await wait_for_log(process, seen, why, after=mark)
+                assert b"reload refused, the running configuration stays" in b"".join(seen)[mark:]
+                await still_guarded()
+            path.write_text(server + auth + tenants + "[tenants.more]\nrate = 10\nburst = 100\n")
+            mark = len(b"".join(seen))
+            process.send_signal(signal.SIGHUP)
+            await wait_for_log(process, seen, b"reloaded", after=mark)
+            names = [t["name"] for t in (await client.get("/admin/tenants", headers=bearer(ADMIN))).json()["tenants"]]
+            assert names == ["more", "team"]
+            audit = (await client.get("/admin/audit", headers=bearer(ADMIN))).json()["entries"]
+            assert not any(entry["action"] == "tenant.delete" for entry in audit)
+        log = await stop_apsd(process, seen)
+    finally:
+        if process.returncode is None:
+            process.kill()
+    assert "Traceback" not in log and "tenant_a" not in log
 
 
 # -- the apsd command -------------------------------------------------------------------------------

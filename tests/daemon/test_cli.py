@@ -30,7 +30,17 @@ def test_version_and_help():
         (None, ["/no/such/apsd.toml"], "/no/such/apsd.toml: no such config file"),
         ("[server\n", [], "TOML syntax error"),
         ("[server]\nprot = 8002\n", [], "server.prot: unknown key"),
-        ("", ["--policy", "lottery"], "policy preset 'lottery' is unknown (available: aps, fair, fifo, static)"),
+        ("[server]\nport = 0\n", ["--policy", "lottery"],
+         "policy preset 'lottery' is unknown (available: aps, fair, fifo, static)"),
+        ("# emptied by an editor that crashed\n", [], "the file sets nothing (it is empty, or holds only comments"),
+        # config strings end up in headers, labels and logs: a CR/LF there made every answer a 500
+        ('[[backends]]\nurl = "http://127.0.0.1:9"\nname = "b0\\r\\nX-Injected: 1"\n', [],
+         "backends[0].name: the value holds a control character (U+000D at position 2)"),
+        ('[[backends]]\nurl = "http://127.0.0.1:9"\nname = "gpu\\u00e9"\n', [],
+         "backends[0].name: must be 1-128 printable ASCII characters"),
+        ('[tenants."team\\nb"]\nrate = 1\nburst = 1\n', [], "the name holds a control character (U+000A"),
+        ('[tenants.t]\nrate = 1\nburst = 1\nmodels = ["m\\t1"]\n', [],
+         "tenants.t.models[0]: the value holds a control character (U+0009"),
     ],
 )
 def test_bad_config_exits_2_with_one_message(tmp_path, text, args, fragment):

@@ -60,7 +60,7 @@ from hypothesis import strategies as st
 
 from apsd.core.models import Completion
 
-from tests.helpers import WAIT_S
+from tests.helpers import WAIT_S, expected_prompt_tokens
 
 APSD = str(Path(sys.executable).with_name("apsd"))
 LISTENING = re.compile(r"apsd listening on (http://\S+)")
@@ -314,7 +314,7 @@ def expected_infer(raw: bytes) -> tuple[set[int], dict[str, str] | None]:
     tenant = data["tenant_id"]
     if tenant not in TENANTS:
         return {404}, {"tenant_id": "unknown_tenant"}
-    cost = math.ceil(len(data["prompt"]) / 4) + data["tokens_requested"]
+    cost = math.ceil(expected_prompt_tokens(data["prompt"])) + data["tokens_requested"]
     if cost > TENANTS[tenant]:
         return {413}, {"": "exceeds_tenant_burst"}
     if cost > KV_CAP:
@@ -352,6 +352,11 @@ def post_infer(apsd: Apsd, raw: bytes, extra_headers: dict[str, str] | None = No
         headers["connection"] = "close"
     response = apsd.client.post("/infer", content=raw, headers=headers)
     data = check_json_answer(response)
+    origin = next((v for k, v in headers.items() if k.lower() == "origin"), None)
+    if origin is not None and origin.lower().split("://", 1)[-1].rstrip("/") != apsd.client.base_url.netloc.decode():
+        # no keys: a browser's request from another origin changes nothing, whatever its body
+        assert (response.status_code, data["error"]) == (403, "cross_site_request"), (data, origin)
+        return
     statuses, faults = expected_infer(raw)
     assert response.status_code in statuses, (response.status_code, data, raw[:200])
     if response.status_code == 200:
@@ -359,10 +364,8 @@ def post_infer(apsd: Apsd, raw: bytes, extra_headers: dict[str, str] | None = No
         assert set(data) == COMPLETION_KEYS, data
         assert data["tenant_id"] == sent["tenant_id"]
         assert data["tokens_generated"] == sent["tokens_requested"]
-        # the estimate: ASCII characters at 4 per token, the UTF-8 bytes of the rest at 1 per token
-        ascii_chars = sum(1 for c in sent["prompt"] if ord(c) < 128)
-        other_bytes = len(sent["prompt"].encode("utf-8", "surrogatepass")) - ascii_chars
-        assert data["prompt_tokens"] == math.ceil(ascii_chars / 4 + other_bytes)
+        # the estimate (docs/reference/accounting.md)
+        assert data["prompt_tokens"] == math.ceil(expected_prompt_tokens(sent["prompt"]))
         assert "RateLimit" in response.headers and "RateLimit-Policy" in response.headers
         return
     assert faults is not None
@@ -769,9 +772,9 @@ def read_answer(sock: socket.socket) -> bytes | None:
 # "Connection: close": a pooling client's next request on it hung until its timeout. A bare
 # quart-trio app on hypercorn 0.18 does the same; apsd now says "Connection: close".)
 @pytest.mark.parametrize(("head", "status"), [
-    (b"DELETE /tenants/alpha/status HTTP/1.1\r\nhost: apsd\r\ncontent-length: 80\r\n\r\n", b"405"),
-    (b"POST /no/such/path HTTP/1.1\r\nhost: apsd\r\ncontent-length: 80\r\n\r\n", b"404"),
-    (b"POST /infer HTTP/1.1\r\nhost: apsd\r\ncontent-length: 100000\r\n\r\n", b"413"),
+    (b"DELETE /tenants/alpha/status HTTP/1.1\r\nhost: localhost\r\ncontent-length: 80\r\n\r\n", b"405"),
+    (b"POST /no/such/path HTTP/1.1\r\nhost: localhost\r\ncontent-length: 80\r\n\r\n", b"404"),
+    (b"POST /infer HTTP/1.1\r\nhost: localhost\r\ncontent-length: 100000\r\n\r\n", b"413"),
 ], ids=["405-method", "404-path", "413-body-too-large"])
 def test_an_early_answer_leaves_the_connection_usable(apsd, head, status):
     """The next request on the connection gets an answer, or the answer said ``Connection: close``
@@ -788,7 +791,7 @@ def test_an_early_answer_leaves_the_connection_usable(apsd, head, status):
         if b"connection: close" in answer.lower():
             return                                           # the client knows not to reuse it: fine
         try:
-            sock.sendall(b"GET /health HTTP/1.1\r\nhost: apsd\r\n\r\n")
+            sock.sendall(b"GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n")
         except (BrokenPipeError, ConnectionResetError):
             return                                           # closed: the client sees it at once
         second = read_answer(sock)
@@ -811,7 +814,7 @@ def test_a_client_that_pipelines_after_a_413_leaves_no_traceback(apsd):
     host, port = apsd.url.removeprefix("http://").rsplit(":", 1)
     for _ in range(30):
         with socket.create_connection((host, int(port)), timeout=30) as sock:
-            sock.sendall(b"POST /infer HTTP/1.1\r\nhost: apsd\r\ncontent-length: 2000000\r\n\r\n")
+            sock.sendall(b"POST /infer HTTP/1.1\r\nhost: localhost\r\ncontent-length: 2000000\r\n\r\n")
             head = b""
             while b"\r\n\r\n" not in head:                     # the head of the answer, no more...
                 chunk = sock.recv(65536)
@@ -819,7 +822,7 @@ def test_a_client_that_pipelines_after_a_413_leaves_no_traceback(apsd):
                 head += chunk
             assert head.startswith(b"HTTP/1.1 413") and b"connection: close" in head.lower(), head
             with contextlib.suppress(OSError):                 # ...then at once the next request
-                sock.sendall(b"GET /health HTTP/1.1\r\nhost: apsd\r\n\r\n")
+                sock.sendall(b"GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n")
     assert apsd.client.get("/health").status_code == 200
     time.sleep(0.2)
     assert "Traceback" not in apsd.log() and "Error in ASGI" not in apsd.log()

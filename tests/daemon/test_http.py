@@ -425,14 +425,14 @@ async def test_idle_and_slow_connections_are_closed_and_the_backlog_is_configura
     assert data == b"" and 0.2 < took < 4.0
     # a body that never arrives in full: 408 request_timeout, connection closed (Quart's default was 60 s)
     slow = await trio.open_tcp_stream("127.0.0.1", port)
-    await slow.send_all(b"POST /infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    await slow.send_all(b"POST /infer HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                         b"Content-Length: 100\r\n\r\n{")
     data, took = await read_until_closed(slow, 12.0)
     assert data.startswith(b"HTTP/1.1 408") and b"request_timeout" in data and b"body_timeout_s" in data
     assert took < 8.0
     # idle after an answered request: closed too
     used = await trio.open_tcp_stream("127.0.0.1", port)
-    await used.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    await used.send_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
     data, took = await read_until_closed(used, 4.5)
     assert data.startswith(b"HTTP/1.1 200") and took < 4.0
     listening = await trio.run_process(["ss", "-ltnH", f"sport = :{port}"], capture_stdout=True)
@@ -440,3 +440,21 @@ async def test_idle_and_slow_connections_are_closed_and_the_backlog_is_configura
     await running.client.aclose()
     running.daemon.request_shutdown()
 
+
+
+async def test_metrics_json_shows_where_requests_were_routed(nursery):
+    """``/metrics.json`` answered 500 (a JSON object cannot have tuple keys) on every deployment whose
+    routing policy had routed a request: several engines, or ``[[backends]]``
+    (``tests/backends/test_gateway.py`` checks the latter against a real llama-server)."""
+    config = make_config({"engine": {"kind": "continuous", "count": 2}, "gpu": {"time_scale": 0.001},
+                          "tenants": {"t": {"rate": 1e6, "burst": 10**6}}},
+                         server=ServerConfig(host="127.0.0.1", port=0))
+    running = await start_daemon(nursery, config)
+    async with running.client as client:
+        for _ in range(3):
+            assert (await client.post("/infer", json=infer_body("t", "hello", 5))).status_code == 200
+        answer = await client.get("/metrics.json")
+        assert answer.status_code == 200, answer.text
+        routes = answer.json()["routes"]
+        assert set(routes) <= {"engine-0", "engine-1"} and sum(n for r in routes.values() for n in r.values()) == 3
+    running.daemon.request_shutdown()

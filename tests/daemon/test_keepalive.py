@@ -44,7 +44,7 @@ class Client:
         self.h11 = h11.Connection(h11.CLIENT)
 
     def request_bytes(self, path: str = "/health") -> bytes:
-        return self.h11.send(h11.Request(method="GET", target=path, headers=[("Host", "apsd")])) + \
+        return self.h11.send(h11.Request(method="GET", target=path, headers=[("Host", "localhost")])) + \
             self.h11.send(h11.EndOfMessage())
 
     def send_now(self, data: bytes) -> None:

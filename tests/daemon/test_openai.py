@@ -24,7 +24,7 @@ from apsd.core.hookspecs import hookimpl
 from apsd.serve.http.common import BodyError
 from apsd.serve.http.openai import CHAT, COMPLETIONS, parse_openai_body, placeholder_text, priority_bid
 
-from tests.helpers import FAST_GPU, WAIT_S, LiveDaemon, make_config, start_daemon
+from tests.helpers import FAST_GPU, WAIT_S, LiveDaemon, expected_prompt_tokens, make_config, start_daemon
 
 TENANT = {"X-Apsd-Tenant": "tenant_a"}
 MICRO_MODEL = "apsd-batch"
@@ -534,8 +534,8 @@ def test_the_payload_keeps_every_parameter_but_priority():
     assert parsed.payload == {k: v for k, v in body.items() if k != "priority"}
     assert (parsed.max_tokens, parsed.stream, parsed.include_usage, parsed.priority) == (40, True, True, -2)
     tool_calls = json.dumps(body["messages"][2]["tool_calls"])
-    characters = len("Be brief.") + len("Hello") + len(" there") + len(tool_calls)
-    assert parsed.prompt_tokens == math.ceil(characters / 4) + 3 * 4
+    # (the messages' texts, each message's parts a line; 4 tokens a message for the template)
+    assert parsed.prompt_tokens == math.ceil(expected_prompt_tokens("Be brief." + "Hello\n there" + tool_calls)) + 3 * 4
     text = parse_openai_body(b'{"model": "m", "prompt": ["abcdefgh"], "echo": true}', COMPLETIONS, config)
     assert (text.prompt, text.prompt_tokens, text.max_tokens, text.payload) == (
         "abcdefgh", 2, 256, {"model": "m", "prompt": ["abcdefgh"], "echo": True})

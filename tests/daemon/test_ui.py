@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -29,6 +30,7 @@ from tests.llama_server import REQUIRE_ENV
 ADMIN = "status-admin-key-" + "a" * 30
 KEY_ALPHA = "alpha-tenant-key-" + "b" * 30
 KEY_BETA = "beta-tenant-key-" + "c" * 30
+KEY_GAMMA = "gamma-tenant-key-" + "d" * 30
 #: Environment: the Chromium binary to drive, overriding PATH.
 CHROMIUM_ENV = "APSD_CHROMIUM"
 #: Playwright's limit on each step in the browser (a real second each; bounded waits, never sleeps).
@@ -301,3 +303,236 @@ def browse(chromium: str, url: str, shots: Path) -> None:
 async def test_an_operator_uses_the_status_page_in_chromium(chromium, daemon, tmp_path):
     await trio.to_thread.run_sync(functools.partial(browse, chromium, daemon.url, tmp_path))
     assert (tmp_path / "status-page.png").stat().st_size > 10_000
+
+
+# -- no keys: a page of another origin cannot act through the operator's browser ---------------------
+
+def attack(chromium: str, apsd: str, attacker: str) -> list[str]:
+    """Open the attacker's page (another origin: another port of 127.0.0.1, and a name of its own that
+    resolves to 127.0.0.1) and let it try what the outside tester's page did; then a DNS-rebinding
+    page (a name of the attacker's that resolves to apsd itself). Returns the rebinding page's text."""
+    from playwright.sync_api import sync_playwright
+
+    port = apsd.rsplit(":", 1)[1]
+    script = """async ([target, name]) => {
+        const body = JSON.stringify({name: name, rate: 1000, burst: 1000});
+        const tries = [
+          fetch(target + "/admin/tenants", {method: "POST", mode: "no-cors", body: body,
+                                             headers: {"Content-Type": "text/plain"}}),
+          fetch(target + "/admin/tenants", {method: "POST", body: body,
+                                             headers: {"Content-Type": "application/json"}}),
+          fetch(target + "/infer", {method: "POST", mode: "no-cors", headers: {"Content-Type": "text/plain"},
+                body: JSON.stringify({tenant_id: "victim", prompt: "x", tokens_requested: 500, priority_bid: 5})}),
+          fetch(target + "/admin/tenants/victim", {method: "DELETE", mode: "no-cors"}),
+        ];
+        const form = document.createElement("form");
+        form.method = "POST"; form.action = target + "/infer"; form.enctype = "text/plain";
+        const field = document.createElement("input");
+        field.name = '{"tenant_id": "victim", "prompt": "x", "tokens_requested": 500, "priority_bid": 5, "x": "';
+        field.value = '"}';
+        form.appendChild(field); document.body.appendChild(form);
+        const frame = document.createElement("iframe"); frame.name = "sink"; document.body.appendChild(frame);
+        form.target = "sink"; form.submit();
+        const settled = await Promise.allSettled(tries);
+        await new Promise(done => frame.onload = done);
+        return settled.map(s => s.status);
+    }"""
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=chromium, headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                  "--host-resolver-rules=MAP attacker.test 127.0.0.1, MAP rebind.test 127.0.0.1"])
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(STEP_MS)
+            for origin, name in ((attacker, "evil-port"), (attacker.replace("127.0.0.1", "attacker.test"), "evil-site")):
+                page.goto(origin + "/")
+                page.evaluate(script, [apsd, name])
+            rebound = page.goto(f"http://rebind.test:{port}/admin/tenants")
+            assert rebound is not None
+            return [str(rebound.status), page.content()]
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def attacker_site():
+    """A real web server of another origin (127.0.0.1, another port) serving the attacker's empty page."""
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            body = b"<!doctype html><title>a page from elsewhere</title><body></body>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(10)
+
+
+@pytest.mark.timeout(240)
+async def test_without_keys_a_page_of_another_origin_cannot_act_through_the_browser(chromium, attacker_site,
+                                                                                    nursery, tmp_path):
+    """The quick start (no keys, loopback) in front of the operator's own browser: a page from another
+    origin sends ``no-cors`` text/plain JSON (no preflight), a CORS JSON request, a ``text/plain`` form
+    and a DELETE; nothing is created, deleted or submitted. A DNS-rebinding page (its own name, apsd's
+    address) is refused before it can read anything."""
+    running = await start_daemon(nursery, make_config(
+        server=ServerConfig(host="127.0.0.1", port=0, shutdown_grace_s=5.0),
+        state=StateConfig(path=str(tmp_path / "apsd.db"), flush_interval_s=0.2, poll_interval_s=0.2),
+        tenants={"victim": TenantConfig(rate=1e4, burst=10_000)}))
+    async with running.client as client:
+        rebound = await trio.to_thread.run_sync(functools.partial(attack, chromium, running.url, attacker_site))
+        names = [t["name"] for t in (await client.get("/admin/tenants")).json()["tenants"]]
+        assert names == ["victim"]
+        status = (await client.get("/tenants/victim/status")).json()
+        assert status["admitted"] == 0, status
+        assert rebound[0] == "403" and "host_not_allowed" in rebound[1] and "victim" not in rebound[1]
+        refused = (await client.get("/metrics.json")).json()["requests"]["rejected_by_error"]
+        assert refused.get("cross_site_request", 0) >= 6 and refused.get("host_not_allowed", 0) >= 1, refused
+    running.daemon.request_shutdown()
+
+
+async def test_without_keys_cross_site_and_foreign_host_requests_are_refused_over_plain_http(nursery, tmp_path):
+    running = await start_daemon(nursery, make_config(
+        server=ServerConfig(host="127.0.0.1", port=0, shutdown_grace_s=5.0),
+        state=StateConfig(path=str(tmp_path / "apsd.db"), flush_interval_s=0.2, poll_interval_s=0.2),
+        tenants={"victim": TenantConfig(rate=1e4, burst=10_000)}))
+    here = running.url.split("://", 1)[1]
+    body = {"name": "evil", "rate": 1, "burst": 1}
+    async with running.client as client:
+        for headers, path, expected in [
+            ({"Host": "rebind.example:8002"}, "/admin/tenants", "host_not_allowed"),
+            ({"Host": "rebind.example"}, "/health", "host_not_allowed"),
+            ({"Origin": "http://attacker.example"}, "/admin/tenants", "cross_site_request"),
+            ({"Origin": "null"}, "/admin/tenants", "cross_site_request"),
+            ({"Origin": "http://127.0.0.1:1"}, "/admin/tenants", "cross_site_request"),
+            ({"Sec-Fetch-Site": "cross-site"}, "/admin/tenants", "cross_site_request"),
+            ({"Sec-Fetch-Site": "same-site"}, "/admin/tenants", "cross_site_request"),
+        ]:
+            answer = await client.post(path, json=body, headers=headers) if path != "/health" else \
+                await client.get(path, headers=headers)
+            assert (answer.status_code, answer.json()["error"]) == (403, expected), (headers, answer.text)
+        openai = await client.post("/v1/chat/completions", headers={"Origin": "http://attacker.example",
+                                                                    "X-Apsd-Tenant": "victim"},
+                                   json={"model": "apsd-batch", "messages": [{"role": "user", "content": "x"}]})
+        assert openai.status_code == 403 and openai.json()["error"]["code"] == "cross_site_request"
+        plain = await client.post("/admin/tenants", content=b'{"name": "evil", "rate": 1, "burst": 1}',
+                                  headers={"Content-Type": "text/plain"})
+        assert (plain.status_code, plain.json()["error"]) == (415, "unsupported_media_type")
+        # what is not a browser's cross-site request passes: no Origin (curl, SDKs), the same origin, a
+        # browser's own navigation, a read from elsewhere (answered, but unreadable without CORS), localhost
+        assert (await client.get("/health", headers={"Origin": "http://attacker.example"})).status_code == 200
+        assert (await client.get("/health", headers={"Host": "localhost:8002"})).status_code == 200
+        for headers, name in [({}, "ok-1"), ({"Origin": f"http://{here}", "Sec-Fetch-Site": "same-origin"}, "ok-2"),
+                              ({"Sec-Fetch-Site": "none"}, "ok-3")]:
+            made = await client.post("/admin/tenants", json={**body, "name": name}, headers=headers)
+            assert made.status_code == 201, made.text
+        names = [t["name"] for t in (await client.get("/admin/tenants")).json()["tenants"]]
+        assert "evil" not in names and {"ok-1", "ok-2", "ok-3"} <= set(names)
+    running.daemon.request_shutdown()
+
+
+async def test_with_keys_other_origins_are_left_to_the_keys(daemon):
+    """With keys, the key decides: a browser cannot send one cross-site without a preflight apsd never
+    grants, and a proxy may present apsd under any name."""
+    answer = await daemon.client.post("/infer", json=infer_body(None, tokens=5),
+                                      headers={**bearer(KEY_ALPHA), "Origin": "http://elsewhere.example",
+                                               "Host": "apsd.example.com"})
+    assert answer.status_code == 200, answer.text
+    curl = await daemon.client.post("/admin/tenants", content=b'{"name": "by-curl", "rate": 1, "burst": 1}',
+                                    headers={**bearer(ADMIN), "Content-Type": "application/x-www-form-urlencoded"})
+    assert curl.status_code == 201, curl.text  # (curl -d's default type, with the admin key)
+
+
+# -- the tenants' table: its width, budgets, refusals now -------------------------------------------------
+
+def measure_tenants_table(chromium: str, url: str, widths: tuple[int, ...]) -> dict[int, dict[str, Any]]:
+    """At each window width, the tenants' card and table boxes, and what the budget and refusal
+    cells say (in Chromium; the page opened with the admin key)."""
+    from playwright.sync_api import expect, sync_playwright
+
+    found: dict[int, dict[str, Any]] = {}
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, headless=True,
+                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            page = browser.new_page(viewport={"width": widths[0], "height": 1000})
+            page.set_default_timeout(STEP_MS)
+            expect.set_options(timeout=STEP_MS)
+            page.goto(url + "/ui")
+            page.fill("#key-input", ADMIN)
+            page.click("#key-form button[type=submit]")
+            expect(page.locator("#connection")).to_have_text("live")
+            expect(page.locator('#tenants tr[data-tenant="analytics-batch-team"] .refusals')).to_contain_text(
+                "rate_limited")
+            for width in widths:
+                page.set_viewport_size({"width": width, "height": 1000})
+                found[width] = page.evaluate("""() => {
+                    const card = document.getElementById("tenants-section").getBoundingClientRect();
+                    const table = document.getElementById("tenants").getBoundingClientRect();
+                    const scroll = document.querySelector("#tenants-section .table-scroll");
+                    const style = getComputedStyle(document.getElementById("tenants-section"));
+                    const row = (name) => document.querySelector(`#tenants tr[data-tenant="${name}"]`);
+                    return {card_left: card.left, card_right: card.right - parseFloat(style.paddingRight),
+                            table_left: table.left, table_right: table.right,
+                            scroll_width: scroll.scrollWidth, client_width: scroll.clientWidth,
+                            page_width: document.documentElement.scrollWidth, viewport: window.innerWidth,
+                            budget: row("analytics-batch-team").querySelector(".budget").textContent,
+                            no_budget: row("beta").querySelector(".budget").textContent,
+                            refusals: row("analytics-batch-team").querySelector(".refusals").textContent,
+                            columns: [...document.querySelectorAll("#tenants th")].map(
+                              (th) => [th.textContent, Math.round(th.getBoundingClientRect().width)])};
+                }""")
+        finally:
+            browser.close()
+    return found
+
+
+@pytest.mark.timeout(240)
+async def test_the_tenants_table_fits_its_card_and_shows_budgets_and_refusals_now(chromium, nursery, tmp_path):
+    """At 1280, 1440, 1600 and 1920 px the tenants' table stays inside its card (no scrolling needed),
+    each tenant's budget reads "spent / limit", and refusals are those of the last minute (a count
+    since start, shown before, never went down)."""
+    config = attrs.evolve(status_config(tmp_path), tenants={
+        **status_config(tmp_path).tenants,
+        "analytics-batch-team": TenantConfig(rate=1e-6, burst=100, budget_tokens=3000, weight=1.5,
+                                             api_key_hashes=[hash_key(KEY_GAMMA)]),
+        "a-tenant-with-a-long-name-and-large-figures": TenantConfig(  # (what widens columns)
+            rate=123456.789, burst=987_654_321, weight=12.345, budget_tokens=98_765_432_100)})
+    running = await start_daemon(nursery, config)
+    async with running.client as client:
+        body = infer_body(None, "x" * 16, 26)  # 30 tokens: 3 fit the bucket of 100
+        answers = [await client.post("/infer", json=body, headers=bearer(KEY_GAMMA)) for _ in range(5)]
+        assert [a.status_code for a in answers] == [200, 200, 200, 429, 429]
+        too_big = await client.post("/infer", json=infer_body(None, "x" * 16, 5000), headers=bearer(KEY_GAMMA))
+        assert too_big.status_code == 413
+        sampler = ui.sampler_for(running.daemon.pipeline)
+        widths = (1280, 1440, 1600, 1920)
+        found = await trio.to_thread.run_sync(functools.partial(measure_tenants_table, chromium, running.url, widths))
+        for width in widths:
+            box = found[width]
+            assert box["page_width"] <= box["viewport"], (width, box)           # nothing spills off the page
+            assert box["scroll_width"] <= box["client_width"], (width, box["columns"], box)  # the table needs no scrolling
+            assert box["card_left"] <= box["table_left"] and box["table_right"] <= box["card_right"] + 0.5, box
+            assert box["budget"] == "90 / 3,000" and box["no_budget"] == "none"
+            assert box["refusals"].startswith("3 (") and "rate_limited: 2" in box["refusals"], box["refusals"]
+        # a minute later, the same refusals no longer count as now
+        sampler.clock = lambda real=sampler.clock: real() + ui.REFUSAL_WINDOW_S + 1
+        tenant = next(t for t in (await client.get("/admin/status", headers=bearer(ADMIN))).json()["tenants"]
+                      if t["name"] == "analytics-batch-team")
+        assert (tenant["refused_last_minute"], tenant["refused_last_minute_by_error"]) == (0, {})
+        assert tenant["rejected"] == 3 and tenant["budget"]["spent"] == 90
+    running.daemon.request_shutdown()

@@ -326,3 +326,20 @@ async def test_a_replica_admits_on_its_fallback_while_the_exchange_that_recovers
         state.slow_s = 0.0
         await trio.sleep(3.0)                                     # idle: the lease went back
         assert state.state.buckets["t"][0] + a.buckets["t"].tokens == pytest.approx(1000 - 300, abs=0.1)
+
+
+@pytest.mark.parametrize(("prompt", "tokens"), [
+    ("Explain token buckets in one paragraph.", 10),   # 33 letters / 4 + the full stop (the docs' example)
+    ("1234567890", 10),                                 # digits: one each (tokenizers split numbers)
+    ("!@#$%^&*()" * 3, 30),                             # symbols: one each
+    ("a    b", 4),                                      # 2 letters / 4 + a run of spaces: each but the one before a word
+    ("\n\t\r\n", 4),
+    ("你好", 6),                                         # UTF-8 bytes beyond ASCII: one each
+    ("x" * 16, 4),
+    ("", 0),
+])
+def test_the_estimate_counts_letters_at_chars_per_token_and_everything_else_at_worst(prompt, tokens):
+    from apsd.core.admission import estimate_tokens
+    from apsd.core.config import AdmissionConfig
+
+    assert estimate_tokens(prompt, AdmissionConfig()) == tokens

@@ -20,7 +20,8 @@ largest output limit under any name in the body apsd sent it (a real server read
 the worst case is the largest), and otherwise stops where the answer naturally ends (a length drawn
 per request, up to 400 tokens). What a server computed but never sent (a prefill cut short before
 the first token, a non-streamed answer abandoned midway) is not work here: by apsd's rule a request
-that never got a token costs nothing.
+that never got a token costs nothing, but one whose client left after it was sent (the server took
+its prompt in), which is charged its prompt (the server's count): that prompt is work.
 
 **The properties.** With ``W(T)`` a tenant's work up to model time ``T`` and ``A(T) = burst + rate·T``,
 each is checked at every moment the books can change (each chunk a server sends, each admission,
@@ -174,6 +175,8 @@ class Run:
     #: The server's count of its prompt (counted once it sent a token), and the output tokens it sent.
     prompt: int = 0
     sent: int = 0
+    #: Its client left (before its answer).
+    left: bool = False
 
     @property
     def work(self) -> int:
@@ -187,6 +190,9 @@ class CountingClient(SimulatedBackendClient):
 
     runs: dict[str, Run] = attrs.field(factory=dict)
     on_work: Callable[[Run], None] = lambda run: None
+    #: Whether the forward engine took a request back for the queue (its backend went down, or it was
+    #: preempted): set by :func:`play` once the engine exists.
+    moved: Callable[[str], bool] = lambda request_id: False
     violations: list[str] = attrs.field(factory=list)
 
     async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk,
@@ -217,7 +223,12 @@ class CountingClient(SimulatedBackendClient):
                 self._sent(run, prompt, sent)
             on_chunk(chunk)
 
-        answer = await super().complete(backend, api, sent_body, counted, request_id)
+        try:
+            answer = await super().complete(backend, api, sent_body, counted, request_id)
+        except trio.Cancelled:
+            if not run.started and run.left and not self.moved(request_id):
+                self._sent(run, prompt, 0)   # its client left once the server had its prompt: charged it
+            raise
         if not body.get("stream"):
             assert answer.prompt_tokens is not None and answer.completion_tokens is not None
             self._sent(run, answer.prompt_tokens, answer.completion_tokens)
@@ -522,7 +533,7 @@ def scenario_config(scenario: Scenario) -> Config:
     return attrs.evolve(config, tenants=dict(scenario.tenants))
 
 
-async def client(pipeline: Pipeline, request: InferenceRequest, ask: Ask) -> None:
+async def client(pipeline: Pipeline, request: InferenceRequest, ask: Ask, run: Run) -> None:
     """A client: reads its stream (or not) and waits for the answer; leaving after ``leave_after``
     cancels its request, as the HTTP layer does when a client disconnects."""
     with trio.move_on_after(math.inf if ask.leave_after is None else ask.leave_after):
@@ -531,6 +542,7 @@ async def client(pipeline: Pipeline, request: InferenceRequest, ask: Ask) -> Non
                 pass
         await request.reply.wait()
     if not request.answered:
+        run.left = True
         pipeline.cancel(request)
 
 
@@ -576,6 +588,9 @@ async def play(scenario: Scenario) -> Books:
     async with open_pipeline(config, build_policies(config), backend_client=backend_client,
                              store=RecordingStore()) as pipeline:
         books = Books(pipeline, backend_client, limited)
+        engine = pipeline.engines[0]
+        backend_client.moved = lambda request_id: any(a.request.request_id == request_id and a.stop is not None
+                                                      for a in engine._running.values())
         await trio.testing.wait_all_tasks_blocked()   # (the first health checks find the servers up)
         await pipeline.clock.sleep(0.01)
         async with trio.open_nursery() as clients:
@@ -585,7 +600,8 @@ async def play(scenario: Scenario) -> Books:
                     apply(step, servers[step.server])
                 else:
                     for copy in range(step.copies):
-                        clients.start_soon(client, pipeline, submit(pipeline, books, step, f"{number}.{copy}"), step)
+                        request = submit(pipeline, books, step, f"{number}.{copy}")
+                        clients.start_soon(client, pipeline, request, step, backend_client.runs[request.request_id])
             for server in servers.values():
                 server.fail_next, server.fail_after_tokens, server.stalled = 0, None, False
             books.stranded = [r.request_id for r in await drain(books)]

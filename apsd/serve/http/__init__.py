@@ -26,7 +26,10 @@ the status page's files (``/ui``: no data in them; the data, ``/admin/status``, 
 A metrics key (``[auth] metrics_key_hashes``) reads those two and nothing else: anywhere else
 that asks for a key it is refused 403 ``metrics_only`` before the handler runs (one rule, so a
 new endpoint cannot forget it). The key is checked before the body is parsed. Without keys
-(loopback only) everything is open, and ``X-Apsd-Tenant`` names a ``/v1`` request's tenant.
+(loopback only) everything is open, and ``X-Apsd-Tenant`` names a ``/v1`` request's tenant; but a
+browser may not act for a page of another origin (:func:`apsd.serve.auth.cross_site_refusal`), and
+``/admin`` bodies must say they are JSON (415 ``unsupported_media_type``), so that no cross-site form
+can send one without a CORS preflight (with keys, the ``Authorization`` header forces one).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from werkzeug.exceptions import HTTPException
 
 from apsd.core.models import Refusal
 from apsd.pipeline import Pipeline
+from apsd.serve.auth import cross_site_refusal
 from apsd.serve.prometheus import exporter_for
 from apsd.serve.http import admin, infer, openai, ops, ui
 from apsd.state.keeper import StateKeeper
@@ -75,8 +79,22 @@ def create_app(pipeline: Pipeline, *, keeper: StateKeeper | None = None) -> Quar
         app.register_blueprint(blueprint)
 
     @app.before_request
+    async def refuse_cross_site() -> Response | None:
+        """Without API keys: no request from another site's page, nor to a host name that is not this
+        daemon's (:func:`apsd.serve.auth.cross_site_refusal`), before any handler runs."""
+        state: HttpState = app.extensions["apsd"]
+        if state.keyring.get(pipeline.config).enabled:
+            return None
+        refusal = cross_site_refusal(request.method, request.headers, pipeline.config.server.host)
+        if refusal is None:
+            return None
+        pipeline.ledger.count_refusal(None, refusal.error)
+        return _answer_for_path(refusal)
+
+    @app.before_request
     async def confine_metrics_keys() -> Response | None:
-        """A metrics key goes no further than ``/metrics``, ``/metrics.json`` and the open endpoints:
+        """A metrics key goes no further than ``/metrics``, ``/metrics.json`` and the open endpoints
+        (``/health``, ``/ready``, the status page's files):
         anywhere else (a submission, a tenant's status, ``/v1/models``, an unknown path) it is
         refused 403 ``metrics_only``, counted like every refusal, before any handler runs."""
         if request.endpoint in ops.METRICS_ENDPOINTS or request.endpoint in ops.OPEN_ENDPOINTS:

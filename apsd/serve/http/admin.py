@@ -6,10 +6,12 @@ describes them, the tenant's fields taken from :class:`~apsd.core.config.TenantC
 change is written to the state with its audit entry (:mod:`apsd.state.keeper`), applied here at
 once, and on every other replica within ``[state] poll_interval_s``; none needs a reload.
 
-Errors are apsd's ``{"error", "message", "field"}``: 400 for a body that is not a JSON object,
+Errors are apsd's ``{"error", "message", "field"}``: 415 ``unsupported_media_type`` for a body sent
+without ``Content-Type: application/json`` while no key is configured, 400 for a body that is not a JSON object,
 422 ``invalid_field`` naming the field for a value the config file would refuse too (the same
 validation), 404 for an unknown tenant or key, 409 for a conflict (``tenant_exists``,
-``declared_in_file``, ``admin_key_required``, ``state_off``).
+``declared_in_file``, ``admin_key_required``, ``state_off``), 503 ``state_unavailable`` when the state
+(Redis, the SQLite file) cannot be written or read now (Redis down, a full disk): nothing changed.
 
 An issued key is in the answer to ``POST /admin/tenants/<name>/keys`` and nowhere else: the state
 keeps its hash, lists show its id and first characters, the audit log and the log name it by id.
@@ -77,6 +79,15 @@ def admin_endpoint(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awai
 
 
 async def _body() -> dict[str, Any]:
+    """The request's JSON object. Without API keys, 415 ``unsupported_media_type`` unless its
+    ``Content-Type`` says JSON: a browser sends a cross-site form, or a ``no-cors`` fetch, only as
+    ``text/plain``, form data or multipart, so requiring JSON makes any other page's request need a
+    CORS preflight, never granted. (With keys, the ``Authorization`` header does that already.)"""
+    state = http_state()
+    if request.mimetype != "application/json" and not state.keyring.get(state.pipeline.config).enabled:
+        await request.get_data(cache=False)  # (read it: the connection stays usable)
+        raise BodyError(415, "unsupported_media_type", "an /admin body must be JSON, sent with 'Content-Type: "
+                        f"application/json' (got {request.headers.get('Content-Type', 'none')[:80]!r})")
     return parse_json_object(await request.get_data(cache=False))
 
 
@@ -98,7 +109,9 @@ def tenant_view(keeper: StateKeeper, name: str) -> dict[str, Any] | None:
                 "running": status.running, "admitted": status.admitted, "completed": status.completed,
                 "rejected": status.rejected, "prompt_tokens": status.prompt_tokens,
                 "generated_tokens": status.generated_tokens,
-                "budget_used": pipeline.admission.budgets.used(name, tenant) if tenant.budget_tokens else None}}
+                "budget_used": pipeline.admission.budgets.used(name, tenant) if tenant.budget_tokens else None,
+                "budget": None if (budget := pipeline.admission.budgets.view(name, tenant)) is None
+                else attrs.asdict(budget)}}
 
 
 # -- tenants ---------------------------------------------------------------------------------------
@@ -142,7 +155,16 @@ async def update_tenant(name: str, keeper: StateKeeper, caller: Caller) -> Any:
 @admin_endpoint
 async def delete_tenant(name: str, keeper: StateKeeper, caller: Caller) -> Any:
     await keeper.delete_tenant(_actor(caller), name)
-    return Response(status=204)
+    return no_content()
+
+
+def no_content() -> Response:
+    """204 with nothing after its head. (``Response(status=204)`` gets quart's default body, an
+    iterable it drives with asyncio: under trio that raised "no running event loop" in the middle of
+    the answer, logged an ASGI error and dropped the keep-alive connection.)"""
+    answer = Response(b"", status=204)
+    del answer.headers["Content-Type"], answer.headers["Content-Length"]
+    return answer
 
 
 # -- keys ------------------------------------------------------------------------------------------
@@ -199,9 +221,7 @@ async def audit(keeper: StateKeeper, caller: Caller) -> Any:
     ``?before=`` (an entry id: the page after)."""
     limit = _int_arg("limit", 100, 1, MAX_AUDIT_LIMIT)
     before = _int_arg("before", None, 1, 2**62)
-    if keeper.store is None:
-        return json_response({"entries": []})
-    entries = await keeper.store.audit(target=request.args.get("target"), limit=limit or 100, before_id=before)
+    entries = await keeper.audit(target=request.args.get("target"), limit=limit or 100, before_id=before)
     return json_response({"entries": [entry.view() for entry in entries]})
 
 

@@ -205,9 +205,9 @@ def check_prompt_length(tokens: int, characters: int, pipeline: Pipeline, field:
     limit = pipeline.config.admission.max_prompt_tokens
     if tokens > limit:
         raise BodyError(413, "prompt_too_long",
-                        f"the prompt is about {tokens} tokens ({characters} characters at "
-                        f"{pipeline.config.admission.chars_per_token:g} per token); the limit is {limit} "
-                        "(admission.max_prompt_tokens)", field=field)
+                        f"the prompt is about {tokens} tokens ({characters} characters, estimated as "
+                        f"docs/reference/accounting.md says); the limit is {limit} (admission.max_prompt_tokens)",
+                        field=field)
 
 
 async def read_unread_body() -> bool:

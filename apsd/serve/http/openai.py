@@ -710,7 +710,18 @@ for _api in ALL_APIS:   # /v1/chat/completions, /v1/completions, /v1/embeddings,
 @blueprint.get("/models")
 @authenticated(answer=error_response)
 async def models(caller: Caller) -> Response:
-    """The models the engines serve, in OpenAI's list shape (any valid key may read it)."""
+    """The models the engines serve that the caller may use, in OpenAI's list shape: a tenant's key
+    (or, without keys, the tenant ``X-Apsd-Tenant`` names) sees only its tenant's ``models`` when it
+    has a list; the admin key, and a keyless caller naming no tenant, see every model."""
     state = http_state()
+    names = state.pipeline.models()
+    if caller.anonymous:
+        named = request.headers.getlist(TENANT_HEADER)
+        tenant_id = _utf8(named[0]) if len(named) == 1 else None
+    else:
+        tenant_id = caller.tenant
+    tenant = state.pipeline.config.tenants.get(tenant_id) if tenant_id is not None else None
+    if tenant is not None and tenant.models:
+        names = [name for name in names if name in tenant.models]
     return _answer({"object": "list", "data": [{"id": name, "object": "model", "created": state.created,
-                                                "owned_by": "apsd"} for name in state.pipeline.models()]}, {})
+                                                "owned_by": "apsd"} for name in names]}, {})

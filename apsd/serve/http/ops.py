@@ -31,8 +31,9 @@ blueprint = Blueprint("ops", __name__)
 
 #: The endpoints a metrics key may read (Quart endpoint names); it is refused everywhere else.
 METRICS_ENDPOINTS = frozenset({"ops.metrics", "ops.metrics_json"})
-#: The endpoints that ask for no key: open to anyone, whatever key a request carries.
-OPEN_ENDPOINTS = frozenset({"ops.health", "ops.ready"})
+#: The endpoints that ask for no key: open to anyone, whatever key a request carries (the status
+#: page's files hold no data: :mod:`apsd.serve.http.ui`).
+OPEN_ENDPOINTS = frozenset({"ops.health", "ops.ready", "ui.page", "ui.asset"})
 
 
 def metrics_document(pipeline: Pipeline) -> dict[str, Any]:
@@ -40,6 +41,10 @@ def metrics_document(pipeline: Pipeline) -> dict[str, Any]:
     statistics = pipeline.statistics()
     document = attrs.asdict(statistics.books)
     document.update(attrs.asdict(statistics, filter=lambda field, _: field.name != "books"))
+    routes: dict[str, dict[str, int]] = {}  # (JSON keys are strings: where -> reason -> requests)
+    for (where, reason), count in sorted(statistics.routes.items()):
+        routes.setdefault(where, {})[reason] = count
+    document["routes"] = routes
     return document
 
 

@@ -1,8 +1,8 @@
 """The status page: ``GET /ui``, its script and style, and the one JSON document it reads, ``GET /admin/status``.
 
 The page (:file:`apsd/serve/ui/`: plain HTML, JavaScript and CSS shipped in the package, no build
-step, nothing fetched from elsewhere) shows the tenants (settings, bucket, queue, share of service
-beside weight share, TTFT p99, refusals), the forward engine's backends, a plot of fairness over the
+step, nothing fetched from elsewhere) shows the tenants (settings, bucket, budget spent of its
+limit, queue, share of service beside weight share, TTFT p99, refusals in the last minute), the forward engine's backends, a plot of fairness over the
 last minutes, usage per day and tenant, and the issued keys; it creates tenants, disables and
 enables them, issues keys (showing a new key once) and revokes them, through the admin API
 (:mod:`apsd.serve.http.admin`). It polls ``/admin/status`` every 2 seconds.
@@ -19,7 +19,8 @@ no framing), and the script inserts data only as text (``textContent``), never a
 Ownership: :class:`StatusSampler`, one per pipeline (:func:`sampler_for`), keeps what the page
 shows over time: a bounded history of fairness (:data:`SAMPLES` samples, one every
 :data:`SAMPLE_INTERVAL_S` wall seconds: 10 minutes) and each configured tenant's recent TTFTs
-(:data:`TTFT_SAMPLES`, from the ledger's ``request_started`` events). Its :meth:`StatusSampler.run`
+(:data:`TTFT_SAMPLES`, from the ledger's ``request_started`` events) and their refusals per second
+over the last :data:`REFUSAL_WINDOW_S` seconds (from ``request_rejected``). Its :meth:`StatusSampler.run`
 task runs in the daemon's nursery; without it (an app made without a daemon) the history is only
 what ``/admin/status`` adds on each call: the sample of now.
 """
@@ -42,7 +43,7 @@ from apsd.core.models import InferenceRequest
 from apsd.pipeline import Pipeline
 from apsd.serve.auth import Caller
 from apsd.serve.http.common import authenticated, http_state, json_response
-from apsd.state.keeper import StateKeeper
+from apsd.state.keeper import AdminError, StateKeeper
 from apsd.state.usage import HOUR_S, summarize
 
 __all__ = ["ASSETS", "CONTENT_SECURITY_POLICY", "SAMPLES", "SAMPLE_INTERVAL_S", "StatusSampler", "blueprint",
@@ -69,6 +70,8 @@ SAMPLE_INTERVAL_S = 5.0
 SAMPLES = 120
 #: Recent TTFTs kept per tenant for its p99.
 TTFT_SAMPLES = 500
+#: Wall seconds over which a tenant's refusals are counted for "refused in the last minute".
+REFUSAL_WINDOW_S = 60
 #: Days of usage ``/admin/status`` reports, and how long (wall seconds) one reading of it is reused.
 USAGE_DAYS = 7
 USAGE_CACHE_S = 5.0
@@ -92,7 +95,36 @@ class StatusSampler:
         self._ttfts: dict[str, collections.deque[float]] = {}
         #: (when it was read, the rows) of the last usage reading
         self.usage_cache: tuple[float, list[dict[str, Any]]] | None = None
+        #: Per tenant refused lately: [whole second (clock), error -> refusals that second], oldest first,
+        #: at most REFUSAL_WINDOW_S + 1 of them.
+        self._refusals: dict[str, collections.deque[tuple[int, collections.Counter[str]]]] = {}
         pipeline.ledger.events.subscribe("request_started", self.request_started, "the status page")
+        pipeline.ledger.events.subscribe("request_rejected", self.request_rejected, "the status page")
+
+    def request_rejected(self, request: InferenceRequest, refusal: Any, now: float) -> None:
+        """Count an admission's refusal in its second (tenants a reload removed, or never had, are not counted)."""
+        pipeline = self._pipeline()
+        if pipeline is None or request.tenant_id not in pipeline.config.tenants:
+            return
+        second = int(self.clock())
+        seconds = self._refusals.get(request.tenant_id)
+        if seconds is None:
+            seconds = self._refusals[request.tenant_id] = collections.deque(maxlen=REFUSAL_WINDOW_S + 1)
+        if not seconds or seconds[-1][0] != second:
+            seconds.append((second, collections.Counter()))
+        seconds[-1][1][refusal.error] += 1
+
+    def refused_lately(self, tenant: str) -> dict[str, int]:
+        """``tenant``'s refusals in the last :data:`REFUSAL_WINDOW_S` seconds, by error."""
+        seconds = self._refusals.get(tenant)
+        if not seconds:
+            return {}
+        since = int(self.clock()) - REFUSAL_WINDOW_S
+        total: collections.Counter[str] = collections.Counter()
+        for second, counts in seconds:
+            if second > since:
+                total.update(counts)
+        return dict(sorted(total.items()))
 
     def request_started(self, request: InferenceRequest, now: float) -> None:
         pipeline = self._pipeline()
@@ -134,6 +166,10 @@ class StatusSampler:
         if pipeline is not None:
             for name in [name for name in self._ttfts if name not in pipeline.config.tenants]:
                 del self._ttfts[name]
+            since = int(self.clock()) - REFUSAL_WINDOW_S
+            for name in [name for name, seconds in self._refusals.items()
+                         if name not in pipeline.config.tenants or seconds[-1][0] <= since]:
+                del self._refusals[name]
 
     async def run(self) -> None:
         """Sample every ``interval_s`` wall seconds until cancelled (a failed sample is logged, not fatal)."""
@@ -167,7 +203,11 @@ async def _usage(keeper: StateKeeper | None, sampler: StatusSampler) -> list[dic
     if cached is not None and 0 <= now - cached[0] < USAGE_CACHE_S:
         return cached[1]
     start = (int(now) // 86_400 - USAGE_DAYS + 1) * 86_400
-    summaries = summarize(await keeper.usage_rows(tenant=None, start=start, end=now + HOUR_S), group_by="day")
+    try:
+        rows = await keeper.usage_rows(tenant=None, start=start, end=now + HOUR_S)
+    except AdminError:  # (the state cannot be read now: the live figures are shown all the same)
+        return cached[1] if cached is not None else []
+    summaries = summarize(rows, group_by="day")
     sampler.usage_cache = (now, summaries)
     return summaries
 
@@ -184,6 +224,8 @@ async def status_document(pipeline: Pipeline, keeper: StateKeeper | None) -> dic
         share = shares.get(name)
         if status is None:
             continue
+        budget = pipeline.admission.budgets.view(name, tenant)
+        refused_lately = sampler.refused_lately(name)
         tenants.append({
             "name": name, "rate": tenant.rate, "burst": tenant.burst, "weight": tenant.weight,
             "disabled": tenant.disabled,
@@ -192,6 +234,10 @@ async def status_document(pipeline: Pipeline, keeper: StateKeeper | None) -> dic
             "admitted": status.admitted, "completed": status.completed, "failed": status.failed,
             "cancelled": status.cancelled, "rejected": status.rejected,
             "rejected_by_error": dict(sorted(status.rejected_by_error.items())),
+            "refused_last_minute": sum(refused_lately.values()), "refused_last_minute_by_error": refused_lately,
+            "budget": None if budget is None else {"limit": budget.limit, "period": budget.period,
+                                                   "spent": budget.spent, "reserved": budget.reserved,
+                                                   "resets_at": budget.resets_at},
             "prompt_tokens": status.prompt_tokens, "generated_tokens": status.generated_tokens,
             "window_tokens": share.window_tokens if share else 0,
             "service_share": share.service_share if share else 0.0,

@@ -86,6 +86,12 @@
     return Number(value).toLocaleString("en-US", { maximumFractionDigits: digits, minimumFractionDigits: 0 });
   }
 
+  // Large figures in a narrow column: 987.7M, 98.8B (the exact one in the cell's title).
+  function fmtShort(value, digits = 0) {
+    if (value === null || value === undefined || Number.isNaN(value) || Math.abs(value) < 100000) return fmt(value, digits);
+    return Number(value).toLocaleString("en-US", { notation: "compact", maximumFractionDigits: 1 });
+  }
+
   const pct = (value) => (value === null || value === undefined ? "–" : `${Math.round(value * 100)}%`);
 
   function colour(name) {
@@ -275,22 +281,31 @@
     return node;
   }
 
+  function budgetText(budget) {
+    if (!budget) return "none";
+    return `${fmtShort(budget.spent)} / ${fmtShort(budget.limit)}`;
+  }
+
   function renderTenants(tenants) {
     const rows = tenants.map((t) => {
-      const refusals = Object.entries(t.rejected_by_error).map(([error, n]) => `${error}: ${n}`).join(", ");
+      const refusals = Object.entries(t.refused_last_minute_by_error).map(([error, n]) => `${error}: ${n}`).join(", ");
+      const total = Object.entries(t.rejected_by_error).map(([error, n]) => `${error}: ${n}`).join(", ");
       return el("tr", { "data-tenant": t.name, class: t.disabled ? "disabled" : "" },
         el("td", { class: "name" }, t.name),
-        el("td", { class: "num" }, fmt(t.rate, 3)),
-        el("td", { class: "num" }, fmt(t.burst)),
+        el("td", { class: "num rate", title: fmt(t.rate, 6) }, fmtShort(t.rate, 3)),
+        el("td", { class: "num burst", title: fmt(t.burst) }, fmtShort(t.burst)),
         el("td", { class: "num weight" }, fmt(t.weight, 3)),
         el("td", { class: t.disabled ? "state state-off" : "state state-on" }, t.disabled ? "disabled" : "enabled"),
-        el("td", { class: "num bucket" }, fmt(t.tokens_available)),
+        el("td", { class: "num bucket", title: fmt(t.tokens_available) }, fmtShort(t.tokens_available)),
+        el("td", { class: "num budget", title: t.budget ? `${fmt(t.budget.spent)} of ${fmt(t.budget.limit)} per ${t.budget.period} (UTC); ${fmt(t.budget.reserved)} reserved by requests in flight` : "no budget" },
+          budgetText(t.budget)),
         el("td", { class: "num queued" }, fmt(t.queued)),
         el("td", { class: "num running" }, fmt(t.running)),
         el("td", { class: "num completed", title: `${fmt(t.generated_tokens)} output tokens` }, fmt(t.completed)),
         el("td", { class: "share-cell" }, shareBar(t)),
         el("td", { class: "num ttft" }, fmt(t.ttft_p99_ms, 1)),
-        el("td", { class: "refusals", title: refusals || "none" }, refusals ? `${fmt(t.rejected)} (${refusals})` : "0"),
+        el("td", { class: "refusals", title: `since start: ${total || "none"}` },
+          refusals ? `${fmt(t.refused_last_minute)} (${refusals})` : "0"),
         el("td", { class: "actions" },
           button(t.disabled ? "Enable" : "Disable", t.disabled ? "enable" : "disable",
             () => act(`${t.disabled ? "Enabled" : "Disabled"} tenant ${t.name}`,
