@@ -162,6 +162,9 @@ class Pipeline:
         classes = ServiceClasses(classes=dict(config.classes), clock=clock,
                                  queued_total=lambda: ledger.queued_total, finish=ledger.finish,
                                  note_answered_in_queue=scheduler.note_answered_in_queue)
+        waits = [engine.first_token_wait_s for engine in engines if hasattr(engine, "first_token_wait_s")]
+        if waits:
+            classes.engine_wait = lambda request, target_s: min(wait(request, target_s) for wait in waits)
         if config.classes:  # (without classes, nothing listens: the unclassed path pays nothing)
             classes.subscribe(ledger.events)
         admission.classes = classes

@@ -140,14 +140,16 @@ class _Continuous:
         deployment_for(config, profiles)
 
     def build(self, config: Config, *, ledger: Ledger, clock: ModelClock, rank: Callable[[InferenceRequest, float], float],
-              profiles: ProfileRegistry | None, **_: Any) -> list[Engine]:
+              profiles: ProfileRegistry | None, requeue: Callable[[InferenceRequest, str], None] | None = None,
+              **_: Any) -> list[Engine]:
         engine = config.engine
         deployment = deployment_for(config, profiles)
         price = engine.price_per_gpu_hour_usd * engine.tp
         return [ContinuousEngine(i, deployment, ledger, clock, rank, max_sequences=engine.max_sequences,
                                  max_batched_tokens=engine.max_batched_tokens,
                                  isolation=engine.isolation, prefill_chunk_tokens=engine.prefill_chunk_tokens,
-                                 price_per_hour_usd=price, prefix_cache=engine.prefix_cache)
+                                 price_per_hour_usd=price, prefix_cache=engine.prefix_cache,
+                                 classes=bool(config.classes), requeue=requeue)
                 for i in range(engine.count)]
 
 

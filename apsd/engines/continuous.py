@@ -85,6 +85,7 @@ from collections.abc import Callable
 import attrs
 import trio
 
+from apsd.core.classes import urgency
 from apsd.core.clock import ModelClock
 from apsd.core.config import Config
 from apsd.core.ledger import Ledger
@@ -108,6 +109,8 @@ PROTECT_FACTOR = 2.5
 CHUNK_STEP = 16
 #: ... and at least this many: the smallest prefill chunk of a protected step: the prefill of tenants above their share always advances.
 MIN_CHUNK = 64
+#: Steps with prefill over which the engine's prefill rate is measured (:meth:`ContinuousEngine.first_token_wait_s`).
+RATE_STEPS = 64
 #: A prefill chunk is as cheap per token as any when its prefill costs at most this much more per
 #: token than the cheapest chunk's (:func:`prefill_chunk_for`).
 CHUNK_TOLERANCE = 0.10
@@ -137,6 +140,13 @@ def prefill_chunk_for(deployment: Deployment, max_batched_tokens: int) -> int:
     per_token = {n: deployment.step_s([(n, 0)], 0, 0) / n for n in sizes}
     cheapest = min(per_token.values())
     return next(n for n in sizes if per_token[n] <= cheapest * (1 + CHUNK_TOLERANCE))
+
+
+def _target_s(request: InferenceRequest) -> float:
+    """A request's class's ``ttft_s`` (infinite without a class), to the millisecond (its deadline less
+    its arrival is not exact in floating point: two requests of one class must compare equal)."""
+    deadline = request.class_deadline
+    return math.inf if deadline is None else round(deadline - request.arrival, 3)
 
 
 @attrs.define(eq=False, slots=True)
@@ -177,6 +187,11 @@ class ContinuousEngine:
     price_per_hour_usd: float = 0.0
     #: Keep the blocks of prompts read, and skip their prefill when a prompt starts with them.
     prefix_cache: bool = False
+    #: Service classes are configured: a classed request may displace a less urgent prompt of its own
+    #: tenant that has not started (rule 4 of the module docstring).
+    classes: bool = False
+    #: The scheduler's ``requeue``: where a displaced prompt goes back to (rule 4); None: preempted instead.
+    requeue: Callable[[InferenceRequest, str], None] | None = None
     kind: str = attrs.field(default="continuous", init=False)
     apis: tuple[str, ...] = attrs.field(default=GENERATION_APIS, init=False)
     # -- state ---------------------------------------------------------------------------------
@@ -231,6 +246,16 @@ class ContinuousEngine:
     _dispatches: int = attrs.field(default=0, init=False)
     _tokens: int = attrs.field(default=0, init=False)
     _preemptions: int = attrs.field(default=0, init=False)
+    #: Prompts sent back to the queue to make room for more urgent ones (rule 4).
+    _displaced: int = attrs.field(default=0, init=False)
+    #: Model time the step (or run of decode steps) in progress ends; during a run of decode steps, its
+    #: sequences and their context at its start (for :meth:`_step_left`).
+    _step_end: float = attrs.field(default=0.0, init=False)
+    _run_steps: tuple[int, int] | None = attrs.field(default=None, init=False)
+    #: (prefill tokens, seconds) of the last ``RATE_STEPS`` steps with prefill (with classes only), for
+    #: :meth:`first_token_wait_s`.
+    _recent_prefill: collections.deque[tuple[int, float]] = attrs.field(
+        factory=lambda: collections.deque(maxlen=RATE_STEPS), init=False)
     #: The prefix cache: key blocks, least recently used first.
     _blocks: collections.OrderedDict[int, None] = attrs.field(factory=collections.OrderedDict, init=False)
     _prompt_tokens: int = attrs.field(default=0, init=False)
@@ -273,17 +298,87 @@ class ContinuousEngine:
                 return Capacity(sequences=0, kv_tokens=0, reserve_output=False)
             return Capacity(sequences=max(0, slots), kv_tokens=max(0, kv), reserve_output=False)
         held_sequences, held_kv = self._preemptible()
+        swap_sequences, swap_kv = self._swappable()
+        held_sequences, held_kv = held_sequences + swap_sequences, held_kv + swap_kv
         held_sequences += min(0, slots)  # (dispatched requests not yet joined may have taken some already)
         held_kv += min(0, kv)
         slots, kv = max(0, slots), max(0, kv)
         if self._preempted:  # what was preempted comes back first, after tenants below their share
             held_sequences, held_kv, slots, kv = held_sequences + slots, held_kv + kv, 0, 0
         return Capacity(sequences=slots, kv_tokens=kv, reserve_output=False, held_sequences=max(0, held_sequences),
-                        held_kv_tokens=max(0, held_kv), under_share=self.under_share)
+                        held_kv_tokens=max(0, held_kv), under_share=self.may_use_held)
 
     def under_share(self, request: InferenceRequest) -> bool:
         """Whether ``request``'s tenant is below its share here (:meth:`shares`)."""
         return self._below_share(request.tenant_id)
+
+    def may_use_held(self, request: InferenceRequest) -> bool:
+        """Whether ``request`` may take the held room of a full engine: its tenant is below its share,
+        or it is a classed request that can still meet its deadline and its tenant has a less urgent
+        prompt here that has not started (which it displaces: rule 4 of the module docstring)."""
+        if self._below_share(request.tenant_id):
+            return True
+        deadline = request.class_deadline
+        return (self.classes and deadline is not None and self.clock.now() <= deadline
+                and self._displaceable(request) is not None)
+
+    def first_token_wait_s(self, request: InferenceRequest, target_s: float) -> float:
+        """Model seconds from now to the first token of ``request``, of a class whose ``ttft_s`` is
+        ``target_s``, if it joined now: the rest of the step in progress, then the prompts this engine
+        prefills before its own (the punctual classed prompts of its class or a tighter one, those
+        dispatched here included)
+        and its own prompt (less what the prefix cache holds), at the prefill rate of the engine's
+        last ``RATE_STEPS`` steps with prefill (before any: a chunk beside the decodes running now).
+        Admission's early refusal of a class's requests adds it to their wait in the queue
+        (:meth:`apsd.core.classes.ServiceClasses.refuse_unmeetable`)."""
+        mine = round(target_s, 3)
+        ahead = sum(seq.prompt_left for seq in self._prefilling if self._punctual(seq)
+                    and _target_s(seq.request) <= mine)
+        ahead += sum(r.prompt_tokens for d in self._inbox for r in d.requests
+                     if r.class_deadline is not None and _target_s(r) <= mine and not r.answered)
+        ahead += max(1, request.prompt_tokens - self._cached_prefix(request, touch=False))
+        tokens = sum(n for n, _ in self._recent_prefill)
+        seconds = sum(s for _, s in self._recent_prefill)
+        if not tokens or not seconds:
+            chunk = self.prefill_chunk_tokens if self.isolation else self.max_batched_tokens
+            tokens, seconds = chunk, self.deployment.step_s([(chunk, 0)], len(self._decoding), self._decode_context)
+        return self._step_left() + ahead * seconds / tokens
+
+    def _step_left(self) -> float:
+        """Model seconds until the step in progress ends (a run of decode steps takes in what was
+        dispatched at the end of its step in progress)."""
+        now = self.clock.now()
+        if self._run_steps is None:
+            return max(0.0, self._step_end - now)
+        n, context = self._run_steps
+        d = self.deployment
+        done = d.decode_steps_within(n, context, max(0.0, now - self.t))
+        return max(0.0, self.t + d.decode_steps_s(n, context, done + 1) - now)
+
+    def _displaceable(self, request: InferenceRequest) -> Sequence | None:
+        """The prompt of ``request``'s tenant here that ``request`` (a classed request) would displace:
+        one that has not started, unclassed or of a looser class (a longer ``ttft_s``); the least urgent
+        (:meth:`_displace_key`). None: there is none. (Never one of its own class: that would only
+        trade places inside a class, over and over.)"""
+        mine = _target_s(request)
+        candidates = [seq for seq in self._prefilling
+                      if seq.request.tenant_id == request.tenant_id and seq.request.started_at is None
+                      and _target_s(seq.request) > mine]
+        return max(candidates, key=self._displace_key, default=None)
+
+    def _displace_key(self, seq: Sequence) -> tuple[int, float, int]:
+        """Which not-started prompt to displace first (the largest): not punctual, then least urgent, then newest."""
+        if self._punctual(seq):
+            return (0, urgency(seq.request), seq.request.seq)
+        return (1, 0.0, seq.request.seq)
+
+    def _swappable(self) -> tuple[int, int]:
+        """Room classed requests could take by displacing less urgent prompts of their own tenants that
+        have not started (rule 4): those prompts, and their KV tokens (none without classed requests)."""
+        if not self.classes:
+            return 0, 0
+        waiting = [seq for seq in self._prefilling if seq.request.started_at is None]
+        return len(waiting), sum(seq.context + seq.prompt_left for seq in waiting)
 
     def shares(self) -> dict[str, float]:
         """Tenant -> its dominant share of this engine: the larger of its fraction of ``max_sequences``
@@ -406,8 +501,8 @@ class ContinuousEngine:
                       room=self.free().fits(request), cache_tokens=self.deployment.kv_capacity_tokens)
 
     # -- the prefix cache ------------------------------------------------------------------------
-    def _cached_prefix(self, request: InferenceRequest) -> int:
-        """Tokens of ``request``'s prompt its first cached blocks hold (touched: used now)."""
+    def _cached_prefix(self, request: InferenceRequest, touch: bool = True) -> int:
+        """Tokens of ``request``'s prompt its first cached blocks hold (``touch``: marked used now)."""
         if not self.prefix_cache:
             return 0
         blocks = self._blocks
@@ -417,8 +512,9 @@ class ContinuousEngine:
             if block not in blocks:
                 break
             n += 1
-        for block in reversed(key[:n]):
-            blocks.move_to_end(block)
+        if touch:
+            for block in reversed(key[:n]):
+                blocks.move_to_end(block)
         return max(0, min(n * BLOCK_TOKENS, request.prompt_tokens - 1))
 
     def _remember_prompt(self, request: InferenceRequest) -> None:
@@ -534,6 +630,7 @@ class ContinuousEngine:
             for request in list(self._aborts):
                 self._abort(request)
             self._aborts.clear()
+        joined: list[InferenceRequest] = []
         while self._inbox:
             dispatch = self._inbox.popleft()
             self._dispatches += 1
@@ -541,6 +638,7 @@ class ContinuousEngine:
                 if request.answered:
                     self._leave_tenant(request)
                     continue
+                joined.append(request)
                 if request.stream is not None and request.stream.abandoned:
                     self._aborts.add(request)
                 cached = self._cached_prefix(request)
@@ -555,13 +653,15 @@ class ContinuousEngine:
             if self._aborts:
                 self._boundary()
         if self.isolation:
+            if self.classes and self.requeue is not None and joined:
+                self._swap(joined)
             self._make_room()
         if self._preempted:
             self._resume()
 
     def _resume(self) -> None:
         """Move preempted sequences whose recomputation fits back to prefilling, highest rank first."""
-        self._preempted.sort(key=lambda s: (-self.rank(s.request, self.t), s.request.seq))
+        self._preempted.sort(key=lambda s: (not self._punctual(s), -self.rank(s.request, self.t), s.request.seq))
         while (self._preempted and self._preempted[0].prompt_left + 1 <= self._spare_kv()
                and len(self._prefilling) + len(self._decoding) < self.max_sequences):
             seq = self._preempted.pop(0)
@@ -576,12 +676,7 @@ class ContinuousEngine:
         the prompts of tenants below their share alone, the decodes waiting one (short) step; never
         two such steps in a row."""
         d = self.deployment
-        prefilling: list[Sequence] | collections.deque[Sequence] = self._prefilling
-        fast = False
-        if self.isolation:
-            shares = self.shares()
-            prefilling = sorted(prefilling, key=lambda s: (shares[s.request.tenant_id], s.request.seq))
-            fast = not self._fast_last and self._fast(prefilling[0])
+        prefilling, fast = self._prefill_order()
         self._fast_last = fast
         decoding = 0 if fast else len(self._decoding)
         decode_context = 0 if fast else self._decode_context
@@ -602,6 +697,10 @@ class ContinuousEngine:
         end = self.t + duration
         if fast:
             self._protect(duration, end)
+        self._step_end = end
+        prefilled = sum(chunk for _, chunk in chunks)
+        if self.classes:
+            self._recent_prefill.append((prefilled, duration))
         await self._step_until(end)
         tokens = decoding + sum(chunk for _, chunk in chunks)
         cost = duration * self.price_per_hour_usd / 3600.0
@@ -621,6 +720,43 @@ class ContinuousEngine:
                 self._prefilling.remove(seq)
                 self._first_token_after_prefill(seq)
         self._finish_due()
+
+    def _prefill_order(self) -> tuple[list[Sequence] | collections.deque[Sequence], bool]:
+        """The prompts to prefill, in the order the next step takes them, and whether it is a fast step.
+
+        While isolating: the tenants with the smallest shares first; the step is a fast one when the
+        first is below its share (:meth:`_fast`). Service classes (the module docstring): inside a
+        fast step a tenant's punctual classed prompts go first (most urgent first), and in any other
+        step every punctual classed prompt goes first, most urgent first (:func:`urgency`), then the
+        rest in the order above. Without classed prompts the order is exactly the classless one."""
+        prefilling = self._prefilling
+        classed = any(s.request.class_deadline is not None for s in prefilling)
+        if not self.isolation:
+            if not classed:
+                return prefilling, False
+            place = {seq: n for n, seq in enumerate(prefilling)}  # (FCFS, what was preempted first)
+            return sorted(prefilling, key=lambda s: self._deadline_key(s) if self._punctual(s) else
+                          (1, 0.0, place[s])), False
+        shares = self.shares()
+        if not classed:
+            ordered = sorted(prefilling, key=lambda s: (shares[s.request.tenant_id], s.request.seq))
+            return ordered, not self._fast_last and self._fast(ordered[0])
+        ordered = sorted(prefilling, key=lambda s: (shares[s.request.tenant_id], self._deadline_key(s)))
+        if not self._fast_last and self._fast(ordered[0]):
+            return ordered, True
+        return sorted(ordered, key=lambda s: self._deadline_key(s) if self._punctual(s) else
+                      (1, shares[s.request.tenant_id], s.request.seq)), False
+
+    def _punctual(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s request has a class deadline it can still meet (it has not passed)."""
+        deadline = seq.request.class_deadline
+        return deadline is not None and seq.request.started_at is None and self.t <= deadline
+
+    def _deadline_key(self, seq: Sequence) -> tuple[int, float, int]:
+        """Punctual classed requests first, most urgent first; then the others by admission order."""
+        if self._punctual(seq):
+            return (0, urgency(seq.request), seq.request.seq)
+        return (1, 0.0, seq.request.seq)
 
     def _first_token_after_prefill(self, seq: Sequence) -> None:
         """The step that read ``seq``'s last prompt chunk produced its next token."""
@@ -656,7 +792,9 @@ class ContinuousEngine:
         if self._streaming:
             steps = max(1, min(steps, d.decode_steps_within(n, self._decode_context, STREAM_INTERVAL_S)))
         end = self.t + d.decode_steps_s(n, self._decode_context, steps)
+        self._step_end, self._run_steps = end, (n, self._decode_context)
         await self._wait_for_answer(self.clock.deadline(end))
+        self._run_steps = None
         if not self.clock.reached(end):  # woken early: finish the step in progress, then take it in
             done = d.decode_steps_within(n, self._decode_context, self.clock.now() - self.t)
             steps = min(steps, done + 1)
@@ -779,6 +917,38 @@ class ContinuousEngine:
             over_kv -= self._preempt_one(victim)
             over_slots -= 1
 
+    def _over_capacity(self) -> tuple[int, int]:
+        """Sequences beyond ``max_sequences``, and KV tokens beyond the usable cache (positive: too many)."""
+        return (len(self._prefilling) + len(self._decoding) - self.max_sequences,
+                self._kv_used + len(self._decoding) - (self.deployment.kv_capacity_tokens - self._watermark))
+
+    def _swap(self, joined: list[InferenceRequest]) -> None:
+        """Rule 4: classed requests that just joined a full engine, their tenants above their share (they
+        came in by displacing), each send a looser prompt of their own tenant that has not started back
+        to the queue (:meth:`_displaceable`), most urgent joiner first, while the engine is over capacity."""
+        over_slots, over_kv = self._over_capacity()
+        for request in sorted((r for r in joined if r.class_deadline is not None), key=urgency):
+            if over_slots <= 0 and over_kv <= 0:
+                return
+            if not self._over_share(request.tenant_id) or (victim := self._displaceable(request)) is None:
+                continue
+            over_kv -= self._displace(victim)
+            over_slots -= 1
+
+    def _displace(self, seq: Sequence) -> int:
+        """Send a prompt that has not started back to the scheduler's queue (rule 4), in its old place;
+        the KV tokens this frees."""
+        freed = seq.context + seq.prompt_left
+        self._prefilling.remove(seq)
+        self._release(seq)
+        self._displaced += 1
+        self._prompt_tokens -= seq.request.prompt_tokens   # (it joins again later, and is counted then)
+        self._cached_tokens -= seq.request.cached_tokens
+        seq.request.cached_tokens = 0
+        assert self.requeue is not None
+        self.requeue(seq.request, f"engine {self.engine_id} gave its place to a more urgent request")
+        return freed
+
     def _victim(self, over_share_only: bool = False) -> Sequence | None:
         """The running sequence to preempt: while isolating tenants from each other, the newest of the
         tenant furthest above its share; else (or if none is above it) the one the queue policy ranks
@@ -788,10 +958,20 @@ class ContinuousEngine:
             over = [seq for seq in running if self._over_share(seq.request.tenant_id)]
             if over:
                 shares = self.shares()
-                return max(over, key=lambda s: (shares[s.request.tenant_id], s.request.seq))
+                if not self.classes:
+                    return max(over, key=lambda s: (shares[s.request.tenant_id], s.request.seq))
+                return max(over, key=lambda s: (shares[s.request.tenant_id], self._victim_rank(s)))
         if over_share_only:
             return None
-        return min(running, key=lambda s: (self.rank(s.request, self.t), -s.request.seq), default=None)
+        return min(running, key=lambda s: (self._punctual(s), self.rank(s.request, self.t), -s.request.seq),
+                   default=None)
+
+    def _victim_rank(self, seq: Sequence) -> tuple[int, int, float, int]:
+        """With service classes, which sequence of a tenant to preempt first (the largest): a prompt
+        that has not started (least urgent first, :meth:`_displace_key`), else the newest."""
+        if seq.request.started_at is None:
+            return (1, *self._displace_key(seq))
+        return (0, 0, 0.0, seq.request.seq)
 
     def _preempt(self, tokens: int) -> None:
         """Free at least ``tokens`` KV tokens by preempting running sequences (:meth:`_victim`)."""
