@@ -201,14 +201,26 @@ def simulate_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--workload", default="seed-stress", metavar="NAME",
                         help="built-in workload (default seed-stress; --list shows them)")
-    source.add_argument("--trace", metavar="FILE", help="replay a trace (.jsonl or .csv: at, tenant, "
-                        "prompt_tokens, output_tokens, bid)")
+    source.add_argument("--trace", metavar="FILE", help="replay a trace (.jsonl or .csv): apsd's own (at, tenant, "
+                        "prompt_tokens, output_tokens[, bid, service_class, prefix, prefix_tokens, hash_ids]), "
+                        "Mooncake / Dynamo JSON lines, the Azure LLM inference CSV or BurstGPT's CSV, detected "
+                        "from the file")
     parser.add_argument("--policy", action="append", metavar="P",
                         help="PRESET or PRESET:KIND=NAME,... (repeatable; default: fifo, static, aps)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a workload parameter (repeatable), e.g. --set rate=5")
     parser.add_argument("--params", metavar="FILE", help="workload parameters from a TOML file (--set wins)")
-    parser.add_argument("--seed", type=int, help="random seed of a built-in workload (default 1)")
+    parser.add_argument("--seed", type=int, help="random seed of a built-in workload, or of a trace's zipf "
+                        "tenant rule (default 1)")
+    trace = parser.add_argument_group("traces", "with --trace FILE")
+    trace.add_argument("--trace-format", choices=("auto", "apsd", "mooncake", "azure", "burstgpt"), default="auto",
+                       help="the trace's format (default auto: detected from its first row)")
+    trace.add_argument("--block-tokens", type=int, default=512, metavar="N",
+                       help="tokens per block id of hash_ids (default 512, the Mooncake traces')")
+    trace.add_argument("--trace-tenants", metavar="RULE",
+                       help="tenants for requests whose row names none: round-robin:N, hash:FIELD:N (e.g. "
+                            "hash:hash_ids:8, by the first block) or zipf:N[:S] (default: all to tenant_00; "
+                            "apsd's own format requires tenant without a rule)")
     parser.add_argument("--config", metavar="FILE", help="apsd config for the engines ([engine], [gpu], [[backends]]), "
                         "queue limits and policy parameters (the workload brings its own tenants)")
     parser.add_argument("--out", metavar="DIR", help="report directory (default apsd-sim/<workload>)")
@@ -243,11 +255,16 @@ def simulate_main(argv: Sequence[str]) -> int:
         return 0
     try:
         if args.trace:
-            if args.set or args.params or args.seed is not None:
-                raise workloads.WorkloadError("--set, --params and --seed apply to built-in workloads, "
-                                              "not --trace")
-            workload = workloads.load_trace(args.trace)
+            from apsd.sim.traces import load_trace
+
+            if args.set or args.params:
+                raise workloads.WorkloadError("--set and --params apply to built-in workloads, not --trace")
+            workload = load_trace(args.trace, format=None if args.trace_format == "auto" else args.trace_format,
+                                  block_tokens=args.block_tokens, tenants=args.trace_tenants,
+                                  seed=1 if args.seed is None else args.seed)
         else:
+            if args.trace_format != "auto" or args.trace_tenants or args.block_tokens != 512:
+                raise workloads.WorkloadError("--trace-format, --block-tokens and --trace-tenants apply to --trace")
             params = workloads.load_params_file(args.params) if args.params else {}
             params.update(workloads.parse_param_assignments(args.set))
             workload = workloads.build_workload(args.workload, params, seed=1 if args.seed is None else args.seed)

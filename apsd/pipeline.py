@@ -45,6 +45,7 @@ from apsd.core.events import EventBus
 from apsd.core.ledger import Ledger, LedgerStatistics
 from apsd.core.models import Dispatch, InferenceRequest, Refusal
 from apsd.core.policy import PolicySet
+from apsd.core.routing import BLOCK_TOKENS
 from apsd.core.scheduler import Scheduler
 from apsd.core.service_window import FairnessView, watch_for
 from apsd.store import Store, build_store
@@ -215,14 +216,14 @@ class Pipeline:
                     prompt_tokens: int | None = None, timeout_s: float | None = None, model: str | None = None,
                     api: str | None = None, payload: dict | None = None, open_ended: bool = False,
                     request_id: str | None = None, prefix_blocks: tuple[int, ...] | None = None,
-                    service_class: str | None = None) -> InferenceRequest:
+                    service_class: str | None = None, prefix_block_tokens: int = BLOCK_TOKENS) -> InferenceRequest:
         """A request ready to submit; ``timeout_s`` (model seconds, > 0) may shorten ``[queue] timeout_s``
         for it (a longer one is clamped to the config's when it is queued). ``model``, ``api``,
         ``payload`` and ``open_ended`` describe an OpenAI-style request (see
         :class:`~apsd.core.models.InferenceRequest`). ``request_id``: the client's own (``X-Request-Id``,
         already checked by the HTTP layer); None: apsd numbers it. ``prefix_blocks``: a simulated request's
-        routing key (:func:`apsd.core.routing.synthetic_blocks`); None: computed from its text when routed.
-        ``service_class``: the class it names (``X-Apsd-Class``; None: its tenant's default)."""
+        routing key (:func:`apsd.core.routing.synthetic_blocks`, or a trace's blocks of ``prefix_block_tokens``
+        tokens each); None: computed from its text when routed. ``service_class``: the class it names (``X-Apsd-Class``; None: its tenant's default)."""
         if timeout_s is not None and not 0 < timeout_s < math.inf:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self._next_request += 1
@@ -239,6 +240,7 @@ class Pipeline:
             api=api,
             payload=payload,
             prefix_blocks=prefix_blocks,
+            prefix_block_tokens=prefix_block_tokens,
             cached_discount=self.config.admission.cached_prompt_discount,
             service_class=service_class,
         )

@@ -49,6 +49,29 @@ let it pass the head). The measured ratio to its time alone, over a grid of work
 ``isolation = false`` none of this applies: FCFS steps of up to ``max_batched_tokens``, and
 preemption only when the KV cache runs out.
 
+Service classes (:mod:`apsd.core.classes`): a request with a class carries a deadline
+(``class_deadline``), and while it can still meet it (no first token yet, the deadline not passed) it
+is *punctual*. The engine orders prompts by it, within the rules above:
+
+* **Deadline order.** A step that is not a fast step prefills the punctual prompts first, the most
+  urgent first (the tighter class, then the earlier deadline: :func:`apsd.core.classes.urgency`), then
+  the others in the order above; a fast step takes a tenant's punctual prompts before its others.
+  Without isolation the punctual prompts go first, then the others first come first served. A prompt
+  whose deadline passed is no longer punctual: it goes behind those that can still be on time.
+4. **A tight request takes a looser prompt's place** (isolation on, classes configured). A full engine
+   also takes a classed request whose tenant has a prompt here of a looser class (or none) that has not
+   started: that prompt goes back to the scheduler's queue (``requeue``, its place in queue order kept)
+   and the classed request joins instead. A tenant only trades places with itself, so its share is
+   unchanged; without this, a tight request would wait for a slot behind the seconds of work a
+   256-sequence engine holds. Among a tenant's sequences, preemption takes prompts that have not started,
+   least urgent first, before others.
+* **Its wait, told to admission.** :meth:`ContinuousEngine.first_token_wait_s` is what a classed request
+  dispatched now would wait for its first token: the step in progress, the punctual prompts of its
+  class or tighter ones, and its own, at the prefill rate of the last steps. Admission's early refusal
+  adds it to the wait in the queue.
+
+Without classes configured nothing of this applies: the engine behaves exactly as without it.
+
 Events, not tokens: a run of steps in which only decoding happens and nothing joins, finishes,
 runs out of cache or is cancelled is computed in closed form
 (:meth:`~apsd.engines.roofline.Deployment.decode_steps_s`) and slept over at once, so a
@@ -58,9 +81,9 @@ progress. Sequences with a token stream are woken every ``STREAM_INTERVAL_S`` mo
 to receive their tokens.
 
 Prefix cache (``[engine] prefix_cache``, on by default, as vLLM's automatic prefix caching): the
-engine keeps the key blocks (:func:`apsd.core.routing.routing_key`, ``BLOCK_TOKENS`` tokens each) of
-every prompt it has read, in an LRU of as many blocks as its KV cache holds, a prompt's first block
-most recently used. A request joining whose key starts with cached blocks skips their prefill: its
+engine keeps the key blocks (:func:`apsd.core.routing.routing_key`, ``BLOCK_TOKENS`` tokens each, or a
+trace's ``prefix_block_tokens``) of every prompt it has read, in an LRU of as many tokens as its KV
+cache holds, a prompt's first block most recently used. A request joining whose key starts with cached blocks skips their prefill: its
 sequence starts with that many tokens in its context (at most its prompt less one token: the last
 is always computed) and ``request.cached_tokens`` says how many, for settlement at ``[admission]
 cached_prompt_discount``. Its KV cache is still counted whole (blocks shared between sequences are
@@ -90,7 +113,7 @@ from apsd.core.clock import ModelClock
 from apsd.core.config import Config
 from apsd.core.ledger import Ledger
 from apsd.core.models import GENERATION_APIS, Capacity, Dispatch, InferenceRequest, Refusal
-from apsd.core.routing import BLOCK_TOKENS, Target, routing_key
+from apsd.core.routing import Target, routing_key
 from apsd.core.streams import TokenChunk
 from apsd.core.engine import Demand, EngineStatistics, completion
 from apsd.engines.roofline import Deployment
@@ -256,8 +279,9 @@ class ContinuousEngine:
     #: :meth:`first_token_wait_s`.
     _recent_prefill: collections.deque[tuple[int, float]] = attrs.field(
         factory=lambda: collections.deque(maxlen=RATE_STEPS), init=False)
-    #: The prefix cache: key blocks, least recently used first.
-    _blocks: collections.OrderedDict[int, None] = attrs.field(factory=collections.OrderedDict, init=False)
+    #: The prefix cache: key blocks, least recently used first, and the tokens each holds (and in all).
+    _blocks: collections.OrderedDict[int, int] = attrs.field(factory=collections.OrderedDict, init=False)
+    _block_tokens_held: int = attrs.field(default=0, init=False)
     _prompt_tokens: int = attrs.field(default=0, init=False)
     _cached_tokens: int = attrs.field(default=0, init=False)
 
@@ -515,7 +539,7 @@ class ContinuousEngine:
         if touch:
             for block in reversed(key[:n]):
                 blocks.move_to_end(block)
-        return max(0, min(n * BLOCK_TOKENS, request.prompt_tokens - 1))
+        return max(0, min(n * request.prefix_block_tokens, request.prompt_tokens - 1))
 
     def _remember_prompt(self, request: InferenceRequest) -> None:
         """``request``'s prompt was read: keep its blocks (its first most recently used), evicting the
@@ -523,12 +547,16 @@ class ContinuousEngine:
         if not self.prefix_cache:
             return
         blocks = self._blocks
-        for block in reversed(routing_key(request)[:request.prompt_tokens // BLOCK_TOKENS]):
-            blocks[block] = None
-            blocks.move_to_end(block)
-        capacity = self.deployment.kv_capacity_tokens // BLOCK_TOKENS
-        while len(blocks) > capacity:
-            blocks.popitem(last=False)
+        size = request.prefix_block_tokens
+        for block in reversed(routing_key(request)[:request.prompt_tokens // size]):
+            if block in blocks:
+                blocks.move_to_end(block)
+            else:
+                blocks[block] = size
+                self._block_tokens_held += size
+        capacity = self.deployment.kv_capacity_tokens
+        while self._block_tokens_held > capacity:
+            self._block_tokens_held -= blocks.popitem(last=False)[1]
 
     # -- the loop --------------------------------------------------------------------------------
     async def serve(self, demands: trio.MemorySendChannel[Demand],

@@ -156,7 +156,7 @@ def run_policy(workload: Workload, choice: PolicyChoice, *, base_config: Config 
     return PolicyRun(label=choice.label, policy=dict(policies.names), workload=workload, requests=records,
                      batches=batches, samples=samples, sample_interval_s=interval, duration_s=duration,
                      gpus=gpus, tenant_rates={n: t.rate for n, t in config.tenants.items()},
-                     engine=describe_engine(config), engines=engines, wall_s=wall_s)
+                     engine=describe_engine(config), engines=engines, wall_s=wall_s, classes=dict(config.classes))
 
 
 def run_policies(workload: Workload, choices: Sequence[PolicyChoice], **kwargs: Any) -> list[PolicyRun]:
@@ -197,7 +197,8 @@ async def _drive(workload: Workload, config: Config, policies: Any, progress: Ca
                 await _advance_to(clock, mock, arrival.at)
             request = pipeline.new_request(tenant_id=arrival.tenant, prompt="", tokens_requested=arrival.output_tokens,
                                            priority_bid=arrival.bid, prompt_tokens=arrival.prompt_tokens,
-                                           prefix_blocks=arrival.prefix_blocks, service_class=arrival.service_class)
+                                           prefix_blocks=arrival.prefix_blocks, service_class=arrival.service_class,
+                                           prefix_block_tokens=arrival.prefix_block_tokens)
             if streamed:  # (so that its first token is seen; nobody reads the stream)
                 request.stream = TokenStream()
                 request.stream.abandon()
