@@ -452,8 +452,8 @@ def research_main(argv: Sequence[str]) -> int:
     parser.add_argument("--presets", metavar="P,P", help="with --grid: these presets only")
     parser.add_argument("--routing", action="store_true",
                         help="instead, compare the routing policies least-loaded, prefix and prefix-hash between 4 "
-                             "continuous engines with prefix caches on shared-prefix workloads: print the tables and "
-                             "write research/routing.md (about a minute)")
+                             "continuous engines with prefix caches on shared-prefix workloads and a Mooncake-format "
+                             "trace: print the tables and write research/routing.md (a few minutes)")
     parser.add_argument("--classes", action="store_true",
                         help="instead, run the service-class study: two tenants, a tight and a loose class, at twice "
                              "what a continuous engine serves, under fair with and without classes: print the table "
@@ -487,8 +487,17 @@ def _research_classes(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 def _research_routing(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from apsd.sim.research.routing import routing_document, run_routing_study
+    from apsd.sim.research.trace_routing import run_trace_routing, trace_routing_markdown
 
-    return _write_study(parser, args, "routing.md", 600.0, run_routing_study, routing_document)
+    def run(*, duration: float, seed: int, progress: Callable[[str], None] | None) -> tuple[Any, Any]:
+        return (run_routing_study(duration=duration, seed=seed, progress=progress),
+                run_trace_routing(seed=seed, progress=progress))
+
+    def document(result: tuple[Any, Any], *, duration: float, seed: int) -> str:
+        rows, trace = result
+        return routing_document(rows, duration=duration, seed=seed) + "\n" + trace_routing_markdown(trace)
+
+    return _write_study(parser, args, "routing.md", 600.0, run, document)
 
 
 def _write_study(parser: argparse.ArgumentParser, args: argparse.Namespace, page: str, default_duration: float,
