@@ -458,9 +458,17 @@ def research_main(argv: Sequence[str]) -> int:
                         help="instead, run the service-class study: two tenants, a tight and a loose class, at twice "
                              "what a continuous engine serves, under fair with and without classes: print the table "
                              "and write research/service-classes.md (about a minute at 120 s)")
+    parser.add_argument("--table", action="store_true",
+                        help="instead, run the benchmark table: FCFS, static priority, a per-tenant requests-per-"
+                             "minute limit, least counter first, fair, fair with prefix routing and fair with "
+                             "classes on VTC's suites, QLM's interactive + batch mix, shared prefixes, a "
+                             "Mooncake-format trace and two replicas with skewed ingress; print it and write "
+                             "research/benchmark.md (a few minutes)")
     parser.add_argument("--duration", type=float, default=None, metavar="S",
                         help="with --routing or --classes: model seconds of each workload (default 600 and 120)")
     args = parser.parse_args(argv)
+    if args.table:
+        return _research_table(args)
     if args.routing:
         return _research_routing(parser, args)
     if args.classes:
@@ -498,6 +506,20 @@ def _research_routing(parser: argparse.ArgumentParser, args: argparse.Namespace)
         return routing_document(rows, duration=duration, seed=seed) + "\n" + trace_routing_markdown(trace)
 
     return _write_study(parser, args, "routing.md", 600.0, run, document)
+
+
+def _research_table(args: argparse.Namespace) -> int:
+    from apsd.sim.research.table import run_table, versions
+    from apsd.sim.research.table_page import benchmark_document, definition_fingerprint
+
+    result = run_table(seed=args.seed, progress=None if args.quiet else lambda what: print(f"  {what}", file=sys.stderr))
+    text = benchmark_document(result, versions(), definition_fingerprint(args.seed))
+    path = Path(args.out) / "research" / "benchmark.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(text)
+    print(f"wrote {path}")
+    return 0
 
 
 def _write_study(parser: argparse.ArgumentParser, args: argparse.Namespace, page: str, default_duration: float,

@@ -259,7 +259,8 @@ class Capacity:
     slots_per_model: dict[str, int] | None = None
     #: Room only requests of tenants below their share may take (``under_share`` says which):
     #: slots a ``forward`` engine holds back for them, or the sequences and KV cache a ``continuous``
-    #: engine would free by preempting tenants above their share. None: no such room.
+    #: engine would free by preempting tenants above their share (and, with service classes, by sending a
+    #: looser prompt of a classed request's own tenant back to the queue). None: no such room.
     held_sequences: int = 0
     held_kv_tokens: int = 0
     under_share: Callable[[InferenceRequest], bool] | None = None

@@ -28,7 +28,7 @@ from apsd.core.ledger import Ledger
 from apsd.core.models import InferenceRequest
 from apsd.engines.backends import Backend, BackendClient, HttpBackendClient
 from apsd.engines.batch import BatchEngine, FaultInjector, GpuModel
-from apsd.engines.continuous import ContinuousEngine
+from apsd.engines.continuous import ContinuousEngine, tenant_weights
 from apsd.engines.forward import ForwardEngine
 from apsd.engines.profiles import ProfileError, ProfileRegistry, builtin_profiles
 from apsd.engines.roofline import Deployment
@@ -149,7 +149,7 @@ class _Continuous:
                                  max_batched_tokens=engine.max_batched_tokens,
                                  isolation=engine.isolation, prefill_chunk_tokens=engine.prefill_chunk_tokens,
                                  price_per_hour_usd=price, prefix_cache=engine.prefix_cache,
-                                 classes=bool(config.classes), requeue=requeue)
+                                 classes=bool(config.classes), requeue=requeue, weights=tenant_weights(config))
                 for i in range(engine.count)]
 
 

@@ -19,8 +19,9 @@ model's context) is refused at admission.
 
 Isolation (``[engine] isolation``, on by default): a tenant is *below its share* when it has
 fewer sequences in this engine than ``max_sequences`` divided by the tenants there, itself
-included (:meth:`ContinuousEngine.under_share`). Three rules keep such a tenant's first token
-close to what it would be alone, whatever the others send:
+included (:meth:`ContinuousEngine.under_share`); with tenants' weights (``[tenants.<name>] weight``),
+its weight's part of it (weight 4 beside a tenant of weight 1: four fifths). Three rules keep such a
+tenant's first token close to what it would be alone, whatever the others send:
 
 1. **It gets in.** When the engine is full (sequences or KV cache), it still takes a request of
    a tenant below its share: it preempts (recompute) the newest sequences of the tenant furthest
@@ -99,6 +100,7 @@ MFU and MBU are model FLOPs and bytes read over busy time, against the deploymen
 from __future__ import annotations
 
 import collections
+import collections.abc
 import heapq
 import itertools
 import logging
@@ -118,7 +120,7 @@ from apsd.core.streams import TokenChunk
 from apsd.core.engine import Demand, EngineStatistics, completion
 from apsd.engines.roofline import Deployment
 
-__all__ = ["ContinuousEngine", "first_token_bound_s", "prefill_chunk_for"]
+__all__ = ["ContinuousEngine", "first_token_bound_s", "prefill_chunk_for", "tenant_weights"]
 
 log = logging.getLogger("apsd.engines.continuous")
 
@@ -163,6 +165,11 @@ def prefill_chunk_for(deployment: Deployment, max_batched_tokens: int) -> int:
     per_token = {n: deployment.step_s([(n, 0)], 0, 0) / n for n in sizes}
     cheapest = min(per_token.values())
     return next(n for n in sizes if per_token[n] <= cheapest * (1 + CHUNK_TOLERANCE))
+
+
+def tenant_weights(config: Config) -> dict[str, float]:
+    """The configured tenants whose weight is not 1, and their weights."""
+    return {name: tenant.weight for name, tenant in config.tenants.items() if tenant.weight != 1.0}
 
 
 def _target_s(request: InferenceRequest) -> float:
@@ -213,6 +220,9 @@ class ContinuousEngine:
     #: Service classes are configured: a classed request may displace a less urgent prompt of its own
     #: tenant that has not started (rule 4 of the module docstring).
     classes: bool = False
+    #: Tenants whose weight (``[tenants.<name>] weight``) is not 1: their shares here are in proportion
+    #: (the module docstring); empty: equal shares.
+    weights: dict[str, float] = attrs.field(factory=dict)
     #: The scheduler's ``requeue``: where a displaced prompt goes back to (rule 4); None: preempted instead.
     requeue: Callable[[InferenceRequest, str], None] | None = None
     kind: str = attrs.field(default="continuous", init=False)
@@ -407,8 +417,9 @@ class ContinuousEngine:
     def shares(self) -> dict[str, float]:
         """Tenant -> its dominant share of this engine: the larger of its fraction of ``max_sequences``
         (its requests here, dispatched, running or preempted) and of the usable KV cache (the tokens
-        its sequences hold). A tenant is below its share while this times the tenants here (itself
-        included) is under 1, above it while over 1."""
+        its sequences hold), over its weight. A tenant is below its share while this times the tenants'
+        weights here, summed (itself included; without weights: the number of tenants), is under 1,
+        above it while over 1."""
         key = (self._step, self._version, self._kv_used, self._tenants_changed, len(self._prefilling), self._preemptions)
         if key == self._shares_key:
             return self._shares
@@ -421,18 +432,27 @@ class ContinuousEngine:
             for request in dispatch.requests:
                 kv[request.tenant_id] += request.prompt_tokens + 1
         usable = self.deployment.kv_capacity_tokens - self._watermark
-        self._shares = {tenant: max(n / self.max_sequences, kv[tenant] / usable)
-                        for tenant, n in self._per_tenant.items()}
+        weights = self.weights
+        self._shares = {tenant: max(n / self.max_sequences, kv[tenant] / usable) / weights.get(tenant, 1.0)
+                        for tenant, n in self._per_tenant.items()} if weights else \
+            {tenant: max(n / self.max_sequences, kv[tenant] / usable) for tenant, n in self._per_tenant.items()}
         self._shares_key = key
         return self._shares
 
+    def _weight_of(self, tenants: collections.abc.Iterable[str]) -> float:
+        """The tenants' weights summed (their count when no tenant has a weight other than 1)."""
+        if not self.weights:
+            return len(tenants) if isinstance(tenants, collections.abc.Sized) else sum(1 for _ in tenants)
+        return sum(self.weights.get(t, 1.0) for t in tenants)
+
     def _below_share(self, tenant: str) -> bool:
         shares = self.shares()
-        return shares.get(tenant, 0.0) * (len(shares) + (tenant not in shares)) < 1.0
+        here = self._weight_of(shares) + (self.weights.get(tenant, 1.0) if tenant not in shares else 0)
+        return shares.get(tenant, 0.0) * here < 1.0
 
     def _over_share(self, tenant: str) -> bool:
         shares = self.shares()
-        return shares[tenant] * len(shares) > 1.0
+        return shares[tenant] * self._weight_of(shares) > 1.0
 
     def _protect(self, fast_step_s: float, end: float) -> None:
         """A fast step of ``fast_step_s`` ends at ``end``: for ``PROTECT_S`` after it, the others' steps
@@ -466,19 +486,26 @@ class ContinuousEngine:
         tenant here has a larger share."""
         shares, tenant = self.shares(), seq.request.tenant_id
         mine = shares[tenant]
-        return mine * len(shares) < 1.0 and any(share > mine for share in shares.values())
+        return mine * self._weight_of(shares) < 1.0 and any(share > mine for share in shares.values())
 
     def _preemptible(self) -> tuple[int, int]:
         """What preempting tenants above their share (counting one more tenant: a newcomer) could free for
         a tenant below its share: their sequences and KV tokens beyond that share."""
         shares = self.shares()
-        tenants = len(shares) + 1
+        tenants = self._weight_of(shares) + 1
         over = [t for t, share in shares.items() if share * tenants > 1.0]
         if not over:
             return 0, 0
         usable = self.deployment.kv_capacity_tokens - self._watermark
-        sequences = sum(max(0, self._per_tenant[t] - self.max_sequences // tenants) for t in over)
-        kv = sum(max(0, round(shares[t] * usable) - usable // tenants) for t in over)
+        if not self.weights:
+            sequences = sum(max(0, self._per_tenant[t] - self.max_sequences // tenants) for t in over)
+            kv = sum(max(0, round(shares[t] * usable) - usable // tenants) for t in over)
+            return sequences, kv
+        weight = self.weights.get
+        sequences = sum(max(0, self._per_tenant[t] - math.floor(self.max_sequences * weight(t, 1.0) / tenants))
+                        for t in over)
+        kv = sum(max(0, round(shares[t] * weight(t, 1.0) * usable) - math.floor(usable * weight(t, 1.0) / tenants))
+                 for t in over)
         return sequences, kv
 
     def first_token_bound_s(self, prompt_tokens: int) -> float:
@@ -505,7 +532,11 @@ class ContinuousEngine:
         return True
 
     def reconfigure(self, config: Config) -> list[str]:
-        return []  # the deployment and its limits need a restart (Pipeline.reconfigure says so)
+        """Take the tenants' new weights; the deployment and its limits need a restart (Pipeline.reconfigure
+        says so)."""
+        self.weights = tenant_weights(config)
+        self._shares_key = None
+        return []
 
     def statistics(self) -> EngineStatistics:
         d = self.deployment
