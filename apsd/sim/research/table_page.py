@@ -101,7 +101,15 @@ def workload_section(w: WorkloadResult) -> str:
         names = list(w.cells[0].served)
         lines += ["", f"Output tokens served by the last arrival, `{names[0]}`:`{names[1]}` (weights 4:1): "
                   + ", ".join(f"{cell.row} {_ratio(cell.served)}" for cell in w.cells if not cell.same_as)
-                  + f"; `fair` with each replica on its own (no shared store) {_ratio(w.fair_unshared)}."]
+                  + f"; `fair` with each replica on its own (no shared store) {_ratio(w.fair_unshared)}.",
+                  "", "Why `fair` does not reach 4:1 here, shared store or not: each replica's continuous engine "
+                  "isolates tenants by their weighted share of *its own* sequences. The second replica sees "
+                  f"`{names[0]}` below its share there (it sends only a tenth of its traffic there) and serves all "
+                  f"of it; the first keeps a fifth of its engine for `{names[1]}`, however much `{names[1]}` was "
+                  "served on the second. The counters the store shares order each replica's queue, but the engines "
+                  "let a tenant below its local share pass the queue. Beyond that, no scheduler could give "
+                  f"`{names[0]}` more than the first replica's whole engine and everything it sends to the second: "
+                  "with this placement 4:1 is out of reach (about 2:1 at most)."]
     return "\n".join(lines) + "\n"
 
 

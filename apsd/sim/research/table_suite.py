@@ -20,8 +20,9 @@ Workloads (:data:`WORKLOADS`): VTC's published suites (overload, proportional, o
 distribution shift) at the rates the research suite scales them to on one continuous engine; QLM's
 interactive + batch mix; a population of shared prefixes on two engines; a Mooncake-format trace on two
 engines (generated: :mod:`apsd.sim.traces.synthetic`); and two replicas with tenants weighted 4:1 whose
-traffic enters skewed (NVIDIA Dynamo's issue #15187: one router per replica, a premium tenant mostly on
-one, a regular one mostly on the other).
+traffic enters skewed (the case NVIDIA Dynamo's users reported: a 4:1 premium:regular policy that holds
+behind one router, and gives about 1:1 behind two with a premium tenant mostly on one and a regular one
+mostly on the other).
 """
 
 from __future__ import annotations
@@ -168,6 +169,6 @@ WORKLOADS = (
                   "zipf:3, on two engines of a long-context model", mooncake_trace, engines=2, model="llama-3.1-8b"),
     TableWorkload("replicas-4-to-1", "two apsd replicas sharing a store, each in front of one engine; `premium` "
                   "(weight 4) and `regular` (weight 1) each flood at 60 req/s of 256 / 256, `premium` sending 90% to "
-                  "the first replica and `regular` 90% to the second (Dynamo's issue #15187), 30 s", skewed_replicas,
+                  "the first replica and `regular` 90% to the second (the skewed ingress reported against NVIDIA Dynamo), 30 s", skewed_replicas,
                   placement={"premium": (0.9, 0.1), "regular": (0.1, 0.9)}),
 )

@@ -9,10 +9,11 @@ for a tenant rule to hash (``hash:Model:2``). ``Total tokens`` is not read.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-from apsd.sim.traces.formats import RecordContext, TraceFormat, TraceRecord
+from apsd.sim.traces.formats import RecordContext, TraceFormat, TraceRecord, field_value
 from apsd.sim.traces.rows import TraceRow
 from apsd.sim.traces.values import integer_value, time_value
 from apsd.sim.workloads import WorkloadError
@@ -32,14 +33,8 @@ def _check_header(path: Path, line: int, names: list[str]) -> None:
 def _read(row: TraceRow, context: RecordContext) -> TraceRecord | None:
     values = row.values
 
-    def parse(name, reader):  # type: ignore[no-untyped-def]
-        raw = values.get(name)
-        if raw is None:
-            raise WorkloadError(f"{context.path}:{row.line}: {name}: missing")
-        try:
-            return reader(raw, row.from_text)
-        except ValueError as exc:
-            raise WorkloadError(f"{context.path}:{row.line}: {name}: {exc}") from None
+    def parse(name: str, reader: Callable[[Any, bool], Any]) -> Any:
+        return field_value(row, context, name, reader)
 
     at = parse("Timestamp", time_value)
     prompt = parse("Request tokens", lambda raw, text: integer_value(raw, text, 0, 10**9))

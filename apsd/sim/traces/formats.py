@@ -16,8 +16,9 @@ from typing import IO, Any
 import attrs
 
 from apsd.sim.traces.rows import TraceRow, csv_rows, jsonl_rows
+from apsd.sim.workloads import WorkloadError
 
-__all__ = ["RecordContext", "TraceFormat", "TraceRecord"]
+__all__ = ["RecordContext", "TraceFormat", "TraceRecord", "field_value"]
 
 
 @attrs.define(slots=True)
@@ -78,3 +79,15 @@ class TraceFormat:
         if layout == "jsonl":
             return jsonl_rows(path, file)
         return csv_rows(path, file, lambda line, names: self.check_header(path, line, names))
+
+
+def field_value(row: TraceRow, context: RecordContext, name: str, reader: Callable[[Any, bool], Any]) -> Any:
+    """Row field ``name`` read by ``reader`` (:mod:`apsd.sim.traces.values`); a missing or bad value is a
+    :class:`WorkloadError` naming ``file:line: field``."""
+    raw = row.values.get(name)
+    if raw is None:
+        raise WorkloadError(f"{context.path}:{row.line}: {name}: missing")
+    try:
+        return reader(raw, row.from_text)
+    except ValueError as exc:
+        raise WorkloadError(f"{context.path}:{row.line}: {name}: {exc}") from None

@@ -16,10 +16,11 @@ JSON lines, one request a line::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-from apsd.sim.traces.formats import RecordContext, TraceFormat, TraceRecord
+from apsd.sim.traces.formats import RecordContext, TraceFormat, TraceRecord, field_value
 from apsd.sim.traces.rows import TraceRow
 from apsd.sim.traces.values import hash_ids_value, integer_value, name_value, number_value, tokens_value
 from apsd.sim.workloads import WorkloadError
@@ -32,14 +33,8 @@ REQUIRED = ("timestamp", "input_length", "output_length", "hash_ids")
 def _read(row: TraceRow, context: RecordContext) -> TraceRecord | None:
     values = row.values
 
-    def parse(name, reader):  # type: ignore[no-untyped-def]
-        raw = values.get(name)
-        if raw is None:
-            raise WorkloadError(f"{context.path}:{row.line}: {name}: missing")
-        try:
-            return reader(raw, row.from_text)
-        except ValueError as exc:
-            raise WorkloadError(f"{context.path}:{row.line}: {name}: {exc}") from None
+    def parse(name: str, reader: Callable[[Any, bool], Any]) -> Any:
+        return field_value(row, context, name, reader)
 
     at = parse("timestamp", number_value) / 1000.0
     prompt = parse("input_length", tokens_value)
