@@ -9,7 +9,9 @@
 * ``apsd simulate [--workload W | --trace FILE] [--policy P ...]`` compares policies on one workload in
   virtual time and writes a report (:mod:`apsd.sim.runner`, :mod:`apsd.sim.report`); with
   ``--replicas N`` it runs N replicas sharing a simulated store instead (:mod:`apsd.sim.replicas`).
-* ``apsd research`` runs the research suite and writes ``docs/research.md`` (:mod:`apsd.sim.research`).
+* ``apsd research`` runs the research suite and writes ``docs/research.md`` (:mod:`apsd.sim.research`);
+  ``--classes``, ``--routing``, ``--grid`` and ``--table`` run one study each and write its page under
+  ``docs/research/``.
 * ``apsd profile --gpu G --model M --batch B --prompt-tokens P --output-tokens O`` runs a batch on
   one continuous engine in virtual time and prints its figures (:mod:`apsd.sim.profile`).
 
