@@ -100,7 +100,6 @@ MFU and MBU are model FLOPs and bytes read over busy time, against the deploymen
 from __future__ import annotations
 
 import collections
-import collections.abc
 import heapq
 import itertools
 import logging
@@ -360,11 +359,10 @@ class ContinuousEngine:
         """Model seconds from now to the first token of ``request``, of a class whose ``ttft_s`` is
         ``target_s``, if it joined now: the rest of the step in progress, then the prompts this engine
         prefills before its own (the punctual classed prompts of its class or a tighter one, those
-        dispatched here included)
-        and its own prompt (less what the prefix cache holds), at the prefill rate of the engine's
-        last ``RATE_STEPS`` steps with prefill (before any: a chunk beside the decodes running now).
-        Admission's early refusal of a class's requests adds it to their wait in the queue
-        (:meth:`apsd.core.classes.ServiceClasses.refuse_unmeetable`)."""
+        dispatched here included) and its own prompt (less what the prefix cache holds), at the prefill
+        rate of the engine's last ``RATE_STEPS`` steps with prefill (before any: a chunk beside the
+        decodes running now). Admission's early refusal of a class's requests adds it to their wait in
+        the queue (:meth:`apsd.core.classes.ServiceClasses.refuse_unmeetable`)."""
         mine = round(target_s, 3)
         ahead = sum(seq.prompt_left for seq in self._prefilling if self._punctual(seq)
                     and _target_s(seq.request) <= mine)
@@ -439,10 +437,11 @@ class ContinuousEngine:
         self._shares_key = key
         return self._shares
 
-    def _weight_of(self, tenants: collections.abc.Iterable[str]) -> float:
-        """The tenants' weights summed (their count when no tenant has a weight other than 1)."""
+    def _weight_of(self, tenants: dict[str, float]) -> float:
+        """The weights of ``tenants`` (the keys of :meth:`shares`) summed: their count when no tenant has
+        a weight other than 1."""
         if not self.weights:
-            return len(tenants) if isinstance(tenants, collections.abc.Sized) else sum(1 for _ in tenants)
+            return len(tenants)
         return sum(self.weights.get(t, 1.0) for t in tenants)
 
     def _below_share(self, tenant: str) -> bool:
