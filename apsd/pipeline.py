@@ -174,6 +174,9 @@ class Pipeline:
         waits = [engine.first_token_wait_s for engine in engines if hasattr(engine, "first_token_wait_s")]
         if waits:
             classes.engine_wait = lambda request, target_s: min(wait(request, target_s) for wait in waits)
+        takes = [engine.takes_now for engine in engines if hasattr(engine, "takes_now")]
+        if takes:
+            classes.takes_now = lambda request: any(take(request) for take in takes)
         if config.classes:  # (without classes, nothing listens: the unclassed path pays nothing)
             classes.subscribe(ledger.events)
         admission.classes = classes

@@ -21,7 +21,9 @@ Rules:
   requests were queued (the engines' measured rate, over the last :data:`GAP_SAMPLES` such
   dispatches; before any was measured, nothing is refused), plus what the engines say a first
   token takes from dispatch (``engine_wait``: the ``continuous`` engine's prompts ahead of it at its
-  measured prefill rate; the least over the engines). An estimate past ``ttft_s`` is answered at
+  measured prefill rate; the least over the engines); none at all when an engine would take it at once
+  (``takes_now``: a ``forward`` engine with a free slot, or a request to preempt for it). An estimate
+  past ``ttft_s`` is answered at
   once: 503 ``deadline_unmeetable`` with ``Retry-After`` (the estimated wait, in wall seconds).
 * **Refused in the queue** (``refuse``): a request still queued when its deadline comes can no
   longer meet it, and is answered then with the same 503 (counted ``cancelled`` in the books, its
@@ -133,6 +135,9 @@ class ServiceClasses:
     #: (the least of theirs, :meth:`apsd.engines.continuous.ContinuousEngine.first_token_wait_s`); None:
     #: not known.
     engine_wait: Callable[[InferenceRequest, float], float] | None = None
+    #: Whether an engine would take ``request`` at once (a ``forward`` engine with a free slot for it, or
+    #: a request to preempt for it): its queue wait is then none (None: not known).
+    takes_now: Callable[[InferenceRequest], bool] | None = None
     _counts: dict[str, _Counts] = attrs.field(factory=dict, init=False)
     #: Classed requests in the queue now.
     _in_queue: set[InferenceRequest] = attrs.field(factory=set, init=False)
@@ -206,6 +211,8 @@ class ServiceClasses:
         request.class_deadline = now + spec.ttft_s
         request.class_best_effort = spec.on_miss == "best_effort"
         if request.class_best_effort:
+            return None
+        if self.takes_now is not None and self.takes_now(request):
             return None
         wait = self.estimated_wait(name)
         if wait <= spec.ttft_s and self.engine_wait is not None:

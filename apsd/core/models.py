@@ -280,6 +280,9 @@ class Capacity:
     #: Of ``held_sequences``, those of the backends serving each model (the ``forward`` engine, beside
     #: ``slots_per_model``); None: one pool for every model.
     held_per_model: dict[str, int] | None = None
+    #: Requests the free room should go to before the queue's head (the ``forward`` engine: tenants below
+    #: their share of the slots, which would otherwise take a slot back by preemption); None: queue order.
+    prefer: Callable[[InferenceRequest], bool] | None = None
     #: Whether the routing policy lets this engine take ``request`` once it took ``taken`` others in the
     #: same dispatch (several engines: it may be meant for another one with room); None: any request.
     route: Callable[[InferenceRequest, int], bool] | None = None

@@ -227,7 +227,7 @@ class FairShareQueue:
 
     def _item(self, request: InferenceRequest, now: float) -> tuple[float, int, float, InferenceRequest]:
         charges = self.charges  # (the charge is computed now, while the request is in the CPU's cache)
-        deadline = request.class_deadline
+        deadline = request.class_deadline if request.started_at is None else None   # (a paused one is past it)
         if deadline is None:
             key = self.alpha * request.arrival - self.bid_weight * request.priority_bid
         else:
