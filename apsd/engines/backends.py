@@ -237,6 +237,12 @@ class BackendClient(Protocol):
         None when it cannot say (no such endpoint, or no answer within ``health_timeout_s``). Never
         raises. Used to charge a request that ended without the backend's usage."""
 
+    async def count_output_tokens(self, backend: Backend, model: str | None, text: str) -> int | None:
+        """The backend's own count of the tokens of ``text``, output it generated (no special tokens
+        added), or None when it cannot say (as :meth:`count_prompt_tokens`). Never raises. Used to
+        charge a stream that ended without the backend's usage: its chunks do not say how many
+        tokens each carries."""
+
     async def aclose(self) -> None: ...
 
 
@@ -348,6 +354,32 @@ class HttpBackendClient:
                     ask = {"model": model, "messages": body.get("messages")} if chat else \
                         {"model": model, "prompt": body.get("prompt")}
                     answer = await self._client.post(base + "/tokenize", json=ask, headers=headers)
+                    count = answer.json().get("count") if answer.status_code == 200 else None
+                    if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+                        backend.tokenizer = "vllm"
+                        return count
+                backend.tokenizer = backend.tokenizer or ""
+                return None
+        except (httpx.HTTPError, trio.TooSlowError, ValueError, AttributeError, RecursionError):
+            return None
+
+    async def count_output_tokens(self, backend: Backend, model: str | None, text: str) -> int | None:
+        base = backend.config.url.rstrip("/")
+        headers = self._headers(backend)
+        try:
+            with trio.fail_after(self.settings.health_timeout_s):
+                if backend.tokenizer in (None, "llama.cpp"):
+                    answer = await self._client.post(base + "/tokenize", headers=headers,
+                                                      json={"content": text, "add_special": False})
+                    tokens = answer.json().get("tokens") if answer.status_code == 200 else None
+                    if isinstance(tokens, list):
+                        backend.tokenizer = "llama.cpp"
+                        return len(tokens)
+                    if backend.tokenizer == "llama.cpp":
+                        return None
+                if backend.tokenizer in (None, "vllm"):
+                    answer = await self._client.post(base + "/tokenize", headers=headers, json={
+                        "model": model, "prompt": text, "add_special_tokens": False})
                     count = answer.json().get("count") if answer.status_code == 200 else None
                     if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
                         backend.tokenizer = "vllm"
@@ -588,7 +620,9 @@ class SimulatedServer:
     one every ``tpot_s``. ``down`` makes it unreachable; ``stalled`` makes it accept connections and
     answer nothing (a stopped process: its health check times out after ``stall_s``, requests hang);
     ``fail_next`` fails that many requests before their first token; ``fail_after_tokens`` breaks
-    streams after that many tokens. ``bodies`` records every request body it received."""
+    streams after that many tokens; ``says_chunk_tokens = False`` makes its stream chunks leave
+    their tokens unsaid, as a real server's do (its tokenizer counts one token per `` tok``).
+    ``bodies`` records every request body it received."""
 
     models: tuple[str, ...] = ("sim",)
     slots: int = 4
@@ -600,6 +634,7 @@ class SimulatedServer:
     with_metrics: bool = True
     stalled: bool = False
     stall_s: float = 5.0
+    says_chunk_tokens: bool = True
     bodies: list[dict] = attrs.field(factory=list)
     running: int = 0
     waiting: int = 0
@@ -657,6 +692,10 @@ class SimulatedBackendClient:
         await trio.lowlevel.checkpoint()
         return None if self.servers[backend.name].down else _simulated_prompt_tokens(body)
 
+    async def count_output_tokens(self, backend: Backend, model: str | None, text: str) -> int | None:
+        await trio.lowlevel.checkpoint()
+        return None if self.servers[backend.name].down else text.count(" tok")
+
     async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk,
                        request_id: str = "") -> BackendAnswer:
         server = self._server(backend)
@@ -697,7 +736,7 @@ class SimulatedBackendClient:
                 if sent:
                     await self.clock.sleep(server.tpot_s * n)
                 sent += n
-                on_chunk(BackendChunk(_simulated_chunk(api, n), tokens=n))
+                on_chunk(BackendChunk(_simulated_chunk(api, n), tokens=n if server.says_chunk_tokens else None))
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens}
             on_chunk(BackendChunk({"object": "chat.completion.chunk", "choices": [], "usage": usage}, tokens=0))
             return BackendAnswer(prompt_tokens, tokens)

@@ -67,7 +67,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import attrs
 import trio
@@ -398,13 +398,18 @@ class ForwardEngine:
         return api, body, wants_usage
 
     def _relay(self, request: InferenceRequest, backend: Backend,
-               wants_usage: bool) -> OnChunk:
+               wants_usage: bool, received: list[str]) -> OnChunk:
         """What to do with each chunk of ``request``'s stream from the backend: count its tokens and
         hand it to the client's stream without waiting for the client (a slow reader delays only
         itself: the backend's slot is freed at the backend's pace, and the request is charged what
         the backend generated; what waits for the reader is bounded by the request's output). A
         backend that streams more tokens than the limit it was sent fails the request and is
-        suspected: the tenant is never charged past its reservation."""
+        suspected: the tenant is never charged past its reservation.
+
+        A chunk whose tokens the backend does not say counts as one if it has text: a live count
+        (vLLM sends some chunks with no text and some with several tokens), which settlement
+        replaces by the backend's usage, or by its count of the text in ``received``
+        (:meth:`_count_unreported`)."""
         stream = request.stream
         held: list[tuple[dict, bytes | None]] = []
 
@@ -412,6 +417,8 @@ class ForwardEngine:
             chunk, raw = piece.data, piece.raw
             text = _chunk_text(chunk)
             tokens = piece.tokens if piece.tokens is not None else 1 if text else 0
+            if piece.tokens is None and text:
+                received.append(text)
             now = self.clock.now()
             if tokens and request.started_at is None:
                 self.ledger.started(request, now)
@@ -447,6 +454,7 @@ class ForwardEngine:
         backend.requests += 1
         outcome: Completion | Refusal | None = None
         requeue: str | None = None
+        received: list[str] = []   # (the text of chunks whose tokens the backend did not say)
         try:
             api, body, wants_usage = self._body(request, backend)
             with scope:
@@ -454,7 +462,8 @@ class ForwardEngine:
                     if after is not None:
                         await after.wait()
                     sent.set()
-                    answer = await self.client.complete(backend, api, body, self._relay(request, backend, wants_usage),
+                    answer = await self.client.complete(backend, api, body,
+                                                        self._relay(request, backend, wants_usage, received),
                                                         request.request_id)
                     outcome = self._completed(request, backend, answer, start)
                 except BackendError as error:
@@ -467,7 +476,7 @@ class ForwardEngine:
                     outcome = Refusal(499, "client_disconnected",
                                       "the client disconnected while the request was running", kind="cancelled")
             if isinstance(outcome, Refusal) and request.started_at is not None:
-                await self._count_prompt(request, backend, api, body)
+                await self._count_unreported(request, backend, api, body, "".join(received))
         except Exception:  # a bug or a surprise: this request fails, the daemon goes on
             log.exception("request %s on backend %s failed unexpectedly", request.request_id, backend.name)
             outcome, requeue = Refusal(502, "backend_failed", f"forwarding to backend {backend.name} failed "
@@ -477,15 +486,31 @@ class ForwardEngine:
             sent.set()
             self._end(request, backend, start, outcome, requeue)
 
-    async def _count_prompt(self, request: InferenceRequest, backend: Backend, api: str, body: dict) -> None:
+    async def _count_unreported(self, request: InferenceRequest, backend: Backend, api: str, body: dict,
+                                output: str) -> None:
         """A request that ended after its first token without the backend's usage (its client left,
-        the stream broke or timed out) is charged the backend's own count of its prompt, asked of
-        the backend (bounded by ``health_timeout_s``, shielded: the request's scope may be
-        cancelled); apsd's estimate stays when the backend cannot say."""
+        the stream broke or timed out) is charged the backend's own counts, asked of it together
+        (each bounded by ``health_timeout_s``; shielded: the request's scope may be cancelled): of
+        its prompt, and of the ``output`` text that arrived in chunks that did not say their tokens
+        (at least one token per such chunk with text, at most the limit it was sent). apsd's
+        counts stay where the backend cannot say."""
+        counts: dict[str, int | None] = {}
+
+        async def ask(what: str, count: Callable[[], Awaitable[int | None]]) -> None:
+            counts[what] = await count()
+
         with trio.CancelScope(shield=True):
-            count = await self.client.count_prompt_tokens(backend, api, body)
-        if count is not None:
-            request.prompt_tokens = count
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask, "prompt", lambda: self.client.count_prompt_tokens(backend, api, body))
+                if output:
+                    nursery.start_soon(ask, "output", lambda: self.client.count_output_tokens(
+                        backend, body.get("model"), output))
+        if counts.get("prompt") is not None:
+            request.prompt_tokens = counts["prompt"]
+        tokens = counts.get("output")
+        if tokens is not None:
+            tokens = max(tokens, request.tokens_generated)
+            request.tokens_generated = tokens if request.open_ended else min(tokens, request.tokens_requested)
 
     def _end(self, request: InferenceRequest, backend: Backend, start: float, outcome: Completion | Refusal | None,
              requeue: str | None) -> None:
