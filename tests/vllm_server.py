@@ -134,6 +134,7 @@ class VllmServer:
     model_dir: Path
     log_path: Path  #: its stdout and stderr; removed when the server's context exits unless kept
     args: tuple[str, ...]  #: the arguments it was started with, after the module
+    home: Path  #: the temporary directory of everything else it writes; removed when the context exits
 
     @property
     def pid(self) -> int:
@@ -274,7 +275,7 @@ def open_vllm_server(
             else:
                 raise VllmServerError(f"vLLM could not bind a port in {_START_ATTEMPTS} attempts\n{_tail(log_path, 40)}")
             server = VllmServer(url=url, port=port, process=process, model=name, model_dir=model_dir,
-                                log_path=log_path, args=args)
+                                log_path=log_path, args=args, home=home)
             try:
                 yield server
             except BaseException as exc:
@@ -338,6 +339,19 @@ def stop_process(process: subprocess.Popen[bytes], timeout: float = 30.0) -> Non
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout)
+
+
+def assert_stopped(server: VllmServer) -> None:
+    """After :func:`open_vllm_server`'s context: the server and every process of its group are gone,
+    and so is its temporary directory."""
+    assert server.process.returncode is not None
+    try:
+        os.killpg(server.pid, 0)
+    except ProcessLookupError:
+        pass
+    else:
+        raise AssertionError(f"processes of the vLLM server's group {server.pid} are still running")
+    assert not server.home.exists(), server.home
 
 
 # Fixtures: import them explicitly into the test module that uses them.

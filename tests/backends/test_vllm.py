@@ -34,11 +34,15 @@ from apsd.core.config import TenantConfig
 
 from tests.helpers import (WAIT_S, LiveDaemon, backends_up, bucket_level, forwarding_config, start_daemon,
                            wait_until)
+from tests import vllm_server
 from tests.vllm_server import (  # noqa: F401  (fixtures)
     KV_TOKENS,
     VllmServer,
+    assert_stopped,
+    find_vllm_python,
     open_vllm_server,
     read_metrics,
+    require_vllm_python,
     vllm_model,
     vllm_python,
 )
@@ -57,6 +61,7 @@ SYLLABLES = "ka ri to ne su mo la vi de po an el is or un th er in on at es ti m
 def vllm(vllm_python: str, vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     with open_vllm_server(vllm_python, vllm_model, log_dir=tmp_path_factory.mktemp("vllm"), cpu=0) as server:
         yield server
+    assert_stopped(server)
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +69,7 @@ def plain_vllm(vllm_python: str, vllm_model: Path, tmp_path_factory: pytest.Temp
     with open_vllm_server(vllm_python, vllm_model, log_dir=tmp_path_factory.mktemp("plain-vllm"), cpu=1,
                           scheduling_policy="fcfs", prompt_tokens_details=False) as server:
         yield server
+    assert_stopped(server)
 
 
 # -- helpers of this module -------------------------------------------------------------------------
@@ -487,3 +493,38 @@ async def test_prefix_routing_raises_the_vllm_servers_own_hit_rate(nursery, vllm
             assert sum(n for (_, reason), n in decisions.items() if reason == "cache_match") > 0
         running.daemon.request_shutdown()
     assert rates["prefix"] > rates["least-loaded"]
+
+
+# -- finding the virtualenv ---------------------------------------------------------------------------
+
+def test_require_vllm_python_fails_in_ci_and_skips_elsewhere(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.delenv(vllm_server.PYTHON_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert find_vllm_python() is None
+    monkeypatch.delenv(vllm_server.REQUIRE_ENV, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no vLLM virtualenv"):
+        require_vllm_python()
+    monkeypatch.setenv(vllm_server.REQUIRE_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match="forbids skipping"):
+        require_vllm_python()
+    # an explicit path that is not there fails even outside CI, rather than falling back
+    monkeypatch.delenv(vllm_server.REQUIRE_ENV)
+    monkeypatch.setenv(vllm_server.PYTHON_ENV, str(tmp_path / "missing"))
+    with pytest.raises(pytest.fail.Exception, match="not an executable"):
+        require_vllm_python()
+
+
+def test_find_vllm_python_prefers_the_environment_then_a_complete_cached_virtualenv(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    cache = tmp_path / "apsd" / "vllm"
+    for key in ("0.1.0-complete", "0.2.0-half-built"):
+        python = cache / key / "venv" / "bin" / "python"
+        python.parent.mkdir(parents=True)
+        python.write_text("#!/bin/sh\n")
+        python.chmod(0o755)
+    (cache / "0.1.0-complete" / "complete").touch()    # what .ci/build-vllm leaves when it finished
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(vllm_server.PYTHON_ENV, raising=False)
+    assert find_vllm_python() == str(cache / "0.1.0-complete" / "venv" / "bin" / "python")
+    monkeypatch.setenv(vllm_server.PYTHON_ENV, "/somewhere/python")
+    assert find_vllm_python() == "/somewhere/python"
