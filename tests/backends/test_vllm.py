@@ -382,9 +382,11 @@ async def test_apsds_priority_orders_vllms_waiting_queue_and_preempts_nothing(nu
 async def test_under_kv_pressure_vllm_preempts_the_lowest_priority(vllm):
     """Straight to vLLM: four requests whose prompts fit its 8,192-token KV cache and whose outputs do not.
     The two of priority 10 are sent first, the two of priority 0 last. When the cache runs out vLLM
-    preempts a running request: the one that then makes no progress while the others go on is of
-    priority 10 (first come, first served would preempt the newest, of priority 0)."""
+    preempts a running request: the one that then makes no progress while the others go on is the
+    newer of priority 10 (first come, first served would preempt the newest, of priority 0); it
+    resumes later, and all four end."""
     chunks: dict[str, int] = {}
+    ended: list[str] = []
     prompts = {tag: text(300 + i, 780) for i, tag in enumerate(("p10-a", "p10-b", "p0-a", "p0-b"))}
     max_tokens = 900
 
@@ -397,6 +399,8 @@ async def test_under_kv_pressure_vllm_preempts_the_lowest_priority(vllm):
                 if line.startswith("data: {"):
                     chunks[tag] += 1
                     started.set()
+                elif line == "data: [DONE]":
+                    ended.append(tag)
 
     async with httpx.AsyncClient(timeout=WAIT_S) as http:
         tokens = [(await http.post(vllm.url + "/tokenize", json={"model": "tiny", "prompt": p})).json()["count"]
@@ -420,7 +424,8 @@ async def test_under_kv_pressure_vllm_preempts_the_lowest_priority(vllm):
           f"for 30 or more: {progress}")
     assert preemptions >= 1
     stalled = min(progress, key=progress.__getitem__)
-    assert stalled.startswith("p10") and progress[stalled] < 10
+    assert stalled == "p10-b" and progress[stalled] < 10
+    assert sorted(ended) == sorted(prompts)
 
 
 # -- vLLM on its defaults ---------------------------------------------------------------------------------
