@@ -323,7 +323,8 @@ def _wait_healthy(process: subprocess.Popen[bytes], url: str, log_path: Path, ti
 def stop_process(process: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
     """SIGTERM the server by its PID and wait up to ``timeout`` s for it to exit; then SIGKILL what
     is left of its process group (the server itself after the timeout, or engine and worker
-    processes it left behind), and reap it.
+    processes it left behind), reap it, and wait (up to ``timeout`` s) until no process of the
+    group is left.
 
     The group's id is the server's PID (it was started in a session of its own). The server is
     not reaped before the group is signalled (it is waited for with ``WNOWAIT``), so that PID,
@@ -339,6 +340,14 @@ def stop_process(process: subprocess.Popen[bytes], timeout: float = 30.0) -> Non
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout)
+    # (what was left of the group was reparented when the server exited: wait until it is reaped)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
 
 
 def assert_stopped(server: VllmServer) -> None:
