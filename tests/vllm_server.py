@@ -273,7 +273,8 @@ def open_vllm_server(
                 stop_process(process, stop_timeout)
                 process = None
             else:
-                raise VllmServerError(f"vLLM could not bind a port in {_START_ATTEMPTS} attempts\n{_tail(log_path, 40)}")
+                raise VllmServerError(f"vLLM could not bind a port in {_START_ATTEMPTS} attempts\n"
+                                      f"{_tail(log_path, 40)}")
             server = VllmServer(url=url, port=port, process=process, model=name, model_dir=model_dir,
                                 log_path=log_path, args=args, home=home)
             try:

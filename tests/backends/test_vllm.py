@@ -228,7 +228,8 @@ async def test_cached_tokens_reach_the_client_and_the_cache_discount(nursery, vl
     usage = chunks[-1].usage
     cached = usage.prompt_tokens_details.cached_tokens
     assert 0 < cached < usage.prompt_tokens      # whole blocks of the prompt, never its last token
-    assert cached == after_metrics["vllm:prompt_tokens_cached_total"] - before_metrics["vllm:prompt_tokens_cached_total"]
+    cached_total = "vllm:prompt_tokens_cached_total"
+    assert cached == after_metrics[cached_total] - before_metrics[cached_total]
     # the discount: cached prompt tokens at half price
     assert charged(running) - before == pytest.approx(usage.prompt_tokens - int(cached * 0.5) + 4, abs=0.01)
     print(f"\nthe same prompt again: {cached} of {usage.prompt_tokens} prompt tokens cached, charged "
@@ -459,10 +460,10 @@ async def test_a_vllm_on_its_defaults_accepts_priority_and_reports_no_cached_tok
 # -- routing between two vLLM servers -------------------------------------------------------------------
 
 async def test_prefix_routing_raises_the_vllm_servers_own_hit_rate(nursery, vllm, plain_vllm):
-    """Ten conversations with system prompts of their own, all at once, three turns each, through apsd to
-    two vLLM servers (4 sequences, 8,192 KV tokens each), under ``least-loaded`` and then (caches reset)
-    under ``prefix``. The hit rate is the servers' own: ``vllm:prefix_cache_hits_total`` over
-    ``vllm:prefix_cache_queries_total``, in tokens."""
+    """Ten conversations with system prompts of their own (~550 tokens), all at once, three turns each,
+    through apsd to two vLLM servers (4 sequences, 8,192 KV tokens each), under ``least-loaded`` and then
+    (caches reset) under ``prefix``. The hit rate is the servers' own: ``vllm:prefix_cache_hits_total``
+    over ``vllm:prefix_cache_queries_total``, in tokens."""
     servers = [vllm, plain_vllm]
     rates: dict[str, float] = {}
     for policy in ("least-loaded", "prefix"):
@@ -474,7 +475,7 @@ async def test_prefix_routing_raises_the_vllm_servers_own_hit_rate(nursery, vllm
             running = await start(nursery, servers, backend={"cache_tokens": KV_TOKENS},
                                   sections={"routing": {"policy": policy}})
             client = client_of(running)
-            conversations = [[{"role": "system", "content": text(200 + c, 150)}] for c in range(10)]
+            conversations = [[{"role": "system", "content": text(200 + c, 300)}] for c in range(10)]
 
             async def turn(conversation: list[dict[str, str]], n: int) -> None:
                 conversation.append({"role": "user", "content": f"Question {n}?"})
