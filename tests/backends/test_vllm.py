@@ -341,9 +341,9 @@ async def test_apsds_priority_orders_vllms_waiting_queue_and_preempts_nothing(nu
     """max_concurrency 8 over ``--max-num-seqs 4``: four long streams of bid 5 run; three of bid 1, then
     one of bid 10, wait in vLLM's own queue. vLLM preempts nothing for them: while the four run, none of
     the four waiting starts, whatever its priority. Then one long stream's client leaves, and the freed
-    sequence serves the waiting ones one after the other, in the order of vLLM's queue: with
-    ``priority = "lower-first"`` the late bid 10 first; with ``off`` (every request at vLLM's default
-    priority) in arrival order, the bid 10 last."""
+    sequence serves the waiting ones one at a time (each client leaves once its stream has started), in
+    the order of vLLM's queue: with ``priority = "lower-first"`` the late bid 10 first; with ``off``
+    (every request at vLLM's default priority) in arrival order, the bid 10 last."""
     waiting = ("low0", "low1", "low2", "vip")
     firsts: dict[str, list[str]] = {}
     for priority in ("lower-first", "off"):
@@ -356,9 +356,9 @@ async def test_apsds_priority_orders_vllms_waiting_queue_and_preempts_nothing(nu
                 streams.start(f"run{i}", chat(f"run {i}", 3000))          # bid 5 (the OpenAI API's priority 0)
             await wait_metric(http, vllm, "vllm:num_requests_running", 4)
             for i in range(3):
-                streams.start(f"low{i}", chat(f"low {i}", 40, priority=4))   # bid 1 (lower is sooner)
+                streams.start(f"low{i}", chat(f"low {i}", 3000, priority=4))   # bid 1 (lower is sooner)
                 await wait_metric(http, vllm, "vllm:num_requests_waiting", i + 1)   # (queued in this order)
-            streams.start("vip", chat("vip", 40, priority=-5))              # bid 10
+            streams.start("vip", chat("vip", 3000, priority=-5))              # bid 10
             await wait_metric(http, vllm, "vllm:num_requests_waiting", 4)
             mark = streams.chunks["run0"]
             await wait_until(lambda: streams.chunks["run0"] >= mark + 30)   # 30 steps of the four running...
@@ -367,9 +367,12 @@ async def test_apsds_priority_orders_vllms_waiting_queue_and_preempts_nothing(nu
             assert during["vllm:num_requests_waiting"] == 4 and during["vllm:num_requests_running"] == 4
             assert during["vllm:num_preemptions_total"] == before["vllm:num_preemptions_total"]
             streams.leave("run0")
-            await wait_until(lambda: all(streams.ended(tag) for tag in waiting))
+            for n in range(1, len(waiting) + 1):     # one at a time through the freed sequence
+                await wait_until(lambda: len(streams.firsts(waiting)) >= n)
+                assert len(streams.firsts(waiting)) == n
+                streams.leave(streams.firsts(waiting)[-1])
             firsts[priority] = streams.firsts(waiting)
-            assert not any(streams.ended(f"run{i}") for i in range(1, 4))   # all through the one freed sequence
+            assert not any(streams.ended(f"run{i}") for i in range(1, 4))
             for i in range(1, 4):
                 streams.leave(f"run{i}")
             after = await idle(http, vllm)
@@ -394,6 +397,7 @@ async def test_under_kv_pressure_vllm_preempts_the_lowest_priority(vllm):
     received = 0                                        # chunks, all streams together
     last: dict[str, int] = {}                           # tag -> ``received`` at its last chunk
     silence = dict.fromkeys(prompts, 0)                 # tag -> its longest silence, once all four run
+    chunks = dict.fromkeys(prompts, 0)                  # tag -> its chunks (each carries one token or more)
     ended: list[str] = []
 
     async def run(http: httpx.AsyncClient, tag: str, priority: int, started: trio.Event) -> None:
@@ -404,6 +408,7 @@ async def test_under_kv_pressure_vllm_preempts_the_lowest_priority(vllm):
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
                     received += 1
+                    chunks[tag] += 1
                     if len(last) == len(prompts) and tag in last:
                         silence[tag] = max(silence[tag], received - last[tag] - 1)
                     last[tag] = received
@@ -424,7 +429,7 @@ async def test_under_kv_pressure_vllm_preempts_the_lowest_priority(vllm):
         after = await idle(http, vllm)
     preemptions = after["vllm:num_preemptions_total"] - before["vllm:num_preemptions_total"]
     print(f"\nKV pressure: {preemptions:.0f} preemptions; each stream's longest silence, in chunks the others "
-          f"received meanwhile: {silence}")
+          f"received meanwhile: {silence}; chunks for {max_tokens} tokens each: {chunks}")
     assert sorted(ended) == sorted(prompts)
     assert preemptions >= 1
     stalled = max(silence, key=silence.__getitem__)
