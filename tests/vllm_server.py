@@ -9,9 +9,10 @@ What it gives:
   template (``tests/vllm_model.py``, run by that Python: no model hub) whose completions always run
   to ``max_tokens``, in words that the server's ``/tokenize`` counts back exactly.
 - :func:`open_vllm_server` runs one server on a free loopback port for the body of a ``with`` and
-  always stops it, with everything it wrote. It is a plain (not async) context manager: a server
-  takes 40-150 s to start on a 2-core machine, so test modules share one through a module-scoped
-  fixture, and pytest-trio's async fixtures cannot outlive a test.
+  always stops it, with everything it wrote; :func:`open_vllm_servers` starts several together. They
+  are plain (not async) context managers: a server takes 40-150 s to start on a 2-core machine, so
+  test modules share theirs through module-scoped fixtures, and pytest-trio's async fixtures cannot
+  outlive a test.
 - :func:`metrics` reads a server's Prometheus ``/metrics`` as ``{name: value}`` (summed over labels).
 
 The virtualenv comes from ``.ci/build-vllm``, which installs the pinned, hashed
@@ -31,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import httpx
@@ -198,26 +200,33 @@ _START_ATTEMPTS = 3
 _POLL_INTERVAL = 0.5
 
 
+@attrs.frozen
+class VllmOptions:
+    """How one server of :func:`open_vllm_servers` runs (see :func:`open_vllm_server`)."""
+
+    name: str = "tiny"
+    max_num_seqs: int = 4
+    kv_tokens: int = KV_TOKENS
+    max_model_len: int = 4096
+    scheduling_policy: str = "priority"
+    prompt_tokens_details: bool = True
+    cpu: int = 0
+    extra_args: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    env: Mapping[str, str] = attrs.field(factory=dict)
+
+
 @contextlib.contextmanager
 def open_vllm_server(
     python: str,
     model_dir: str | os.PathLike[str],
     *,
-    name: str = "tiny",
-    max_num_seqs: int = 4,
-    kv_tokens: int = KV_TOKENS,
-    max_model_len: int = 4096,
-    scheduling_policy: str = "priority",
-    prompt_tokens_details: bool = True,
-    cpu: int = 0,
-    extra_args: Sequence[str] = (),
-    env: Mapping[str, str] | None = None,
     startup_timeout: float = 300.0,
     stop_timeout: float = 30.0,
     log_dir: str | os.PathLike[str] | None = None,
+    **options: Any,
 ) -> Iterator[VllmServer]:
     """Run vLLM's OpenAI-compatible server on a free 127.0.0.1 port; yield a :class:`VllmServer` once
-    ``/health`` answers 200.
+    ``/health`` answers 200. ``options`` are :class:`VllmOptions`' fields.
 
     The command is ``python -m vllm.entrypoints.openai.api_server --model DIR --served-model-name NAME
     --host 127.0.0.1 --port P --dtype float32 --max-model-len LEN --max-num-seqs N
@@ -228,64 +237,111 @@ def open_vllm_server(
     says nothing of cached tokens).
     Its model runs on one thread bound to the ``cpu``-th CPU this process may use (modulo their
     number): two servers on a 2-core machine get one core each. ``VLLM_SERVER_DEV_MODE=1`` serves
-    ``/reset_prefix_cache``.
+    ``/reset_prefix_cache``; ``env`` adds to its environment.
 
     Resource handling: the process is this context's own, in a session of its own (its engine and
     worker processes are its children), and gets SIGTERM should the thread that started it die
-    without stopping it (Linux). On exit, whether the body returned or raised, it gets
-    SIGTERM by its PID, then its process group SIGKILL after ``stop_timeout`` seconds (or at once
-    if any of the group outlives the server), and it is reaped. Everything it writes (its temporary
-    files, its caches) goes to a temporary directory, removed on exit; its log too, unless
-    ``log_dir`` is given (kept there).
+    without stopping it (Linux). On exit, whether the body returned or raised, it is stopped by
+    :func:`stop_process`: SIGTERM by its PID, SIGKILL to what is left of its process group after
+    ``stop_timeout`` seconds. Everything it writes (its temporary files, its caches) goes to a
+    temporary directory, removed on exit; its log too, unless ``log_dir`` is given (kept there).
 
     Error handling: :class:`VllmServerError`, ending with the log's tail, if the process exits early
-    or ``/health`` does not answer 200 within ``startup_timeout`` seconds (real time). A port taken
-    by someone else between choosing and binding is retried on a new port, up to 3 times. An
-    exception from the body gets the log's tail added as a note.
+    or ``/health`` does not answer 200 within ``startup_timeout`` seconds of its start (real time).
+    A port taken by someone else between choosing and binding is retried on a new port, up to 3
+    times. An exception from the body gets the log's tail added as a note.
     """
-    model_dir = Path(model_dir)
-    cpus = _cpus()
-    with tempfile.TemporaryDirectory(prefix="apsd-vllm-") as own:
-        home = Path(own)
-        logs = Path(log_dir) if log_dir is not None else home
-        process: subprocess.Popen[bytes] | None = None
-        server_env = {**_quiet_env(home), "VLLM_CPU_OMP_THREADS_BIND": str(cpus[cpu % len(cpus)]),
-                      "OMP_NUM_THREADS": "1", "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
+    with open_vllm_servers(python, model_dir, [VllmOptions(**options)], startup_timeout=startup_timeout,
+                           stop_timeout=stop_timeout, log_dir=log_dir) as (server,):
+        yield server
+
+
+@contextlib.contextmanager
+def open_vllm_servers(
+    python: str,
+    model_dir: str | os.PathLike[str],
+    options: Sequence[VllmOptions],
+    *,
+    startup_timeout: float = 300.0,
+    stop_timeout: float = 30.0,
+    log_dir: str | os.PathLike[str] | None = None,
+) -> Iterator[list[VllmServer]]:
+    """Several servers as :func:`open_vllm_server` runs one, one per entry of ``options``, started
+    together: a start-up keeps about one core busy for a minute or more, so two overlap well on two
+    cores. Yields them once every one answers ``/health``; stops them all on exit (the last started
+    first), whatever happened."""
+    with contextlib.ExitStack() as stack:
+        launches = [stack.enter_context(_Launch(python, Path(model_dir), each, log_dir, stop_timeout))
+                    for each in options]
+        for launch in launches:
+            launch.start()
+        servers = [launch.ready(startup_timeout) for launch in launches]
         try:
-            for _attempt in range(_START_ATTEMPTS):
-                port = _free_loopback_port()
-                log_path = logs / f"vllm-{port}.log"
-                args = (
-                    "--model", str(model_dir), "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
-                    "--dtype", "float32", "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-                    "--scheduling-policy", scheduling_policy, "--enable-prefix-caching", "--enforce-eager",
-                    *(("--enable-prompt-tokens-details",) if prompt_tokens_details else ()),
-                    "--kv-cache-memory-bytes", str(kv_tokens * KV_BYTES_PER_TOKEN), *extra_args,
-                )
-                with open(log_path, "wb") as log:
-                    process = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", *args],
-                                               stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                               env=server_env, cwd=home, start_new_session=True,
-                                               preexec_fn=_terminate_with_parent)
-                url = f"http://127.0.0.1:{port}"
-                if _wait_healthy(process, url, log_path, startup_timeout):
-                    break
-                stop_process(process, stop_timeout)
-                process = None
-            else:
-                raise VllmServerError(f"vLLM could not bind a port in {_START_ATTEMPTS} attempts\n"
-                                      f"{_tail(log_path, 40)}")
-            server = VllmServer(url=url, port=port, process=process, model=name, model_dir=model_dir,
-                                log_path=log_path, args=args, home=home)
-            try:
-                yield server
-            except BaseException as exc:
-                if not isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
-                    exc.add_note(f"vLLM log ({log_path.name}), last lines:\n{server.log_tail()}")
-                raise
+            yield servers
+        except BaseException as exc:
+            if not isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+                for server in servers:
+                    exc.add_note(f"vLLM log ({server.log_path.name}), last lines:\n{server.log_tail()}")
+            raise
+
+
+class _Launch:
+    """One server of :func:`open_vllm_servers`: its temporary directory (a context manager: removed,
+    the process stopped first, on exit) and its process, started on a free port and restarted on
+    another if that one was taken."""
+
+    def __init__(self, python: str, model_dir: Path, options: VllmOptions, log_dir: str | os.PathLike[str] | None,
+                 stop_timeout: float) -> None:
+        self.python, self.model_dir, self.options, self.stop_timeout = python, model_dir, options, stop_timeout
+        self._dir = tempfile.TemporaryDirectory(prefix="apsd-vllm-")
+        self.home = Path(self._dir.name)
+        self.logs = Path(log_dir) if log_dir is not None else self.home
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> _Launch:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            if self.process is not None:
+                stop_process(self.process, self.stop_timeout)
         finally:
-            if process is not None:
-                stop_process(process, stop_timeout)
+            self._dir.cleanup()
+
+    def start(self) -> None:
+        o = self.options
+        cpus = _cpus()
+        self.port = _free_loopback_port()
+        self.log_path = self.logs / f"vllm-{self.port}.log"
+        self.args = (
+            "--model", str(self.model_dir), "--served-model-name", o.name, "--host", "127.0.0.1",
+            "--port", str(self.port), "--dtype", "float32", "--max-model-len", str(o.max_model_len),
+            "--max-num-seqs", str(o.max_num_seqs), "--scheduling-policy", o.scheduling_policy,
+            "--enable-prefix-caching", "--enforce-eager",
+            *(("--enable-prompt-tokens-details",) if o.prompt_tokens_details else ()),
+            "--kv-cache-memory-bytes", str(o.kv_tokens * KV_BYTES_PER_TOKEN), *o.extra_args,
+        )
+        env = {**_quiet_env(self.home), "VLLM_CPU_OMP_THREADS_BIND": str(cpus[o.cpu % len(cpus)]),
+               "OMP_NUM_THREADS": "1", "VLLM_SERVER_DEV_MODE": "1", **o.env}
+        self.started = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen([self.python, "-m", "vllm.entrypoints.openai.api_server", *self.args],
+                                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            cwd=self.home, start_new_session=True, preexec_fn=_terminate_with_parent)
+
+    def ready(self, timeout: float) -> VllmServer:
+        """The server once it answers ``/health`` (VllmServerError when it will not)."""
+        for attempt in range(_START_ATTEMPTS):
+            assert self.process is not None
+            url = f"http://127.0.0.1:{self.port}"
+            if _wait_healthy(self.process, url, self.log_path, self.started + timeout):
+                return VllmServer(url=url, port=self.port, process=self.process, model=self.options.name,
+                                  model_dir=self.model_dir, log_path=self.log_path, args=self.args, home=self.home)
+            stop_process(self.process, self.stop_timeout)   # (its port was taken: another)
+            self.process = None
+            if attempt + 1 < _START_ATTEMPTS:
+                self.start()
+        raise VllmServerError(f"vLLM could not bind a port in {_START_ATTEMPTS} attempts\n{_tail(self.log_path, 40)}")
 
 
 def _terminate_with_parent() -> None:
@@ -297,9 +353,9 @@ def _terminate_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
 
-def _wait_healthy(process: subprocess.Popen[bytes], url: str, log_path: Path, timeout: float) -> bool:
-    """True once /health answers 200; False if the process exited because its port was taken."""
-    deadline = time.monotonic() + timeout
+def _wait_healthy(process: subprocess.Popen[bytes], url: str, log_path: Path, deadline: float) -> bool:
+    """True once /health answers 200 (before ``deadline``, on the monotonic clock); False if the process
+    exited because its port was taken."""
     last = "no answer yet"
     with httpx.Client(base_url=url, timeout=5.0) as client:
         while time.monotonic() < deadline:
@@ -318,7 +374,7 @@ def _wait_healthy(process: subprocess.Popen[bytes], url: str, log_path: Path, ti
                     return True
                 last = f"{response.status_code} {response.text[:200]}"
             time.sleep(_POLL_INTERVAL)
-    raise VllmServerError(f"vLLM /health did not answer 200 within {timeout} s (last: {last})\n{_tail(log_path, 40)}")
+    raise VllmServerError(f"vLLM /health did not answer 200 in time (last: {last})\n{_tail(log_path, 40)}")
 
 
 def stop_process(process: subprocess.Popen[bytes], timeout: float = 30.0) -> None:

@@ -2,8 +2,8 @@
 ``tests/vllm_model.py`` (random weights: every completion runs to ``max_tokens``), started by
 ``tests/vllm_server.py``. The vLLM statements of docs/how-to/real-servers.md rest on these tests.
 
-Two servers for the whole module (each takes 40-150 s to start here, and ~3 GB of memory), with a
-KV cache of 8,192 tokens and 4 sequences at once:
+Two servers for the whole module, started together (each takes 40-150 s to start here, and ~3 GB of
+memory), with a KV cache of 8,192 tokens and 4 sequences at once:
 
 - ``vllm``, started as the docs tell operators to: ``--max-num-seqs 4 --scheduling-policy priority
   --enable-prefix-caching --enable-prompt-tokens-details``;
@@ -37,10 +37,11 @@ from tests.helpers import (WAIT_S, LiveDaemon, backends_up, bucket_level, forwar
 from tests import vllm_server
 from tests.vllm_server import (  # noqa: F401  (fixtures)
     KV_TOKENS,
+    VllmOptions,
     VllmServer,
     assert_stopped,
     find_vllm_python,
-    open_vllm_server,
+    open_vllm_servers,
     read_metrics,
     require_vllm_python,
     vllm_model,
@@ -58,18 +59,24 @@ SYLLABLES = "ka ri to ne su mo la vi de po an el is or un th er in on at es ti m
 
 
 @pytest.fixture(scope="module")
-def vllm(vllm_python: str, vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    with open_vllm_server(vllm_python, vllm_model, log_dir=tmp_path_factory.mktemp("vllm"), cpu=0) as server:
-        yield server
-    assert_stopped(server)
+def vllm_servers(vllm_python: str, vllm_model: Path,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServer]]:
+    """The module's two servers, started together (on one core each)."""
+    options = [VllmOptions(cpu=0), VllmOptions(cpu=1, scheduling_policy="fcfs", prompt_tokens_details=False)]
+    with open_vllm_servers(vllm_python, vllm_model, options, log_dir=tmp_path_factory.mktemp("vllm")) as servers:
+        yield servers
+    for server in servers:
+        assert_stopped(server)
 
 
 @pytest.fixture(scope="module")
-def plain_vllm(vllm_python: str, vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    with open_vllm_server(vllm_python, vllm_model, log_dir=tmp_path_factory.mktemp("plain-vllm"), cpu=1,
-                          scheduling_policy="fcfs", prompt_tokens_details=False) as server:
-        yield server
-    assert_stopped(server)
+def vllm(vllm_servers: list[VllmServer]) -> VllmServer:
+    return vllm_servers[0]
+
+
+@pytest.fixture(scope="module")
+def plain_vllm(vllm_servers: list[VllmServer]) -> VllmServer:
+    return vllm_servers[1]
 
 
 # -- helpers of this module -------------------------------------------------------------------------
@@ -468,10 +475,11 @@ async def test_a_vllm_on_its_defaults_accepts_priority_and_reports_no_cached_tok
 # -- routing between two vLLM servers -------------------------------------------------------------------
 
 async def test_prefix_routing_raises_the_vllm_servers_own_hit_rate(nursery, vllm, plain_vllm):
-    """Ten conversations with system prompts of their own (~550 tokens), all at once, three turns each,
-    through apsd to two vLLM servers (4 sequences, 8,192 KV tokens each), under ``least-loaded`` and then
-    (caches reset) under ``prefix``. The hit rate is the servers' own: ``vllm:prefix_cache_hits_total``
-    over ``vllm:prefix_cache_queries_total``, in tokens."""
+    """Eight conversations (as many as the two servers run at once) with system prompts of their own
+    (~550 tokens), all at once, three turns each, through apsd to two vLLM servers (4 sequences, 8,192
+    KV tokens each), under ``least-loaded`` and then (caches reset) under ``prefix``. The hit rate is
+    the servers' own: ``vllm:prefix_cache_hits_total`` over ``vllm:prefix_cache_queries_total``, in
+    tokens."""
     servers = [vllm, plain_vllm]
     rates: dict[str, float] = {}
     for policy in ("least-loaded", "prefix"):
@@ -483,7 +491,7 @@ async def test_prefix_routing_raises_the_vllm_servers_own_hit_rate(nursery, vllm
             running = await start(nursery, servers, backend={"cache_tokens": KV_TOKENS},
                                   sections={"routing": {"policy": policy}})
             client = client_of(running)
-            conversations = [[{"role": "system", "content": text(200 + c, 300)}] for c in range(10)]
+            conversations = [[{"role": "system", "content": text(200 + c, 300)}] for c in range(8)]
 
             async def turn(conversation: list[dict[str, str]], n: int) -> None:
                 conversation.append({"role": "user", "content": f"Question {n}?"})
