@@ -329,6 +329,17 @@ class HttpBackendClient:
         except ValueError:
             return None
 
+    async def _tokenizer(self, backend: Backend, base: str, headers: dict[str, str]) -> str | None:
+        """How ``backend`` counts tokens (``backend.tokenizer``), found out on first use: "llama.cpp"
+        when its ``/tokenize`` takes llama.cpp's body, asked with an empty text (a server logs the
+        bodies it refuses, and a user's text has no place in its log); None: try vLLM's."""
+        if backend.tokenizer is None:
+            probe = await self._client.post(base + "/tokenize", headers=headers,
+                                            json={"content": "", "add_special": False})
+            if probe.status_code == 200 and isinstance(probe.json().get("tokens"), list):
+                backend.tokenizer = "llama.cpp"
+        return backend.tokenizer
+
     async def count_prompt_tokens(self, backend: Backend, api: str, body: dict) -> int | None:
         base = backend.config.url.rstrip("/")
         headers = self._headers(backend)
@@ -337,7 +348,8 @@ class HttpBackendClient:
         prompt = body.get("prompt") if not chat else None
         try:
             with trio.fail_after(self.settings.health_timeout_s):
-                if backend.tokenizer in (None, "llama.cpp"):
+                kind = await self._tokenizer(backend, base, headers)
+                if kind == "llama.cpp":
                     if chat:   # its template renders the conversation as it will run it
                         rendered = await self._client.post(base + "/apply-template", json=body, headers=headers)
                         prompt = rendered.json().get("prompt") if rendered.status_code == 200 else None
@@ -346,19 +358,12 @@ class HttpBackendClient:
                                                           json={"content": prompt, "add_special": True})
                         tokens = answer.json().get("tokens") if answer.status_code == 200 else None
                         if isinstance(tokens, list):
-                            backend.tokenizer = "llama.cpp"
                             return len(tokens)
-                    if backend.tokenizer == "llama.cpp":
-                        return None
-                if backend.tokenizer in (None, "vllm"):
+                    return None
+                if kind in (None, "vllm"):
                     ask = {"model": model, "messages": body.get("messages")} if chat else \
                         {"model": model, "prompt": body.get("prompt")}
-                    answer = await self._client.post(base + "/tokenize", json=ask, headers=headers)
-                    count = answer.json().get("count") if answer.status_code == 200 else None
-                    if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
-                        backend.tokenizer = "vllm"
-                        return count
-                backend.tokenizer = backend.tokenizer or ""
+                    return await self._vllm_count(backend, base, headers, ask)
                 return None
         except (httpx.HTTPError, trio.TooSlowError, ValueError, AttributeError, RecursionError):
             return None
@@ -368,26 +373,29 @@ class HttpBackendClient:
         headers = self._headers(backend)
         try:
             with trio.fail_after(self.settings.health_timeout_s):
-                if backend.tokenizer in (None, "llama.cpp"):
+                kind = await self._tokenizer(backend, base, headers)
+                if kind == "llama.cpp":
                     answer = await self._client.post(base + "/tokenize", headers=headers,
                                                       json={"content": text, "add_special": False})
                     tokens = answer.json().get("tokens") if answer.status_code == 200 else None
-                    if isinstance(tokens, list):
-                        backend.tokenizer = "llama.cpp"
-                        return len(tokens)
-                    if backend.tokenizer == "llama.cpp":
-                        return None
-                if backend.tokenizer in (None, "vllm"):
-                    answer = await self._client.post(base + "/tokenize", headers=headers, json={
-                        "model": model, "prompt": text, "add_special_tokens": False})
-                    count = answer.json().get("count") if answer.status_code == 200 else None
-                    if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
-                        backend.tokenizer = "vllm"
-                        return count
-                backend.tokenizer = backend.tokenizer or ""
+                    return len(tokens) if isinstance(tokens, list) else None
+                if kind in (None, "vllm"):
+                    return await self._vllm_count(backend, base, headers,
+                                                  {"model": model, "prompt": text, "add_special_tokens": False})
                 return None
         except (httpx.HTTPError, trio.TooSlowError, ValueError, AttributeError, RecursionError):
             return None
+
+    async def _vllm_count(self, backend: Backend, base: str, headers: dict[str, str], ask: dict) -> int | None:
+        """vLLM's ``/tokenize`` count of ``ask``; a backend that answers it otherwise counts nothing from
+        now on (``backend.tokenizer`` becomes "")."""
+        answer = await self._client.post(base + "/tokenize", json=ask, headers=headers)
+        count = answer.json().get("count") if answer.status_code == 200 else None
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+            backend.tokenizer = "vllm"
+            return count
+        backend.tokenizer = backend.tokenizer or ""
+        return None
 
     async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk,
                        request_id: str = "") -> BackendAnswer:

@@ -346,21 +346,22 @@ async def test_requests_wait_in_apsd_while_vllms_kv_cache_is_full(nursery, vllm)
 
 async def test_apsds_priority_orders_vllms_waiting_queue_and_preempts_nothing(nursery, vllm):
     """max_concurrency 8 over ``--max-num-seqs 4``: four long streams of bid 5 run; three of bid 1, then
-    one of bid 10, wait in vLLM's own queue. vLLM preempts nothing for them: while the four run, none of
-    the four waiting starts, whatever its priority. Then one long stream's client leaves, and the freed
+    one of bid 10, wait in vLLM's own queue. vLLM preempts nothing for them: while the four run (20 steps
+    and more), none of the four waiting starts, whatever its priority. Then one long stream's client leaves, and the freed
     sequence serves the waiting ones one at a time (each client leaves once its stream has started), in
     the order of vLLM's queue: with ``priority = "lower-first"`` the late bid 10 first; with ``off``
     (every request at vLLM's default priority) in arrival order, the bid 10 last."""
     waiting = ("low0", "low1", "low2", "vip")
     firsts: dict[str, list[str]] = {}
     for priority in ("lower-first", "off"):
-        running = await start(nursery, [vllm], max_concurrency=8, max_waiting=100, backend={"priority": priority})
+        running = await start(nursery, [vllm], max_concurrency=8, max_waiting=100, max_kv_usage=0.95,
+                              backend={"priority": priority})
         async with httpx.AsyncClient() as http, httpx.AsyncClient(base_url=running.url, timeout=WAIT_S) as client, \
                 trio.open_nursery() as load:
             streams = Streams(client, load)
             before = await idle(http, vllm)
-            for i in range(4):
-                streams.start(f"run{i}", chat(f"run {i}", 3000))          # bid 5 (the OpenAI API's priority 0)
+            for i in range(4):     # bid 5 (the OpenAI API's priority 0); 4 x 1,500 tokens: 75% of the KV cache
+                streams.start(f"run{i}", chat(f"run {i}", 1500))
             await wait_metric(http, vllm, "vllm:num_requests_running", 4)
             for i in range(3):
                 streams.start(f"low{i}", chat(f"low {i}", 3000, priority=4))   # bid 1 (lower is sooner)
@@ -368,7 +369,7 @@ async def test_apsds_priority_orders_vllms_waiting_queue_and_preempts_nothing(nu
             streams.start("vip", chat("vip", 3000, priority=-5))              # bid 10
             await wait_metric(http, vllm, "vllm:num_requests_waiting", 4)
             mark = streams.chunks["run0"]
-            await wait_until(lambda: streams.chunks["run0"] >= mark + 30)   # 30 steps of the four running...
+            await wait_until(lambda: streams.chunks["run0"] >= mark + 20)   # 20 steps of the four running...
             during = await read_metrics(http, vllm.url)
             assert streams.firsts(waiting) == []                            # ...and not one waiting started
             assert during["vllm:num_requests_waiting"] == 4 and during["vllm:num_requests_running"] == 4
@@ -379,7 +380,7 @@ async def test_apsds_priority_orders_vllms_waiting_queue_and_preempts_nothing(nu
                 assert len(streams.firsts(waiting)) == n
                 streams.leave(streams.firsts(waiting)[-1])
             firsts[priority] = streams.firsts(waiting)
-            assert not any(streams.ended(f"run{i}") for i in range(1, 4))
+            assert not any(streams.ended(f"run{i}") for i in range(1, 4)), streams.chunks
             for i in range(1, 4):
                 streams.leave(f"run{i}")
             after = await idle(http, vllm)
