@@ -35,6 +35,8 @@ from apsd.core.config import TenantConfig
 from tests.helpers import (WAIT_S, LiveDaemon, backends_up, bucket_level, forwarding_config, start_daemon,
                            wait_until)
 from tests import vllm_server
+from tests.real_pool import (FLOOD_STREAMS, FLOOD_TOKENS, SHORT_TOKENS, beside, first_token_ms, newcomers, open_pool,
+                             queue_waits)
 from tests.vllm_server import (  # noqa: F401  (fixtures)
     KV_TOKENS,
     VllmOptions,
@@ -345,12 +347,14 @@ async def test_requests_wait_in_apsd_while_vllms_kv_cache_is_full(nursery, vllm)
 # -- what vLLM's priority scheduling does -------------------------------------------------------------
 
 async def test_apsds_priority_orders_vllms_waiting_queue_and_preempts_nothing(nursery, vllm):
-    """max_concurrency 8 over ``--max-num-seqs 4``: four long streams of bid 5 run; three of bid 1, then
-    one of bid 10, wait in vLLM's own queue. vLLM preempts nothing for them: while the four run (20 steps
-    and more), none of the four waiting starts, whatever its priority. Then one long stream's client leaves, and the freed
+    """max_concurrency 8 over ``--max-num-seqs 4`` (apsd then sees free slots and preempts nothing): four
+    long streams of tenant ``t`` run; three more of ``t``, then one of tenant ``u`` (its only request),
+    wait in vLLM's own queue. vLLM preempts nothing for them: while the four run (20 steps and more), none
+    of the four waiting starts, whatever its priority. Then one long stream's client leaves, and the freed
     sequence serves the waiting ones one at a time (each client leaves once its stream has started), in
-    the order of vLLM's queue: with ``priority = "lower-first"`` the late bid 10 first; with ``off``
-    (every request at vLLM's default priority) in arrival order, the bid 10 last."""
+    the order of vLLM's queue: with ``priority = "lower-first"`` (a tenant's requests outstanding first)
+    the late ``u`` first; with ``off`` (every request at vLLM's default priority) in arrival order, ``u``
+    last."""
     waiting = ("low0", "low1", "low2", "vip")
     firsts: dict[str, list[str]] = {}
     for priority in ("lower-first", "off"):
@@ -360,13 +364,13 @@ async def test_apsds_priority_orders_vllms_waiting_queue_and_preempts_nothing(nu
                 trio.open_nursery() as load:
             streams = Streams(client, load)
             before = await idle(http, vllm)
-            for i in range(4):     # bid 5 (the OpenAI API's priority 0); 4 x 1,500 tokens: 75% of the KV cache
+            for i in range(4):     # 4 x 1,500 tokens: 75% of the KV cache
                 streams.start(f"run{i}", chat(f"run {i}", 1500))
             await wait_metric(http, vllm, "vllm:num_requests_running", 4)
             for i in range(3):
-                streams.start(f"low{i}", chat(f"low {i}", 3000, priority=4))   # bid 1 (lower is sooner)
+                streams.start(f"low{i}", chat(f"low {i}", 3000))
                 await wait_metric(http, vllm, "vllm:num_requests_waiting", i + 1)   # (queued in this order)
-            streams.start("vip", chat("vip", 3000, priority=-5))              # bid 10
+            streams.start("vip", chat("vip", 3000), tenant="u")               # tenant u's only request
             await wait_metric(http, vllm, "vllm:num_requests_waiting", 4)
             mark = streams.chunks["run0"]
             await wait_until(lambda: streams.chunks["run0"] >= mark + 20)   # 20 steps of the four running...
@@ -443,6 +447,66 @@ async def test_under_kv_pressure_vllm_preempts_the_lowest_priority(vllm):
     stalled = max(silence, key=silence.__getitem__)
     assert stalled == "p10-b" and silence[stalled] >= 30
     assert all(silence[tag] < silence[stalled] for tag in prompts if tag != stalled)
+
+
+# -- isolation in front of vLLM: apsd preempts, vLLM does not ---------------------------------------------
+
+#: A flood request lasts seconds on this server: a wait in apsd's queue much shorter than that means no
+#: request of the flood had to end first.
+AT_ONCE_MS = 1000
+
+
+async def test_a_steady_tenant_beside_a_flood_on_vllm_is_sent_at_once_and_the_flood_resumed(vllm):
+    """The shipped defaults, ``max_concurrency`` = ``--max-num-seqs`` 4, vLLM's priority scheduling: a steady
+    tenant's requests beside a 16-stream flood wait in apsd's queue no longer than a preemption takes
+    (apsd preempts the flood's newest streams and resumes them with ``continue_final_message``), and vLLM
+    never runs more than its 4 sequences."""
+    async with open_pool(vllm.url, "tiny", server="vllm", backend={"priority": "lower-first"}) as pool:
+        measured = await beside(pool, background="flood", streams=FLOOD_STREAMS, max_tokens=FLOOD_TOKENS, count=6)
+        engine = pool.engines[0]
+        waits = queue_waits(pool, "steady")
+        print(f"\nvLLM: steady p99 {measured.p99:.0f} ms beside the flood; waits in apsd {max(waits):.0f} ms at most; "
+              f"flood {measured.background_tokens_per_s:.0f} tokens/s; preemptions {dict(engine.preemptions)}")
+        assert len(waits) == 6 and max(waits) < AT_ONCE_MS, waits
+        assert engine.preemptions[("b0", "resumed")] + engine.preemptions[("b0", "requeued")] >= 1
+        assert measured.server_most <= 4 and pool.slots.reads > 10
+        assert measured.background_tokens_per_s > 0
+
+
+async def test_tenants_arriving_after_idleness_on_vllm_are_each_sent_at_once(vllm):
+    async with open_pool(vllm.url, "tiny", server="vllm", backend={"priority": "lower-first"}) as pool:
+        measured = await beside(pool, background="flood", streams=FLOOD_STREAMS, max_tokens=FLOOD_TOKENS, count=0,
+                                foreground=newcomers("tiny", 10, gap_s=0.5))
+        waits = queue_waits(pool, "new")
+        assert len(waits) == 10 and max(waits) < AT_ONCE_MS, waits
+        assert measured.server_most <= 4
+
+
+async def test_a_stream_preempted_and_resumed_on_vllm_reads_as_the_uninterrupted_one(vllm):
+    """Greedy decoding: two streams of tenant ``flood`` on 2 slots, preempted for the steady tenant and
+    resumed by vLLM with ``continue_final_message``, read exactly as the same requests answered alone."""
+    prompts = [text(500 + i, 20) for i in range(2)]
+    async with httpx.AsyncClient(base_url=vllm.url, timeout=WAIT_S) as direct:
+        await idle(direct, vllm)
+        alone = [(await first_token_ms(direct, "-", "tiny", 1000, prompt=p, temperature=0.0))[1] for p in prompts]
+    async with open_pool(vllm.url, "tiny", slots=2, server="vllm") as pool:
+        client = pool.clients[0]
+        texts = ["", ""]
+
+        async def flood(i: int) -> None:
+            texts[i] = (await first_token_ms(client, "flood", "tiny", 1000, prompt=prompts[i], temperature=0.0))[1]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(flood, i)
+            running = pool.engines[0]._running     # (both streams have their first token)
+            await wait_until(lambda: sum(r.started_at is not None for r in running) == 2)
+            for _ in range(3):
+                await first_token_ms(client, "steady", "tiny", SHORT_TOKENS)
+        resumed = pool.engines[0].preemptions[("b0", "resumed")]
+    print(f"\nvLLM: {resumed} resumed; texts equal: {texts == alone}")
+    assert resumed >= 1
+    assert texts == alone
 
 
 # -- vLLM on its defaults ---------------------------------------------------------------------------------
