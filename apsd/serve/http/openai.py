@@ -49,15 +49,16 @@ from quart import Blueprint, Response, request
 from apsd.core.admission import estimate_tokens
 from apsd.serve.auth import Caller
 from apsd.core.config import DEFAULT_BID, AdmissionConfig, Config, TenantConfig, clamp_bid
-from apsd.core.models import ALL_APIS, LENGTH_ALIASES, Completion, InferenceRequest, Refusal
+from apsd.core.models import LENGTH_ALIASES, OPENAI_APIS, Completion, InferenceRequest, Refusal
 from apsd.pipeline import Pipeline
 from apsd.core.streams import TokenChunk, TokenStream
 from apsd.serve.http.common import (MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated, check_prompt_length,
-                     client_request_id, http_state, parse_json_object, service_class, shown)
+                     client_request_id, http_state, note_tenant, parse_json_object, service_class, shown)
 
-__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "MESSAGE_OVERHEAD_TOKENS", "RESPONSES", "OpenAIBody", "PRIORITY_HEADER", "TENANT_HEADER",
-           "blueprint", "error_body", "error_response", "error_type", "parse_openai_body", "placeholder_text",
-           "priority_bid", "unix_time"]
+__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "MEDIA_PART_TOKENS", "MESSAGE_OVERHEAD_TOKENS", "RESPONSES", "OpenAIBody",
+           "PRIORITY_HEADER", "TENANT_HEADER", "blueprint", "error_body", "error_response", "error_type",
+           "parse_openai_body", "placeholder_text", "priority_bid", "priority_header", "route_header", "tenant_of",
+           "unix_time"]
 
 blueprint = Blueprint("openai", __name__, url_prefix="/v1")
 
@@ -432,7 +433,7 @@ def priority_bid(tenant: TenantConfig | None, *, priority: int | None = None, he
     return clamp_bid(tenant, header if header is not None else default_bid - (priority or 0))
 
 
-def _tenant(caller: Caller) -> str:
+def tenant_of(caller: Caller) -> str:
     """The tenant a request runs as: the key's, or (no keys) the one :data:`TENANT_HEADER` names."""
     named = request.headers.getlist(TENANT_HEADER)
     if len(named) > 1:
@@ -463,7 +464,7 @@ def _utf8(value: str) -> str:
         return value
 
 
-def _priority_header() -> int | None:
+def priority_header() -> int | None:
     values = request.headers.getlist(PRIORITY_HEADER)
     if not values:
         return None
@@ -647,8 +648,9 @@ async def _stream_answer(pipeline: Pipeline, inference: InferenceRequest, body: 
 async def _complete(api: str, caller: Caller) -> Response:
     pipeline = http_state().pipeline
     try:
-        tenant_id = _tenant(caller)
-        header_bid = _priority_header()
+        tenant_id = tenant_of(caller)
+        note_tenant(tenant_id)
+        header_bid = priority_header()
         request_id = client_request_id()
         if api not in pipeline.apis():
             raise BodyError(404, "unsupported_api", f"/v1/{api} needs an engine that relays to inference servers "
@@ -702,7 +704,7 @@ def _endpoint(api: str) -> Callable[..., Awaitable[Response]]:
     return handle
 
 
-for _api in ALL_APIS:   # /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses
+for _api in OPENAI_APIS:   # /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses
     blueprint.add_url_rule("/" + _api.replace(".", "/"), endpoint=_api.replace(".", "_"), methods=["POST"],
                            view_func=_endpoint(_api))
 
