@@ -23,9 +23,9 @@ engines, ledger, Prometheus counters); this module only translates. docs/referen
   model has it, else by apsd's estimate; it is never charged (nothing runs), and answers the same
   refusals as a message would for the tenant (404 unknown tenant, 403 disabled or model not allowed).
 
-Every error answer is Anthropic's ``{"type": "error", "error": {"type", "message"}}`` (plus ``code``,
-apsd's error code), with apsd's status codes and headers (``Retry-After``), but for a body field at
-fault: 400, as Anthropic answers it, where the OpenAI API says 422 (:func:`error_response`).
+Every error answer is Anthropic's ``{"type": "error", "error": {"type", "message", "details": {"error_code"}}}``
+(``error_code``: apsd's error code), with apsd's status codes and headers (``Retry-After``), but for a
+body field at fault: 400, as Anthropic answers it, where the OpenAI API says 422 (:func:`error_response`).
 """
 
 from __future__ import annotations
@@ -94,10 +94,10 @@ def _status(refusal: Refusal) -> int:
 
 
 def error_body(refusal: Refusal) -> dict[str, Any]:
-    """Anthropic's error object for ``refusal``; ``code`` is apsd's error code (what ``/infer`` calls
-    ``error``), which Anthropic's own clients ignore."""
+    """Anthropic's error object for ``refusal``; ``details.error_code`` (where Anthropic's API puts its
+    own codes) is apsd's error code (what ``/infer`` calls ``error``)."""
     return {"type": "error", "error": {"type": error_type(_status(refusal)), "message": refusal.message,
-                                       "code": refusal.error}}
+                                       "details": {"error_code": refusal.error}}}
 
 
 def error_response(refusal: Refusal) -> Response:
