@@ -98,6 +98,14 @@ async def test_the_official_client_gets_a_whole_message_and_a_stream(apsd):
     assert status["completed"] == 3 and status["generated_tokens"] == 7 + 9 + 3
 
 
+async def test_the_official_client_lists_the_models_in_its_shape(apsd):
+    page = await in_thread(lambda: client(apsd).models.list())
+    assert [(m.id, m.type) for m in page.data] == [(MODEL, "model")] and page.has_more is False
+    assert page.data[0].created_at.year >= 2024
+    plain = (await apsd.client.get("/v1/models", headers=TENANT)).json()   # (without anthropic-version: OpenAI's)
+    assert plain["object"] == "list" and plain["data"][0]["id"] == MODEL
+
+
 async def test_a_stream_names_every_event_and_starts_the_message_once(apsd):
     async with apsd.client.stream("POST", "/v1/messages", headers=TENANT, json={
             "model": MODEL, "max_tokens": 20, "stream": True, "messages": HELLO}) as response:

@@ -35,6 +35,7 @@ status codes; ``code`` is apsd's error code (:func:`error_response`).
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import re
@@ -71,6 +72,8 @@ TENANT_HEADER = "X-Apsd-Tenant"
 #: apsd's own bid, 1-10, higher served sooner (clamped to the tenant's ``max_bid``); it takes
 #: precedence over the body's vLLM-style ``priority``.
 PRIORITY_HEADER = "X-Apsd-Priority"
+#: The header Anthropic's clients send with every request (``GET /v1/models`` answers them in their shape).
+ANTHROPIC_VERSION_HEADER = "anthropic-version"
 #: The response header saying where the routing policy sent a request, and why.
 ROUTE_HEADER = "X-Apsd-Route"
 #: Tokens added per chat message to the estimate of its text (role and delimiters, as chat
@@ -712,7 +715,8 @@ for _api in OPENAI_APIS:   # /v1/chat/completions, /v1/completions, /v1/embeddin
 @blueprint.get("/models")
 @authenticated(answer=error_response)
 async def models(caller: Caller) -> Response:
-    """The models the engines serve that the caller may use, in OpenAI's list shape: a tenant's key
+    """The models the engines serve that the caller may use, in OpenAI's list shape (Anthropic's for a
+    request with the ``anthropic-version`` header, which Anthropic's clients send): a tenant's key
     (or, without keys, the tenant ``X-Apsd-Tenant`` names) sees only its tenant's ``models`` when it
     has a list; the admin key, and a keyless caller naming no tenant, see every model."""
     state = http_state()
@@ -725,5 +729,11 @@ async def models(caller: Caller) -> Response:
     tenant = state.pipeline.config.tenants.get(tenant_id) if tenant_id is not None else None
     if tenant is not None and tenant.models:
         names = [name for name in names if name in tenant.models]
+    if request.headers.get(ANTHROPIC_VERSION_HEADER) is not None:   # (an Anthropic client: its list's shape)
+        created = datetime.datetime.fromtimestamp(state.created, datetime.timezone.utc).isoformat()
+        return _answer({"data": [{"type": "model", "id": name, "display_name": name, "created_at": created}
+                                 for name in names],
+                        "has_more": False, "first_id": names[0] if names else None,
+                        "last_id": names[-1] if names else None}, {})
     return _answer({"object": "list", "data": [{"id": name, "object": "model", "created": state.created,
                                                 "owned_by": "apsd"} for name in names]}, {})
