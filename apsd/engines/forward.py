@@ -21,7 +21,8 @@ the slot of a victim (:func:`~apsd.engines.preemption.choose_victim`), which is 
 * a victim without a first token goes back to the queue at its place (uncharged, no retry spent);
 * a started one is *paused*: it goes back to the queue with what it produced, its client's stream
   open, and is resumed later as a continuation of its own text (:func:`apsd.engines.relay.continuation`),
-  preferably on the same backend, whose prefix cache makes the second prefill cheap. Its client sees a
+  preferably on the same backend, whose prefix cache makes the second prefill cheap, and only on a
+  server that can continue it while one serving its model is up (:func:`apsd.engines.relay.continues`). Its client sees a
   pause; its tenant is charged the backend's work once.
 
 Each request goes to a backend serving its model (a request without a model, from ``POST /infer``,
@@ -292,9 +293,16 @@ class ForwardEngine:
 
     def _serving_request(self, request: InferenceRequest) -> list[Backend]:
         """The healthy backends that may run ``request``: those serving its model (and, for an Anthropic
-        message, ``/v1/messages``)."""
+        message, ``/v1/messages``); for a paused request, those that can continue it when there are any
+        (else it goes where it can, and fails there: better than waiting for a server that may not come)."""
         serving = self._serving(request.model)
-        return [b for b in serving if b.messages] if request.api == MESSAGES else serving
+        if request.api == MESSAGES:
+            serving = [b for b in serving if b.messages]
+        progress = self._progress.get(request)
+        if progress is not None and progress.resumed:
+            able = [b for b in serving if continues(progress.api, b.server)]
+            serving = able or serving
+        return serving
 
     def _victim(self, request: InferenceRequest, now: float, cache: dict[str | None, Shares]) -> Lease | None:
         """The lease to preempt for ``request`` now (:func:`~apsd.engines.preemption.choose_victim`), if any."""

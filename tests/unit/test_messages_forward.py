@@ -164,6 +164,25 @@ async def test_a_message_stream_on_vllm_is_never_paused_once_started(autojump_cl
     assert steady.dispatched_at - steady.arrival > 1.5 and text_in(events_of(flood)) == expected(300)
 
 
+async def test_a_paused_message_stream_waits_for_a_server_that_can_continue_it(autojump_clock):
+    """A llama.cpp server and a vLLM one, a flood stream on each: the steady tenant's request takes the
+    llama.cpp one's slot (vLLM's stream cannot be paused). When vLLM's slot frees first, the paused
+    stream does not go there (vLLM could not continue it): it resumes on llama.cpp once that has room."""
+    servers = {"l": SimulatedServer(slots=1, ttft_s=0.01, tpot_s=0.01),
+               "v": SimulatedServer(slots=1, ttft_s=0.01, tpot_s=0.01, server="vllm")}
+    async with forwarding(servers) as pipeline:
+        floods = [admitted(pipeline, message(pipeline, "flood", 300)) for _ in range(2)]
+        await pipeline.clock.sleep(1.0)
+        steady = admitted(pipeline, message(pipeline, "steady", 250))
+        for r in [steady, *floods]:
+            assert isinstance(await r.reply.wait(), Completion)
+    paused = [r for r in floods if r.preemptions]
+    assert len(paused) == 1 and paused[0].backend == "l" and steady.backend == "l"
+    assert paused[0].finished_at > steady.finished_at   # (it waited for llama.cpp, though vLLM freed first)
+    assert servers["l"].bad_continuations == 0 and all(text_in(events_of(r)) == expected(300) for r in floods)
+    assert not any(b["messages"][-1]["role"] == "assistant" for b in servers["v"].bodies)
+
+
 async def test_a_clients_own_prefill_is_continued_not_repeated(autojump_clock):
     """The client ends its messages with its own assistant prefill, which llama.cpp echoes at the start
     of the answer: a resumed attempt continues the text the client has (which starts with that prefill),
