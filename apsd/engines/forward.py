@@ -598,8 +598,10 @@ class ForwardEngine:
         echo = ""
         if progress is not None:
             progress.api = api
-            if progress.resumed:
-                resumed = continuation(api, body, progress.text, request, backend.server)
+            if not progress.resumed:   # (the attempt whose text the client gets first: echoed or not)
+                progress.echoed = backend.server in ECHOES_PREFILL
+            else:
+                resumed = continuation(api, body, progress.text, request, backend.server, echoed=progress.echoed)
                 if resumed is None:
                     raise BackendError(502, "backend_failed", f"backend {backend.name} cannot continue a "
                                        f"preempted {api} request (its server kind is {backend.server or 'not known'})",

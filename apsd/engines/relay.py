@@ -122,15 +122,17 @@ def continues(api: str, server: str | None) -> bool:
     return True   # (a text completion: its prompt and the text so far, on any server)
 
 
-def continuation(api: str, body: dict, text: str, request: InferenceRequest, server: str | None) -> dict | None:
+def continuation(api: str, body: dict, text: str, request: InferenceRequest, server: str | None, *,
+                 echoed: bool = False) -> dict | None:
     """``body`` (from :func:`request_body`) made to resume from ``text``, the output so far, for a
     ``server`` (``llama.cpp``, ``vllm``, ``sglang``; None: not known); None when that server cannot
-    continue a request of ``api`` (:func:`continues`)."""
+    continue a request of ``api`` (:func:`continues`). ``echoed``: the first attempt ran on a server
+    that echoed the client's own prefill, so ``text`` starts with it (``Progress.echoed``)."""
     if not continues(api, server):
         return None
     body = dict(body)
     if api in ("chat.completions", MESSAGES):
-        body["messages"] = _prefilled(body["messages"], text, echoed=server in ECHOES_PREFILL)
+        body["messages"] = _prefilled(body["messages"], text, echoed=echoed)
         if api == MESSAGES:
             body["max_tokens"] = request.tokens_requested - request.tokens_generated
             return body
@@ -270,6 +272,9 @@ class Progress:
     created: int | None = None
     #: Attempts so far that were preempted after their first token (the next one resumes).
     resumed: int = 0
+    #: The first attempt ran on a server that echoes a final assistant message (the client's prefill):
+    #: the text so far starts with it.
+    echoed: bool = False
     #: Prompt tokens of the original request, as the backend counted them (None: not known).
     prompt_tokens: int | None = None
     #: An Anthropic stream's first ``message_start`` usage (a resumed stream's last ``message_delta``

@@ -208,12 +208,15 @@ def test_a_continuation_replaces_an_echoed_prefill_and_extends_one_that_was_not(
     request.tokens_generated = 30
     body = {"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": "q"},
                                                           {"role": "assistant", "content": "Sure:"}]}
-    echoed = continuation("messages", body, "Sure: and so", request, "llama.cpp")
+    echoed = continuation("messages", body, "Sure: and so", request, "llama.cpp", echoed=True)
     assert echoed["messages"][-1] == {"role": "assistant", "content": "Sure: and so"} and echoed["max_tokens"] == 70
     assert prefill_text(echoed) == "Sure: and so"
     chat = {**body, "max_tokens": 100}
     assert continuation("chat.completions", chat, " and so", request, "vllm")["messages"][-1]["content"] \
         == "Sure: and so"
+    # (a first attempt on a server that did not echo, resumed on one that does: the prefill is kept)
+    assert continuation("messages", body, " Sure: x", request, "llama.cpp")["messages"][-1]["content"] \
+        == "Sure: Sure: x"
     assert continuation("messages", body, "x", request, "vllm") is None   # (vLLM's /v1/messages cannot)
     assert continuation("messages", {**body, "messages": body["messages"][:1]}, "x", request, "llama.cpp")[
         "messages"][-1] == {"role": "assistant", "content": "x"}
