@@ -226,7 +226,7 @@ class Admission:
                            headers={"Retry-After": "1"})
         if (over_budget := self.budgets.refusal(request.tenant_id, tenant, cost)) is not None:
             return over_budget
-        now = self.clock.now()
+        now = request.arrival = self.clock.now()   # (a class's deadline, and engines' estimates, count from it)
         if request.service_class is not None and self.classes is not None \
                 and (unmeetable := self.classes.refuse_unmeetable(request, now)) is not None:
             return unmeetable
@@ -244,7 +244,6 @@ class Admission:
                 has += f" on this replica ({int(view.tokens)} in its shared bucket, as last known)"
             return Refusal(429, "rate_limited", f"tenant {request.tenant_id!r} {has}; enough accrue in {wait:.2f} s",
                            headers=headers)
-        request.arrival = now
         request.reserved_tokens = cost
         self.budgets.reserve(request.tenant_id, tenant, cost)
         request.seq = self._next_seq

@@ -76,7 +76,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import attrs
 import trio
@@ -149,6 +149,8 @@ class _Attempt:
     outstanding: int = 0
     #: The request's output tokens when this attempt began.
     base_tokens: int = 0
+    #: Its stream relay, once it is sent.
+    relay: StreamRelay | None = None
     #: Its time's cost is booked (once, at its end or with its completion).
     accounted: bool = False
 
@@ -267,11 +269,11 @@ class ForwardEngine:
             return Capacity(sequences=total, kv_tokens=UNBOUNDED, reserve_output=False, slots_per_model=slots)
         shares: dict[str | None, Shares] = {}
         held_per_model = {name: self._preemptible(name, now, shares) for name in slots}
-        victims: dict[tuple[str | None, str], bool] = {}
+        victims: dict[tuple[str | None, str, float], bool] = {}
 
         def has_victim(request: InferenceRequest) -> bool:
             """Whether a victim would give ``request`` its slot now (what :meth:`_place` will find)."""
-            key = (request.model, request.tenant_id)
+            key = (request.model, request.tenant_id, _urgent_ttft(request, now, self.rules))
             found = victims.get(key)
             if found is None:
                 found = victims[key] = self._victim(request, now, shares) is not None
@@ -279,7 +281,8 @@ class ForwardEngine:
 
         return Capacity(sequences=total, kv_tokens=UNBOUNDED, reserve_output=False, slots_per_model=slots,
                         held_sequences=self._preemptible(None, now, shares), held_per_model=held_per_model,
-                        under_share=has_victim)
+                        under_share=has_victim,
+                        prefer=(lambda r: self._shares(r.model, shares).below(r.tenant_id)) if total else None)
 
     def _shares(self, model: str | None, cache: dict[str | None, Shares]) -> Shares:
         """Who holds the slots of the healthy backends serving ``model`` (None: every backend), every
@@ -304,10 +307,19 @@ class ForwardEngine:
             serving = able or serving
         return serving
 
+    def takes_now(self, request: InferenceRequest) -> bool:
+        """Whether ``request`` would be sent at once: a usable backend that may run it has a free slot,
+        or there is a request to preempt for it (service classes' admission asks)."""
+        now = self.clock.now()
+        if any(self._free_slots(b, now) > 0 for b in self._serving_request(request)):
+            return True
+        return self.rules.enabled and self._victim(request, now, {}) is not None
+
     def _victim(self, request: InferenceRequest, now: float, cache: dict[str | None, Shares]) -> Lease | None:
         """The lease to preempt for ``request`` now (:func:`~apsd.engines.preemption.choose_victim`), if any."""
         leases = [lease for b in self._serving_request(request) for lease in self.slots.leases(b.name)]
-        return choose_victim(leases, self._shares(request.model, cache), request.tenant_id, now, self.rules)
+        return choose_victim(leases, self._shares(request.model, cache), request.tenant_id, now, self.rules,
+                             _urgent_ttft(request, now, self.rules))
 
     def _preemptible(self, model: str | None, now: float, cache: dict[str | None, Shares]) -> int:
         """Slots of ``model``'s backends that preempting tenants above their share (counting one more
@@ -492,7 +504,7 @@ class ForwardEngine:
         lease = Lease(lease_id=f"{request.request_id}#{self._next_lease}", backend=backend.name,
                       tenant=request.tenant_id, replica=self.slots.replica, since=now, started=started,
                       preemptible=request.stream is not None and (not started or self._resumes(progress, backend)),
-                      preemptions=request.preemptions)
+                      preemptions=request.preemptions, ttft_s=_class_ttft(request))
         outstanding = 0
         if backend.config.priority != "off":   # (the rank of its priority: only a backend configured for it)
             stats = self.ledger.tenants.get(request.tenant_id)
@@ -572,12 +584,12 @@ class ForwardEngine:
             if attempt.scope.cancelled_caught:
                 outcome, requeue, pause = self._stopped(attempt)
             if (pause or isinstance(outcome, Refusal)) and request.started_at is not None:
-                await self._count_prompt(request, backend)
+                await self._count_unreported(attempt)
             elif sending and isinstance(outcome, Refusal) and outcome.kind == "cancelled":
                 # its client left before the first token, after the backend took the prompt in (and
                 # prefilled it): charged the backend's count of it, else the estimate
                 request.prompt_charged = True
-                await self._count_prompt(request, backend)
+                await self._count_unreported(attempt)
         except Exception:  # a bug or a surprise: this request fails, the daemon goes on
             log.exception("request %s on backend %s failed unexpectedly", request.request_id, backend.name)
             outcome, requeue, pause = Refusal(502, "backend_failed", f"forwarding to backend {backend.name} "
@@ -591,7 +603,8 @@ class ForwardEngine:
         """The API, the body (a continuation for a resumed request) and the stream relay of an attempt."""
         request, backend, lease = attempt.request, attempt.backend, attempt.lease
         polarity = backend.config.priority
-        priority = None if polarity == "off" else priority_for(request, attempt.outstanding, polarity)
+        priority = None if polarity == "off" else priority_for(request, attempt.outstanding, polarity,
+                                                                 self.clock.now())
         api, body, wants_usage = request_body(request, request.model or backend.models[0], priority)
         progress = self._progress.get(request)
         attempt.base_tokens = request.tokens_generated
@@ -619,8 +632,9 @@ class ForwardEngine:
             lease.preemptible = False
             self.slots.update(lease)
 
-        return api, body, StreamRelay(request, backend.name, wants_usage, started, self.clock.now, progress,
-                                      unresumable, echo=echo)
+        attempt.relay = StreamRelay(request, backend.name, wants_usage, started, self.clock.now, progress,
+                                    unresumable, echo=echo)
+        return api, body, attempt.relay
 
     def _stopped(self, attempt: _Attempt) -> tuple[Refusal | None, str | None, bool]:
         """(outcome, requeue reason, pause) of an attempt the engine or its client stopped."""
@@ -644,22 +658,40 @@ class ForwardEngine:
         return Refusal(499, "client_disconnected", "the client disconnected while the request was running",
                        kind="cancelled"), None, False
 
-    async def _count_prompt(self, request: InferenceRequest, backend: Backend) -> None:
-        """A request that ended or paused after its first token without the backend's usage (its client
+    async def _count_unreported(self, attempt: _Attempt) -> None:
+        """An attempt that ended or paused after its first token without the backend's usage (its client
         left, the stream broke or timed out, it was preempted), or whose client left once it was sent, is
-        charged the backend's own count of its prompt, asked of the backend (bounded by ``health_timeout_s``, shielded: the request's scope may
-        be cancelled); apsd's estimate stays when the backend cannot say. Counted once per request."""
+        charged the backend's own counts, asked of it together (each bounded by ``health_timeout_s``;
+        shielded: the attempt's scope may be cancelled): of the request's prompt (once per request), and
+        of the text that arrived in chunks that did not say their tokens (at least what was counted live,
+        one per such chunk with text; at most the limit it was sent). apsd's counts stay where the backend
+        cannot say."""
+        request, backend = attempt.request, attempt.backend
         progress = self._progress.get(request)
+        unsaid = "".join(attempt.relay.unsaid) if attempt.relay is not None else ""
+        api, body, _ = request_body(request, request.model or backend.models[0], None)
+        counts: dict[str, int | None] = {}
+
+        async def ask(what: str, count: Callable[[], Awaitable[int | None]]) -> None:
+            counts[what] = await count()
+
+        with trio.CancelScope(shield=True):
+            async with trio.open_nursery() as nursery:
+                if progress is None or progress.prompt_tokens is None:
+                    nursery.start_soon(ask, "prompt", lambda: self.client.count_prompt_tokens(backend, api, body))
+                if unsaid:
+                    nursery.start_soon(ask, "output", lambda: self.client.count_output_tokens(
+                        backend, body.get("model"), unsaid))
         if progress is not None and progress.prompt_tokens is not None:
             request.prompt_tokens = progress.prompt_tokens
-            return
-        api, body, _ = request_body(request, request.model or backend.models[0], None)
-        with trio.CancelScope(shield=True):
-            count = await self.client.count_prompt_tokens(backend, api, body)
-        if count is not None:
-            request.prompt_tokens = count
+        elif counts.get("prompt") is not None:
+            request.prompt_tokens = counts["prompt"]  # type: ignore[assignment]
         if progress is not None:
             progress.prompt_tokens = request.prompt_tokens
+        output = counts.get("output")
+        if output is not None:
+            tokens = max(attempt.base_tokens + output, request.tokens_generated)
+            request.tokens_generated = tokens if request.open_ended else min(tokens, request.tokens_requested)
 
     def _end(self, attempt: _Attempt, start: float, outcome: Completion | Refusal | None,
              requeue: str | None, pause: bool) -> None:
@@ -766,6 +798,21 @@ class ForwardEngine:
         self._busy_s += duration / c.max_concurrency
         self._cost_usd += cost
         self.ledger.engine_ran(duration / c.max_concurrency, cost)
+
+
+def _class_ttft(request: InferenceRequest) -> float:
+    """``request``'s service class's ``ttft_s`` (``math.inf``: no class)."""
+    deadline = request.class_deadline
+    return deadline - request.arrival if deadline is not None else math.inf
+
+
+def _urgent_ttft(request: InferenceRequest, now: float, rules: PreemptionRules) -> float:
+    """Its class's ``ttft_s`` while it has no first token and can still meet its deadline, and that deadline
+    is nearer than ``preempt_min_run_s`` (a looser class is served by slots that free and the share rule),
+    else ``math.inf``."""
+    deadline = request.class_deadline
+    urgent = deadline is not None and now < deadline < now + rules.min_run_s and request.started_at is None
+    return deadline - request.arrival if urgent else math.inf  # type: ignore[operator]
 
 
 #: A lease that could not be confirmed: its slot went to another sender's request.
