@@ -22,7 +22,9 @@ from apsd.core.config import AuthConfig, ServerConfig, TenantConfig
 from apsd.serve.auth import hash_key
 from apsd.serve.http.anthropic import error_type
 
-from tests.helpers import FAST_GPU, LiveDaemon, make_config, start_daemon
+from tests.helpers import (FAST_GPU, LiveDaemon, backends_up, forwarding_config, make_config,
+                           start_daemon, wait_until)
+from tests.standin_backend import start_standin_backend
 
 TENANT = {"X-Apsd-Tenant": "tenant_a"}
 MODEL = "apsd-batch"
@@ -268,3 +270,38 @@ async def test_every_answer_of_a_tenants_request_carries_the_rate_limit_fields(n
         unknown = await live.client.post("/v1/messages", json=message, headers={"X-Apsd-Tenant": "nobody"})
         assert unknown.status_code == 404 and "RateLimit" not in unknown.headers   # (no bucket to describe)
     live.daemon.request_shutdown()
+
+
+# -- a backend that does not serve the Messages API --------------------------------------------------
+
+async def test_a_model_whose_servers_lack_the_messages_api_is_refused_404_in_anthropics_shape(nursery):
+    """An OpenAI-compatible server without ``/v1/messages`` (it answers 404 there): apsd notes it when the
+    server comes up, refuses a message for its model at once with 404 ``unsupported_api`` naming the
+    backend (never relays the server's 404, never a 500), nothing charged; ``count_tokens`` falls back to
+    apsd's estimate; chat to the same model still works."""
+    backend = await start_standin_backend(nursery)
+    running = await start_daemon(nursery, forwarding_config([backend.url], tenants()))
+    await wait_until(backends_up(running.daemon))
+    await wait_until(lambda: running.daemon.pipeline.engines[0].backends[0].messages is False)
+
+    def run() -> tuple[Any, int, Any]:
+        c = client(running)
+        with pytest.raises(anthropic.NotFoundError) as raised:
+            c.messages.create(model="standin", max_tokens=5, messages=HELLO)
+        counted = c.messages.count_tokens(model="standin", messages=HELLO).input_tokens
+        chat = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", default_headers=TENANT, max_retries=0,
+                             timeout=20).chat.completions.create(model="standin", max_tokens=5, messages=HELLO)
+        return raised.value, counted, chat
+
+    refused, counted, chat = await in_thread(run)
+    assert refused.body["type"] == "error" and refused.body["error"]["type"] == "not_found_error"
+    assert refused.body["error"]["details"]["error_code"] == "unsupported_api"
+    assert "b0" in refused.message and "/v1/chat/completions" in refused.message
+    assert rate_limit(refused.response.headers)[0] == 100_000
+    assert counted > 0 and chat.choices[0].message.content
+    probes = [e.json for e in backend.received if e.path.startswith("/v1/messages")]
+    assert probes == [{}]        # (the one question whether it serves it: nothing was ever sent there)
+    status = running.daemon.pipeline.tenant_status("tenant_a")
+    assert (status.completed, status.failed, status.rejected) == (1, 0, 1)     # (the chat only ran)
+    assert (status.prompt_tokens, status.generated_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    running.daemon.request_shutdown()
