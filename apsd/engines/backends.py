@@ -434,9 +434,9 @@ class HttpBackendClient:
                 kind = await self._tokenizer(backend, base, headers)
                 if kind == "llama.cpp":
                     answer = await self._client.post(base + "/tokenize", headers=headers,
-                                                      json={"content": text, "add_special": False})
+                                                      json={"content": text, "add_special": False, "with_pieces": True})
                     tokens = answer.json().get("tokens") if answer.status_code == 200 else None
-                    return len(tokens) if isinstance(tokens, list) else None
+                    return _llama_output_count(tokens, text) if isinstance(tokens, list) else None
                 if kind in (None, "vllm"):
                     return await self._vllm_count(backend, base, headers,
                                                   {"model": model, "prompt": text, "add_special_tokens": False})
@@ -712,6 +712,18 @@ def _raise_for_status(backend: Backend, status: int, text: str | bytes) -> None:
                            retryable=True)
     raise BackendError(status, "backend_rejected", f"backend {backend.name} refused the request: {message}",
                        retryable=False)
+
+
+def _llama_output_count(tokens: list, text: str) -> int:
+    """llama.cpp's count of ``text`` from its ``/tokenize`` answer with pieces: a SentencePiece
+    tokenizer puts a space before the text (its ``add_space_prefix``), which the model did not generate
+    when it came as a token of its own (a first piece that is that space alone); one merged into the
+    first word is kept."""
+    pieces = [t.get("piece") if isinstance(t, dict) else None for t in tokens]
+    if (len(pieces) > 1 and all(isinstance(p, str) for p in pieces) and pieces[0] == " "
+            and "".join(pieces) == " " + text):
+        return len(tokens) - 1
+    return len(tokens)
 
 
 # -- servers simulated in model time ------------------------------------------------------------------
