@@ -4,7 +4,7 @@ the cached-prompt discount), ``count_tokens`` answered by the server and never c
 and apsd's refusals in Anthropic's shape, a client that leaves charged what ran, and a preempted greedy
 stream that reads as the uninterrupted one. Real HTTP both ways, real processes, stopped by their PIDs.
 
-vLLM serves ``/v1/messages`` too; its test waits for the vLLM fixture (``tests/vllm_server.py``)."""
+vLLM serves ``/v1/messages`` too: its tests are in ``tests/backends/test_vllm.py`` (they share its servers)."""
 
 from __future__ import annotations
 
