@@ -402,7 +402,6 @@ class StreamRelay:
                               "total_tokens": prompt + completion}
         return chunk, None, text
 
-
     def _note_event(self, chunk: dict) -> None:
         """A first attempt's Anthropic event: what a resumed attempt needs of it (its usage, which
         counts the original prompt; the blocks the client has seen start)."""
