@@ -149,20 +149,27 @@ class Admission:
         return self.store.bucket(name, tenant, now) if self.store is not None else TokenBucket.full(tenant, now)
 
     def rate_limit_headers(self, tenant_id: str) -> dict[str, str]:
-        """IETF RateLimit fields for the tenant's bucket as of now (seconds are wall seconds).
+        """The tenant's bucket as of now, in the IETF httpapi draft's structured fields (a List of one
+        Item, the policy ``"tokens"``, with Integer parameters; seconds are wall seconds, rounded up):
 
+        * ``RateLimit-Policy: "tokens";q=<burst>;w=<seconds an empty bucket takes to fill>``
+        * ``RateLimit: "tokens";r=<tokens in it now>;t=<seconds until it is full>``
+
+        ``r`` is never negative (a bucket in debt has 0 left, and ``t`` counts the debt's repayment too);
+        ``t`` is 0 for a full bucket. ``t`` is the draft's reset: after it the whole quota ``q`` is there.
+        When the next request may go is its own cost's business: a 429's ``Retry-After`` says it exactly.
         Empty for a tenant a reload removed while its request was in flight: no bucket to describe.
         """
         bucket = self.buckets.get(tenant_id)
         if bucket is None:
             return {}
         now = self.clock.now()
-        remaining = bucket.level(now)
+        remaining = max(0, math.floor(bucket.level(now)))
         window = self.clock.wall_seconds(bucket.burst / bucket.rate)
         until_full = self.clock.wall_seconds(bucket.seconds_until(bucket.burst, now))
         return {
-            "RateLimit-Policy": f'"tokens";q={int(bucket.burst)};w={_seconds(window)}',
-            "RateLimit": f'"tokens";r={int(remaining)};t={_seconds(until_full)}',
+            "RateLimit-Policy": f'"tokens";q={int(bucket.burst)};w={max(1, _seconds(window))}',
+            "RateLimit": f'"tokens";r={remaining};t={_seconds(until_full)}',
         }
 
     def decide(self, request: InferenceRequest) -> Refusal | None:

@@ -81,7 +81,7 @@ class Engine(Protocol):
     engine_id: int
     #: ``batch``, ``continuous``, ``forward``: the ``[engine] kind`` that built it.
     kind: str
-    #: The OpenAI APIs it runs (``request.api``): :data:`~apsd.core.models.GENERATION_APIS` at least.
+    #: The APIs it runs (``request.api``): :data:`~apsd.core.models.GENERATION_APIS` at least.
     apis: tuple[str, ...]
 
     def refuse(self, request: InferenceRequest) -> Refusal | None:

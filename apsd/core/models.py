@@ -30,8 +30,8 @@ import trio
 if TYPE_CHECKING:
     from apsd.core.streams import TokenStream
 
-__all__ = ["Batch", "Capacity", "Completion", "Dispatch", "InferenceRequest", "Outcome", "Refusal", "ReplySlot",
-           "exceeds_batch"]
+__all__ = ["ALL_APIS", "Batch", "Capacity", "Completion", "Dispatch", "GENERATION_APIS", "InferenceRequest",
+           "OPENAI_APIS", "Outcome", "Refusal", "ReplySlot", "exceeds_batch"]
 
 
 @attrs.frozen
@@ -120,11 +120,14 @@ class ReplySlot:
 #: reserves the limit and sends it under every name the client used.
 LENGTH_ALIASES = ("n_predict", "max_new_tokens")
 
-#: The OpenAI APIs (``request.api``) that generate text: every engine runs them.
-GENERATION_APIS = ("chat.completions", "completions")
-#: Every OpenAI API apsd schedules; engines that relay to real servers run them all (embeddings
-#: generate nothing and are charged on their input; responses are charged on their usage).
-ALL_APIS = (*GENERATION_APIS, "embeddings", "responses")
+#: The APIs (``request.api``) that generate text: every engine runs them (the simulated engines'
+#: answers are built in each API's shape by its HTTP blueprint). ``messages`` is Anthropic's Messages API.
+GENERATION_APIS = ("chat.completions", "completions", "messages")
+#: The OpenAI APIs apsd schedules (each a ``POST /v1/<api>`` of the OpenAI blueprint).
+OPENAI_APIS = ("chat.completions", "completions", "embeddings", "responses")
+#: Every API apsd schedules; engines that relay to real servers run them all (embeddings generate
+#: nothing and are charged on their input; responses and messages are charged on their usage).
+ALL_APIS = (*OPENAI_APIS, "messages")
 
 
 @attrs.define(eq=False)
@@ -164,10 +167,11 @@ class InferenceRequest:
     stream: TokenStream | None = attrs.field(default=None, repr=False)
     #: The model asked for (OpenAI ``model``; None: ``POST /infer``, any engine's model).
     model: str | None = None
-    #: The OpenAI API it came through: ``"chat.completions"`` or ``"completions"`` (None: ``/infer``).
+    #: The API it came through: ``"chat.completions"``, ``"completions"``, ``"embeddings"``, ``"responses"``
+    #: or Anthropic's ``"messages"`` (None: ``/infer``).
     api: str | None = None
-    #: The client's OpenAI request body, which a forwarding engine relays (parameters apsd does not
-    #: interpret pass through untouched).
+    #: The client's request body (OpenAI's or Anthropic's), which a forwarding engine relays (parameters
+    #: apsd does not interpret pass through untouched).
     payload: dict | None = attrs.field(default=None, repr=False)
     #: The client set no output limit: ``tokens_requested`` is only admission's estimate
     #: (``[gateway] default_max_tokens``), and a forwarding engine sends no limit: the backend

@@ -1,5 +1,11 @@
 """Backends: the OpenAI-compatible servers the ``forward`` engine relays to, and the clients that talk to them.
 
+Besides the OpenAI API, a backend may serve Anthropic's Messages API (``/v1/messages``: llama.cpp and
+vLLM do): whether it does is asked of it when it first becomes healthy (:meth:`BackendClient.serves_messages`).
+Anthropic's usage counts the prompt as ``input_tokens`` plus the cache's ``cache_read_input_tokens`` and
+``cache_creation_input_tokens`` (llama.cpp reports the tokens it found in its prefix cache as cache
+reads; vLLM reports them all as input), and a stream carries it in ``message_start`` and ``message_delta``.
+
 Ownership: the forward engine owns one :class:`Backend` per ``[[backends]]`` entry (its live
 state: health, load, requests in flight, statistics) and one :class:`BackendClient`, through
 which every exchange with a server goes. Two clients implement the same protocol:
@@ -169,6 +175,8 @@ class Backend:
     #: What kind of server it is (``[[backends]] server``, or found out when it is first healthy:
     #: ``llama.cpp``, ``vllm``, ``sglang``, ``openai``); None: not known yet.
     server: str | None = None
+    #: Whether it serves Anthropic's ``/v1/messages`` (asked when it is first healthy); None: not known yet.
+    messages: bool | None = None
     in_flight: int = 0
     requests: int = 0
     failures: int = 0
@@ -238,6 +246,11 @@ class BackendClient(Protocol):
         """What kind of server it is: ``llama.cpp``, ``vllm``, ``sglang``, or ``openai`` (none of those,
         or it cannot say). Never raises."""
 
+    async def serves_messages(self, backend: Backend) -> bool | None:
+        """Whether it serves Anthropic's Messages API (``POST /v1/messages``); None when it could not
+        be asked now (no answer within ``health_timeout_s``: asked again at the next health check).
+        Never raises."""
+
     async def count_output_tokens(self, backend: Backend, model: str | None, text: str) -> int | None:
         """The backend's own count of the tokens of ``text``, output it generated (no special tokens
         added), or None when it cannot say (as :meth:`count_prompt_tokens`). Never raises. Used to
@@ -250,9 +263,13 @@ class BackendClient(Protocol):
 # -- real servers over HTTP ---------------------------------------------------------------------------
 
 _PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions",
-          "embeddings": "/v1/embeddings", "responses": "/v1/responses"}
+          "embeddings": "/v1/embeddings", "responses": "/v1/responses", "messages": "/v1/messages"}
 #: The names of an API's usage figures: (prompt, output).
-_USAGE_KEYS = {"responses": ("input_tokens", "output_tokens")}
+_USAGE_KEYS = {"responses": ("input_tokens", "output_tokens"), "messages": ("input_tokens", "output_tokens")}
+#: What Anthropic's usage counts beside ``input_tokens`` as prompt tokens.
+_CACHE_KEYS = ("cache_read_input_tokens", "cache_creation_input_tokens")
+#: The fields of an Anthropic request that its ``/v1/messages/count_tokens`` reads.
+_COUNTED_FIELDS = ("model", "messages", "system", "tools", "tool_choice", "thinking")
 _COMPLETION_USAGE = ("prompt_tokens", "completion_tokens")
 #: The Responses API's last stream events, which carry the response and its usage.
 _RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed")
@@ -333,6 +350,18 @@ class HttpBackendClient:
                 continue
         return "openai"
 
+    async def serves_messages(self, backend: Backend) -> bool | None:
+        """Asked with a body that is not a request (``{}``): a server that routes ``/v1/messages``
+        refuses the body (llama.cpp 500, vLLM 400); one that does not answers 404 or 405. Nothing is
+        generated either way."""
+        url = backend.config.url.rstrip("/") + _PATHS["messages"]
+        try:
+            with trio.fail_after(self.settings.health_timeout_s):
+                response = await self._client.post(url, json={}, headers=self._headers(backend))
+        except (httpx.HTTPError, trio.TooSlowError):
+            return None
+        return response.status_code not in (404, 405, 501)
+
     async def read_load(self, backend: Backend) -> BackendLoad | None:
         response = await self._get(backend, "/metrics")
         if response.status_code != 200:
@@ -359,6 +388,8 @@ class HttpBackendClient:
         model = body.get("model")
         chat = api == "chat.completions"
         prompt = body.get("prompt") if not chat else None
+        if api == "messages":
+            return await self._count_message_tokens(backend, body)
         try:
             with trio.fail_after(self.settings.health_timeout_s):
                 kind = await self._tokenizer(backend, base, headers)
@@ -381,6 +412,20 @@ class HttpBackendClient:
         except (httpx.HTTPError, trio.TooSlowError, ValueError, AttributeError, RecursionError):
             return None
 
+    async def _count_message_tokens(self, backend: Backend, body: dict) -> int | None:
+        """An Anthropic request's prompt tokens, by its ``/v1/messages/count_tokens``."""
+        ask = {key: body[key] for key in _COUNTED_FIELDS if key in body}
+        try:
+            with trio.fail_after(self.settings.health_timeout_s):
+                answer = await self._client.post(backend.config.url.rstrip("/") + "/v1/messages/count_tokens",
+                                                 json=ask, headers=self._headers(backend))
+                count = answer.json().get("input_tokens") if answer.status_code == 200 else None
+        except (httpx.HTTPError, trio.TooSlowError, ValueError, AttributeError, RecursionError):
+            return None
+        if isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= MAX_REPORTED_TOKENS:
+            return count
+        return None
+
     async def count_output_tokens(self, backend: Backend, model: str | None, text: str) -> int | None:
         base = backend.config.url.rstrip("/")
         headers = self._headers(backend)
@@ -389,9 +434,9 @@ class HttpBackendClient:
                 kind = await self._tokenizer(backend, base, headers)
                 if kind == "llama.cpp":
                     answer = await self._client.post(base + "/tokenize", headers=headers,
-                                                      json={"content": text, "add_special": False})
+                                                      json={"content": text, "add_special": False, "with_pieces": True})
                     tokens = answer.json().get("tokens") if answer.status_code == 200 else None
-                    return len(tokens) if isinstance(tokens, list) else None
+                    return _llama_output_count(tokens, text) if isinstance(tokens, list) else None
                 if kind in (None, "vllm"):
                     return await self._vllm_count(backend, base, headers,
                                                   {"model": model, "prompt": text, "add_special_tokens": False})
@@ -413,6 +458,7 @@ class HttpBackendClient:
     async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk,
                        request_id: str = "") -> BackendAnswer:
         url = backend.config.url.rstrip("/") + _PATHS[api]
+        messages = api == "messages"
         settings = self.settings
         content = _dumps(body)
         headers = [("Content-Type", "application/json"), *self._headers(backend).items()]
@@ -455,13 +501,25 @@ class HttpBackendClient:
                             if "error" in chunk:
                                 raise BackendError(502, "backend_failed", f"backend {backend.name}: "
                                                    f"{_error_message(chunk)}", retryable=not started)
-                            if chunk.get("usage") is not None:
+                            if messages:   # (its usage: message_start's, updated by message_delta's)
+                                kind = chunk.get("type")
+                                if kind == "message_start":
+                                    message = chunk.get("message")
+                                    usage = _merged(usage, message.get("usage") if isinstance(message, dict)
+                                                    else message)
+                                elif kind == "message_delta":
+                                    usage = _merged(usage, chunk.get("usage"))
+                                elif kind == "message_stop":
+                                    done = True   # (the last event: the connection may be kept)
+                            elif chunk.get("usage") is not None:
                                 usage, timings = chunk["usage"], chunk.get("timings", timings)
                             elif chunk.get("type") in _RESPONSE_ENDS and isinstance(chunk.get("response"), dict):
                                 usage = chunk["response"].get("usage")
                             started = True
                             # (relayed as sent, but for an event whose JSON spans several data lines)
                             on_chunk(BackendChunk(chunk, raw=data if b"\n" not in data else None))
+                            if done:
+                                break
                         now = trio.current_time()
                         if now - moved >= DEADLINE_STEP_S and started:
                             silence.deadline, moved = now + settings.read_timeout_s + DEADLINE_STEP_S, now
@@ -533,13 +591,16 @@ class UsageBounds:
 
     A prompt has at most one token per byte of the request's body (every tokenizer in use encodes
     a byte in at most one token), plus a chat template's few, plus a bounded number per media part.
-    The output has at most the ``max_tokens`` apsd sent (or :data:`MAX_REPORTED_TOKENS`).
+    The output has at most the ``max_tokens`` apsd sent (or :data:`MAX_REPORTED_TOKENS`). An Anthropic
+    usage's prompt is its ``input_tokens`` and cache figures together, each and their sum so bounded.
     """
 
     prompt: int
     completion: int
     #: The names of the two figures in this API's usage.
     keys: tuple[str, str] = _COMPLETION_USAGE
+    #: Figures counted in the prompt beside ``keys[0]`` (Anthropic's cache reads and writes).
+    also_prompt: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, api: str, body: dict, content: bytes) -> UsageBounds:
@@ -550,7 +611,7 @@ class UsageBounds:
         media = len(_MEDIA_PARTS.findall(content)) if b'"type"' in content else 0
         prompt = min(MAX_REPORTED_TOKENS, len(content) + _TEMPLATE_TOKENS + media * _MEDIA_PART_TOKENS)
         return cls(prompt=prompt, completion=min(completion, MAX_REPORTED_TOKENS),
-                   keys=_USAGE_KEYS.get(api, _COMPLETION_USAGE))
+                   keys=_USAGE_KEYS.get(api, _COMPLETION_USAGE), also_prompt=_CACHE_KEYS if api == "messages" else ())
 
     def check(self, backend: Backend, usage: Any) -> tuple[int | None, int | None]:
         """``(prompt tokens, output tokens)`` of a backend's ``usage`` (None where absent);
@@ -559,15 +620,23 @@ class UsageBounds:
             return None, None
         if not isinstance(usage, dict):
             raise _invalid_usage(backend, f"usage is {_shown(usage)}, not an object")
-        return (_count(backend, usage, self.keys[0], self.prompt),
-                _count(backend, usage, self.keys[1], self.completion))
+        prompt = _count(backend, usage, self.keys[0], self.prompt)
+        for key in self.also_prompt:
+            more = _count(backend, usage, key, self.prompt)
+            if more is not None:
+                prompt = (prompt or 0) + more
+        if prompt is not None and prompt > self.prompt:
+            raise _invalid_usage(backend, f"its prompt figures add up to {prompt}, more than the {self.prompt} the "
+                                 "request's body can hold")
+        return prompt, _count(backend, usage, self.keys[1], self.completion)
 
 
 def cached_tokens(usage: Any, timings: Any, prompt_tokens: int | None) -> int:
     """The prompt tokens a backend says it found in its prefix cache: OpenAI's (and vLLM's)
-    ``usage.prompt_tokens_details.cached_tokens`` (the Responses API's ``input_tokens_details``), else
-    llama.cpp's ``timings.cache_n``; 0 when it says nothing believable (the figure only spares the
-    tenant a discount, so a bad one is ignored rather than failing the request)."""
+    ``usage.prompt_tokens_details.cached_tokens`` (the Responses API's ``input_tokens_details``),
+    Anthropic's ``usage.cache_read_input_tokens``, else llama.cpp's ``timings.cache_n``; 0 when it says
+    nothing believable (the figure only spares the tenant a discount, so a bad one is ignored rather
+    than failing the request)."""
     value: Any = None
     if isinstance(usage, dict):
         for name in ("prompt_tokens_details", "input_tokens_details"):
@@ -575,6 +644,8 @@ def cached_tokens(usage: Any, timings: Any, prompt_tokens: int | None) -> int:
             if isinstance(details, dict) and details.get("cached_tokens") is not None:
                 value = details["cached_tokens"]
                 break
+        else:
+            value = usage.get("cache_read_input_tokens")
     if value is None and isinstance(timings, dict):
         value = timings.get("cache_n")
     if not isinstance(value, int) or isinstance(value, bool) or value < 0 or prompt_tokens is None:
@@ -591,6 +662,17 @@ def _count(backend: Backend, usage: dict, key: str, bound: int) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= bound:
         raise _invalid_usage(backend, f"usage.{key} is {_shown(value)}, not a whole number of tokens from 0 to {bound}")
     return value
+
+
+def _merged(usage: Any, more: Any) -> Any:
+    """An Anthropic stream's usage so far (``usage``) updated by an event's (``more``): a later figure
+    replaces an earlier one (``message_delta`` counts are cumulative). Anything but an object is kept
+    as it is, for :meth:`UsageBounds.check` to refuse."""
+    if more is None:
+        return usage
+    if isinstance(more, dict) and (usage is None or isinstance(usage, dict)):
+        return {**(usage or {}), **more}
+    return more if not isinstance(more, dict) else usage
 
 
 def _shown(value: Any) -> str:
@@ -632,6 +714,18 @@ def _raise_for_status(backend: Backend, status: int, text: str | bytes) -> None:
                        retryable=False)
 
 
+def _llama_output_count(tokens: list, text: str) -> int:
+    """llama.cpp's count of ``text`` from its ``/tokenize`` answer with pieces: a SentencePiece
+    tokenizer puts a space before the text (its ``add_space_prefix``), which the model did not generate
+    when it came as a token of its own (a first piece that is that space alone); one merged into the
+    first word is kept."""
+    pieces = [t.get("piece") if isinstance(t, dict) else None for t in tokens]
+    if (len(pieces) > 1 and all(isinstance(p, str) for p in pieces) and pieces[0] == " "
+            and "".join(pieces) == " " + text):
+        return len(tokens) - 1
+    return len(tokens)
+
+
 # -- servers simulated in model time ------------------------------------------------------------------
 
 @attrs.define(eq=False)
@@ -644,12 +738,16 @@ class SimulatedServer:
     streams after that many tokens. ``bodies`` records every request body it received.
 
     Its output is checkable: token ``i`` of an answer reads `` t<i>``. A request that continues an
-    answer (a chat whose last message is the assistant's, continued as ``server`` does it: by itself
-    for ``llama.cpp``, with ``continue_final_message`` for ``vllm``; a text completion whose prompt
-    ends with such tokens) resumes the count after the tokens it was given, and a continuation whose
-    text is not exactly tokens ``0`` to ``k - 1`` is counted in ``bad_continuations``. Like llama.cpp,
-    a ``llama.cpp`` server's continued chat stream repeats the prefill in its first chunk; a chat stream
-    starts with a role chunk.
+    answer (a chat or Anthropic message whose last message is the assistant's, continued as ``server``
+    does it: by itself for ``llama.cpp``, with ``continue_final_message`` for ``vllm``, chat only; a text
+    completion whose prompt ends with such tokens) resumes the count after the tokens it was given, and
+    a continuation whose text is not exactly tokens ``0`` to ``k - 1`` is counted in
+    ``bad_continuations``. Like llama.cpp, a ``llama.cpp`` server repeats a final assistant message's
+    text (the prefill) in its first chunk, or at the start of a whole answer; a chat stream starts with a
+    role chunk. It serves Anthropic's ``/v1/messages`` unless ``messages`` is False: its events as
+    llama.cpp sends them (``message_start`` with the input tokens, ``content_block_start``, a ``ping``,
+    ``content_block_delta`` s, ``content_block_stop``, ``message_delta`` with the output tokens,
+    ``message_stop``).
 
     ``says_chunk_tokens = False`` makes its stream chunks leave their tokens unsaid, as a real server's
     do (its tokenizer then counts one token per `` t<i>``)."""
@@ -665,6 +763,8 @@ class SimulatedServer:
     stalled: bool = False
     stall_s: float = 5.0
     server: str = "llama.cpp"
+    #: Whether it serves Anthropic's ``/v1/messages`` (a request there is refused 404 otherwise).
+    messages: bool = True
     says_chunk_tokens: bool = True
     bodies: list[dict] = attrs.field(factory=list)
     bad_continuations: int = 0
@@ -728,6 +828,10 @@ class SimulatedBackendClient:
         await trio.lowlevel.checkpoint()
         return self.servers[backend.name].server
 
+    async def serves_messages(self, backend: Backend) -> bool | None:
+        await trio.lowlevel.checkpoint()
+        return self.servers[backend.name].messages
+
     async def count_output_tokens(self, backend: Backend, model: str | None, text: str) -> int | None:
         await trio.lowlevel.checkpoint()
         return None if self.servers[backend.name].down else len(_SIMULATED_TOKEN.findall(text))
@@ -737,13 +841,17 @@ class SimulatedBackendClient:
         server = self._server(backend)
         server.bodies.append(body)
         await self._stall(server)
+        if api == "messages" and not server.messages:
+            await trio.lowlevel.checkpoint()
+            raise BackendError(404, "backend_rejected", f"backend {backend.name} refused the request: File Not Found",
+                               retryable=False)
         if server.fail_next > 0:
             server.fail_next -= 1
             await trio.lowlevel.checkpoint()
             raise BackendError(502, "backend_failed", f"backend {backend.name} answered 503", retryable=True)
         prompt_tokens = _simulated_prompt_tokens(body)
         tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
-        first = _continued_from(server, api, body)
+        echo, first = _continued_from(server, api, body)
         server.waiting += 1
         try:
             await server.semaphore().acquire()
@@ -756,7 +864,13 @@ class SimulatedBackendClient:
             await self._stall(server)
             if not body.get("stream"):
                 await self.clock.sleep(server.tpot_s * (tokens - 1))
-                text = _simulated_text(first, tokens)
+                text = echo + _simulated_text(first, tokens)
+                if api == "messages":
+                    usage = {"input_tokens": prompt_tokens, "output_tokens": tokens}
+                    return BackendAnswer(prompt_tokens, tokens, {
+                        "id": f"msg_sim{len(server.bodies)}", "type": "message", "role": "assistant",
+                        "content": [{"type": "text", "text": text}], "model": body.get("model"),
+                        "stop_reason": "max_tokens", "stop_sequence": None, "usage": usage})
                 key = "message" if api == "chat.completions" else "text"
                 choice = {"index": 0, "finish_reason": "length",
                           key: {"role": "assistant", "content": text} if key == "message" else text}
@@ -768,6 +882,9 @@ class SimulatedBackendClient:
             if api == "chat.completions":   # (a role chunk first, as servers send)
                 on_chunk(BackendChunk({"object": "chat.completion.chunk", "choices": [
                     {"index": 0, "delta": {"role": "assistant", "content": None}}]}, tokens=0))
+            elif api == "messages":
+                for event in _message_start(f"msg_sim{len(server.bodies)}", body.get("model"), prompt_tokens):
+                    on_chunk(BackendChunk(event, tokens=0))
             while sent < tokens:
                 n = 1 if sent == 0 else min(self.chunk_tokens, tokens - sent)
                 if server.fail_after_tokens is not None and sent + n > server.fail_after_tokens:
@@ -775,11 +892,14 @@ class SimulatedBackendClient:
                                        retryable=False)
                 if sent:
                     await self.clock.sleep(server.tpot_s * n)
-                chunk = _simulated_chunk(api, first + sent, n)
-                if not sent and first and server.server == "llama.cpp" and api == "chat.completions":
-                    chunk = _simulated_chunk(api, 0, first + n)   # (llama.cpp echoes the prefill with its first token)
+                # (llama.cpp echoes the prefill with its first token)
+                chunk = _simulated_chunk(api, first + sent, n, echo if not sent else "")
                 on_chunk(BackendChunk(chunk, tokens=n if server.says_chunk_tokens else None))
                 sent += n
+            if api == "messages":
+                for event in _message_end(tokens):
+                    on_chunk(BackendChunk(event, tokens=0))
+                return BackendAnswer(prompt_tokens, tokens)
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens}
             on_chunk(BackendChunk({"object": "chat.completion.chunk", "choices": [], "usage": usage}, tokens=0))
             return BackendAnswer(prompt_tokens, tokens)
@@ -789,8 +909,11 @@ class SimulatedBackendClient:
 
 
 def _simulated_prompt_tokens(body: dict) -> int:
-    """A simulated server's tokenizer: a token per 4 bytes of the prompt's JSON."""
+    """A simulated server's tokenizer: a token per 4 bytes of the prompt's JSON (an Anthropic request's
+    ``system`` with its messages)."""
     prompt = body.get("prompt") or body.get("messages") or ""
+    if body.get("system"):
+        prompt = [body["system"], prompt]
     return max(1, len(json.dumps(prompt).encode()) // 4)
 
 
@@ -804,33 +927,56 @@ _SIMULATED_TOKENS = re.compile(r"(?: t\d+)+$")
 _SIMULATED_TOKEN = re.compile(r" t\d+")
 
 
-def _continued_from(server: SimulatedServer, api: str, body: dict) -> int:
-    """The token a simulated answer starts from: after the run of its tokens that ends the text a
-    continuation gives (a final assistant message, continued as ``server`` does; a text completion's
-    prompt), 0 for a new answer. A run that is not tokens ``0`` to ``k - 1`` is a bad continuation."""
-    if api == "chat.completions":
+def _continued_from(server: SimulatedServer, api: str, body: dict) -> tuple[str, int]:
+    """(the prefill a ``llama.cpp`` server echoes first, "" for none; the token a simulated answer starts
+    from): after the run of its tokens that ends the text a continuation gives (a final assistant
+    message, continued as ``server`` does it; a text completion's prompt), 0 for a new answer. A run that
+    is not tokens ``0`` to ``k - 1`` is a bad continuation."""
+    echo = ""
+    if api in ("chat.completions", "messages"):
         messages = body.get("messages") or []
         last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
-        if last.get("role") != "assistant" or (server.server != "llama.cpp" and not body.get("continue_final_message")):
-            return 0
+        continued = server.server == "llama.cpp" or (api == "chat.completions" and body.get("continue_final_message"))
+        if last.get("role") != "assistant" or not continued:
+            return "", 0
         content = last.get("content")
         text = content if isinstance(content, str) else "".join(
             part.get("text", "") for part in content if isinstance(part, dict)) if isinstance(content, list) else ""
+        echo = text if server.server == "llama.cpp" else ""
     elif api == "completions" and isinstance(body.get("prompt"), str):
         text = body["prompt"]
     else:
-        return 0
+        return "", 0
     match = _SIMULATED_TOKENS.search(text)
     if match is None:
-        return 0
+        return echo, 0
     count = match.group(0).count(" t")
     if match.group(0) != _simulated_text(0, count):
         server.bad_continuations += 1
-    return count
+    return echo, count
 
 
-def _simulated_chunk(api: str, first: int, tokens: int) -> dict:
-    text = _simulated_text(first, tokens)
+def _simulated_chunk(api: str, first: int, tokens: int, echo: str = "") -> dict:
+    text = echo + _simulated_text(first, tokens)
     if api == "chat.completions":
         return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]}
+    if api == "messages":
+        return {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}
     return {"object": "text_completion", "choices": [{"index": 0, "text": text}]}
+
+
+def _message_start(message_id: str, model: Any, prompt_tokens: int) -> list[dict]:
+    """The events that open an Anthropic stream, as llama.cpp sends them (and a ping)."""
+    return [{"type": "message_start", "message": {
+                "id": message_id, "type": "message", "role": "assistant", "content": [], "model": model,
+                "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}},
+            {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+            {"type": "ping"}]
+
+
+def _message_end(tokens: int) -> list[dict]:
+    """The events that close an Anthropic stream of ``tokens`` output tokens that reached its limit."""
+    return [{"type": "content_block_stop", "index": 0},
+            {"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+             "usage": {"output_tokens": tokens}},
+            {"type": "message_stop"}]

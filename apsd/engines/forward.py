@@ -21,7 +21,8 @@ the slot of a victim (:func:`~apsd.engines.preemption.choose_victim`), which is 
 * a victim without a first token goes back to the queue at its place (uncharged, no retry spent);
 * a started one is *paused*: it goes back to the queue with what it produced, its client's stream
   open, and is resumed later as a continuation of its own text (:func:`apsd.engines.relay.continuation`),
-  preferably on the same backend, whose prefix cache makes the second prefill cheap. Its client sees a
+  preferably on the same backend, whose prefix cache makes the second prefill cheap, and only on a
+  server that can continue it while one serving its model is up (:func:`apsd.engines.relay.continues`). Its client sees a
   pause; its tenant is charged the backend's work once.
 
 Each request goes to a backend serving its model (a request without a model, from ``POST /infer``,
@@ -31,6 +32,11 @@ the request (``request.route``: the ``X-Apsd-Route`` header) and counted (:meth:
 
 * The body sent is the client's (:func:`apsd.engines.relay.request_body`); tokens reach the client's
   stream as they arrive (:class:`apsd.engines.relay.StreamRelay`), never waiting for the client.
+* Anthropic's Messages API (``request.api == "messages"``) goes only to backends that serve
+  ``/v1/messages`` (asked of each when it is first healthy, :meth:`~apsd.engines.backends.BackendClient.serves_messages`);
+  a request for a model none of whose healthy backends does is refused 404 ``unsupported_api`` at once.
+  In a pool that mixes the two, a messages request waits for a backend that serves it (and the requests
+  behind it in queue order wait with it, as behind any request whose backends are full).
 * The end settles against the backend's usage: ``prompt_tokens`` and ``tokens_generated`` become
   the backend's figures, and admission gives back or takes the difference with what it reserved.
   Usage is untrusted: a figure that is not a believable count fails the request and the backend
@@ -106,11 +112,13 @@ from apsd.engines.preemption import (
     resumable,
 )
 from apsd.engines.relay import (
-    CONTINUES_CHATS,
     ECHOES_PREFILL,
+    MESSAGES,
     Progress,
     StreamRelay,
     continuation,
+    continues,
+    prefill_text,
     priority_for,
     request_body,
 )
@@ -207,11 +215,28 @@ class ForwardEngine:
 
     # -- the seam --------------------------------------------------------------------------------
     def refuse(self, request: InferenceRequest) -> Refusal | None:
-        """503 ``no_backend`` at once when no healthy backend serves the request's model (what a
+        """503 ``no_backend`` at once when no healthy backend serves the request's model; 404
+        ``unsupported_api`` for an Anthropic message when none of them serves ``/v1/messages`` (what a
         backend cannot take, it says itself: its 4xx is relayed)."""
-        if self.watch.serves(request.model):
-            return None
-        return self._no_backend(request.model, "is up")
+        if not self.watch.serves(request.model):
+            return self._no_backend(request.model, "is up")
+        if request.api == MESSAGES and not any(b.messages for b in self._serving(request.model)):
+            what = f"the model {request.model!r}" if request.model is not None else "any model"
+            kinds = ", ".join(f"{b.name} ({b.server or 'unknown'})" for b in self._serving(request.model))
+            return Refusal(404, "unsupported_api", f"no backend serving {what} serves Anthropic's Messages API "
+                           f"(/v1/messages): {kinds} do not; use /v1/chat/completions, or a llama.cpp or vLLM backend",
+                           field="model")
+        return None
+
+    async def count_message_tokens(self, model: str, body: dict) -> int | None:
+        """An Anthropic request's prompt tokens as a healthy backend serving ``model`` and ``/v1/messages``
+        counts them (``/v1/messages/count_tokens``, within ``health_timeout_s``); None when none can say."""
+        for backend in self._serving(model):
+            if backend.messages:
+                count = await self.client.count_prompt_tokens(backend, MESSAGES, {**body, "model": model})
+                if count is not None:
+                    return count
+        return None
 
     def _no_backend(self, model: str | None, state: str, kind: RefusalKind = "rejected") -> Refusal:
         what = f"the model {model!r}" if model is not None else "any model"
@@ -269,18 +294,30 @@ class ForwardEngine:
             shares = cache[model] = Shares.of(leases, sum(b.config.max_concurrency for b in serving), self.weights)
         return shares
 
+    def _serving_request(self, request: InferenceRequest) -> list[Backend]:
+        """The healthy backends that may run ``request``: those serving its model (and, for an Anthropic
+        message, ``/v1/messages``); for a paused request, those that can continue it when there are any
+        (else it goes where it can, and fails there: better than waiting for a server that may not come)."""
+        serving = self._serving(request.model)
+        if request.api == MESSAGES:
+            serving = [b for b in serving if b.messages]
+        progress = self._progress.get(request)
+        if progress is not None and progress.resumed:
+            able = [b for b in serving if continues(progress.api, b.server)]
+            serving = able or serving
+        return serving
+
     def takes_now(self, request: InferenceRequest) -> bool:
-        """Whether ``request`` would be sent at once: a usable backend serving its model has a free slot,
+        """Whether ``request`` would be sent at once: a usable backend that may run it has a free slot,
         or there is a request to preempt for it (service classes' admission asks)."""
         now = self.clock.now()
-        serving = self._serving(request.model)
-        if any(self._free_slots(b, now) > 0 for b in serving):
+        if any(self._free_slots(b, now) > 0 for b in self._serving_request(request)):
             return True
         return self.rules.enabled and self._victim(request, now, {}) is not None
 
     def _victim(self, request: InferenceRequest, now: float, cache: dict[str | None, Shares]) -> Lease | None:
         """The lease to preempt for ``request`` now (:func:`~apsd.engines.preemption.choose_victim`), if any."""
-        leases = [lease for b in self._serving(request.model) for lease in self.slots.leases(b.name)]
+        leases = [lease for b in self._serving_request(request) for lease in self.slots.leases(b.name)]
         return choose_victim(leases, self._shares(request.model, cache), request.tenant_id, now, self.rules,
                              _urgent_ttft(request, now, self.rules))
 
@@ -384,24 +421,32 @@ class ForwardEngine:
         self._dispatches += 1
         assert self._nursery is not None
         previous: trio.Event | None = None   # requests are sent in dispatch (queue) order
+        unplaced = False
         for request in dispatch.requests:
             if request.answered:
                 continue
             attempt = self._place(request)
             if attempt is None:  # (it went down or filled up since the cut: back in line, no retry spent)
+                unplaced = True
                 self.requeue(request, "no backend could take it any more", retry=False,
                              keep_progress=request.started_at is not None)
                 continue
             sent = trio.Event()
             self._nursery.start_soon(self._forward, attempt, previous, sent)
             previous = sent
+        if unplaced and previous is None:
+            # none could be placed although the model had room (a messages request whose model's free
+            # slots are on backends that do not serve /v1/messages): as for an empty answer, ask again
+            # only once something changed, or the same dispatch would come back at once, again and again
+            self._blocked = not self._changed_while_asking
+            self._changed_while_asking = False
 
     # -- placing a request ----------------------------------------------------------------------
     def _place(self, request: InferenceRequest) -> _Attempt | None:
         """Put ``request`` in a free slot of the backend the routing policy chooses, else (its tenant
         below its share) in a victim's slot; None when neither can be had."""
         now = self.clock.now()
-        serving = self._serving(request.model)
+        serving = self._serving_request(request)
         if not serving:
             return None
         if any(self._free_slots(b, now) > 0 for b in serving):
@@ -476,8 +521,7 @@ class ForwardEngine:
     @staticmethod
     def _resumes(progress: Progress | None, backend: Backend) -> bool:
         """Whether a started request with ``progress`` can be paused on ``backend`` and resumed."""
-        return progress is not None and progress.resumable and (progress.api != "chat.completions"
-                                                                or backend.server in CONTINUES_CHATS)
+        return progress is not None and progress.resumable and continues(progress.api, backend.server)
 
     def _preempt(self, victim: Lease) -> None:
         """Stop ``victim``'s request for the lease placed in its slot: at once if it is this engine's;
@@ -567,13 +611,16 @@ class ForwardEngine:
         echo = ""
         if progress is not None:
             progress.api = api
-            if progress.resumed:
-                resumed = continuation(api, body, progress.text, request, backend.server)
+            if not progress.resumed:   # (the attempt whose text the client gets first: echoed or not)
+                progress.echoed = backend.server in ECHOES_PREFILL
+            else:
+                resumed = continuation(api, body, progress.text, request, backend.server, echoed=progress.echoed)
                 if resumed is None:
                     raise BackendError(502, "backend_failed", f"backend {backend.name} cannot continue a "
-                                       "preempted chat (its server kind is not known)", retryable=False)
+                                       f"preempted {api} request (its server kind is {backend.server or 'not known'})",
+                                       retryable=False)
                 body = resumed
-                echo = progress.text if backend.server in ECHOES_PREFILL else ""
+                echo = prefill_text(body) if backend.server in ECHOES_PREFILL and api != "completions" else ""
 
         def started(request: InferenceRequest, at: float) -> None:
             self.ledger.started(request, at)

@@ -114,15 +114,18 @@ class Shares:
 
 
 def resumable(request: InferenceRequest) -> bool:
-    """Whether ``request`` can be continued from its own text after a preemption: a stream of one chat
-    or text completion, without log probabilities, a grammar or a schema, several choices, an echo or
-    a suffix. (A tool call or reasoning seen in its stream makes it unresumable from then on: the
-    relay says so.)"""
-    if request.stream is None or request.api not in ("chat.completions", "completions"):
+    """Whether ``request`` can be continued from its own text after a preemption: a stream of one chat,
+    Anthropic message or text completion, without log probabilities, a grammar or a schema, several
+    choices, an echo or a suffix; a message without extended thinking, a forced tool call or a structured
+    output. (A tool call or reasoning seen in its stream makes it unresumable from then on: the relay
+    says so; and the backend must be able to continue it: :func:`apsd.engines.relay.continues`.)"""
+    if request.stream is None or request.api not in ("chat.completions", "completions", "messages"):
         return False
     body = request.payload
     if body is None:   # POST /infer: a plain completion of its prompt
         return True
+    if request.api == "messages" and not _message_resumable(body):
+        return False
     if body.get("n", 1) not in (1, None) or body.get("best_of", 1) not in (1, None):
         return False
     if body.get("logprobs") or body.get("top_logprobs") or body.get("echo") or body.get("suffix"):
@@ -135,6 +138,20 @@ def resumable(request: InferenceRequest) -> bool:
     if request.api == "completions" and not isinstance(body.get("prompt"), str):
         return False   # (a list or token ids: nothing to append the text to)
     return True
+
+
+def _message_resumable(body: dict) -> bool:
+    """An Anthropic message that thinks first (``thinking`` enabled), must call a tool (``tool_choice``
+    ``any`` or ``tool``) or follows a schema (``output_format``, ``output_config.format``) streams what a
+    continuation of its text could not carry on."""
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled"):
+        return False
+    tool_choice = body.get("tool_choice")
+    if isinstance(tool_choice, dict) and tool_choice.get("type") in ("any", "tool"):
+        return False
+    output = body.get("output_config")
+    return not body.get("output_format") and not (isinstance(output, dict) and output.get("format"))
 
 
 #: Body fields that constrain what a server may generate: a continuation would restart the grammar.

@@ -2,7 +2,7 @@
 
 One task per backend reads its health every ``[forward] health_interval_s`` (``/health``, else
 ``/v1/models``; the models it serves when it first becomes healthy, unless configured; what kind of
-server it is) and its Prometheus ``/metrics`` every ``metrics_interval_s`` (its load: saturation).
+server it is, and whether it serves Anthropic's ``/v1/messages``) and its Prometheus ``/metrics`` every ``metrics_interval_s`` (its load: saturation).
 A backend whose health check fails, or that a request found unreachable, is marked down: it takes
 no work, and the engine hands back what it holds (:meth:`BackendWatch.mark_down` calls the engine's
 ``on_down``). It comes back by itself once a health check passes.
@@ -85,6 +85,10 @@ class BackendWatch:
         if healthy and backend.server is None:
             backend.server = backend.config.server if backend.config.server != "auto" else \
                 await self.client.server_kind(backend)
+        if healthy and backend.messages is None:
+            backend.messages = await self.client.serves_messages(backend)
+            if backend.messages is False:
+                log.info("backend %s does not serve Anthropic's /v1/messages: requests there go to others", backend.name)
         if healthy and not backend.healthy:
             backend.healthy = True
             if backend.was_down:   # (a recovery the log reported the outage of: as loud as the outage)

@@ -1,4 +1,4 @@
-"""API keys: who is calling, decided from ``Authorization: Bearer <key>``.
+"""API keys: who is calling, decided from ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``).
 
 Ownership: a :class:`KeyRing` is built from a validated :class:`~apsd.core.config.Config`
 (tenants' ``api_key_hashes``, ``[auth] admin_key_hashes`` and ``metrics_key_hashes``) and is immutable;
@@ -14,6 +14,9 @@ The rules (docs/how-to/api-keys.md says them for operators):
 * A presented key is hashed and compared with **every** stored hash using
   :func:`hmac.compare_digest`, without stopping at a match: the time taken does not
   depend on which key, or how much of one, matched.
+* A key comes in ``Authorization: Bearer <key>``, or in ``x-api-key: <key>``, the header Anthropic's
+  clients send theirs in (:data:`API_KEY_HEADER`). A request may carry both only if they hold the same
+  key, and neither twice: a proxy that adds one must not change who the caller is.
 * A key proves one of three identities: a tenant (submits as it, reads its status), the admin
   (reads everything, submits nothing) or a metrics scraper (:data:`METRICS_READER`: reads
   ``/metrics`` and ``/metrics.json`` and nothing else, so a Prometheus server need not hold the
@@ -40,13 +43,16 @@ from apsd.core.config import KEY_HASH_PATTERN, Config, ConfigError
 from apsd.core.keys import MIN_KEY_CHARS, TOKEN, hash_key, is_usable_key, new_key
 from apsd.core.models import Refusal
 
-__all__ = ["Caller", "KeyRing", "METRICS_READER", "OPEN_ACCESS", "check_exposure", "cross_site_refusal", "hash_key",
+__all__ = ["API_KEY_HEADER", "Caller", "KeyRing", "METRICS_READER", "OPEN_ACCESS", "check_exposure", "cross_site_refusal", "hash_key",
            "is_allowed_host", "is_loopback",
            "is_usable_key", "new_key", "KEY_HASH_PATTERN", "MIN_KEY_CHARS"]
 
 _TOKEN = TOKEN
 _BEARER = re.compile(rf"[Bb][Ee][Aa][Rr][Ee][Rr] +({_TOKEN}) *")
+_KEY = re.compile(rf" *({_TOKEN}) *")
 _CHALLENGE = 'Bearer realm="apsd"'
+#: The header that carries a key the way Anthropic's clients send it (``ANTHROPIC_API_KEY``).
+API_KEY_HEADER = "x-api-key"
 
 
 @attrs.frozen
@@ -103,13 +109,14 @@ class KeyRing:
     def enabled(self) -> bool:
         return bool(self.entries)
 
-    def identify_headers(self, values: list[str]) -> Caller | Refusal:
-        """:meth:`identify` for every ``Authorization`` header of a request: more than one is refused
-        (a proxy that appends one, or picks the last, must not change who the caller is)."""
-        if len(values) > 1 and self.enabled:
-            return _unauthorized("invalid_authorization", "more than one Authorization header",
-                                 f'{_CHALLENGE}, error="invalid_request"')
-        return self.identify(values[0] if values else None)
+    def identify_headers(self, values: list[str], api_keys: list[str] | None = None) -> Caller | Refusal:
+        """:meth:`identify` for every ``Authorization`` header (``values``) and ``x-api-key`` header
+        (``api_keys``) of a request: more than one of either is refused, and so are both naming different
+        keys (a proxy that appends one, or picks the last, must not change who the caller is)."""
+        if not self.enabled:
+            return OPEN_ACCESS
+        authorization = _authorization(values, api_keys or [])
+        return authorization if isinstance(authorization, Refusal) else self.identify(authorization)
 
     def identify(self, authorization: str | None) -> Caller | Refusal:
         """The caller an ``Authorization`` header value proves, or the 401 to answer."""
@@ -117,7 +124,7 @@ class KeyRing:
             return OPEN_ACCESS
         if not authorization:
             return _unauthorized("missing_api_key", "this endpoint needs an API key: "
-                                 "send 'Authorization: Bearer <key>'")
+                                 f"send 'Authorization: Bearer <key>' (or '{API_KEY_HEADER}: <key>')")
         match = _BEARER.fullmatch(authorization)
         if match is None:
             return _unauthorized("invalid_authorization", "the Authorization header must be 'Bearer <key>'",
@@ -132,19 +139,44 @@ class KeyRing:
                                  f'{_CHALLENGE}, error="invalid_token"')
         return found
 
-    def is_metrics_key(self, values: list[str]) -> bool:
-        """Whether a request's ``Authorization`` headers are exactly one valid metrics key.
+    def is_metrics_key(self, values: list[str], api_keys: list[str] | None = None) -> bool:
+        """Whether a request's ``Authorization`` and ``x-api-key`` headers present exactly one key, a
+        valid metrics key.
 
         Compares with the metrics keys only (every one, no early exit), so the HTTP layer can keep
         such a key to the metrics endpoints without identifying every request twice over the whole ring.
         """
-        if len(values) != 1 or not self.metrics_digests or (match := _BEARER.fullmatch(values[0])) is None:
+        if not self.metrics_digests:
+            return False
+        authorization = _authorization(values, api_keys or [])
+        if not isinstance(authorization, str) or (match := _BEARER.fullmatch(authorization)) is None:
             return False
         digest = hashlib.sha256(match.group(1).encode("ascii")).digest()
         found = False
         for stored in self.metrics_digests:
             found |= hmac.compare_digest(stored, digest)
         return found
+
+
+def _authorization(values: list[str], api_keys: list[str]) -> str | None | Refusal:
+    """The ``Authorization`` value a request's headers amount to (an ``x-api-key`` as ``Bearer <key>``),
+    None for no key, or the 401 for headers that do not name one key."""
+    invalid = f'{_CHALLENGE}, error="invalid_request"'
+    if len(values) > 1:
+        return _unauthorized("invalid_authorization", "more than one Authorization header", invalid)
+    if not api_keys:
+        return values[0] if values else None
+    if len(api_keys) > 1:
+        return _unauthorized("invalid_authorization", f"more than one {API_KEY_HEADER} header", invalid)
+    match = _KEY.fullmatch(api_keys[0])
+    if match is None:
+        return _unauthorized("invalid_authorization", f"the {API_KEY_HEADER} header must be one key", invalid)
+    if values:
+        bearer = _BEARER.fullmatch(values[0])
+        if bearer is None or bearer.group(1) != match.group(1):
+            return _unauthorized("invalid_authorization", f"Authorization and {API_KEY_HEADER} name different "
+                                 "keys; send one", invalid)
+    return f"Bearer {match.group(1)}"
 
 
 def _digest(stored_hash: str) -> bytes:

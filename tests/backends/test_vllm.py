@@ -19,11 +19,13 @@ and counts only.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import attrs
 import httpx
 import openai
@@ -507,6 +509,143 @@ async def test_a_stream_preempted_and_resumed_on_vllm_reads_as_the_uninterrupted
     print(f"\nvLLM: {resumed} resumed; texts equal: {texts == alone}")
     assert resumed >= 1
     assert texts == alone
+
+
+# -- Anthropic's Messages API through apsd to vLLM ----------------------------------------------------------
+
+def anthropic_client(running: LiveDaemon, tenant: str = "t") -> anthropic.Anthropic:
+    """The official client (synchronous: run it in a thread), pointed at apsd as ``ANTHROPIC_BASE_URL``."""
+    return anthropic.Anthropic(base_url=running.url, api_key="unused", default_headers={"X-Apsd-Tenant": tenant},
+                               max_retries=0, timeout=WAIT_S)
+
+
+def anthropic_prompt(usage: Any) -> int:
+    """An Anthropic usage's whole prompt: what it read from and wrote to the cache, and the rest."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0)
+
+
+async def stream_message(client: httpx.AsyncClient, tenant: str, body: dict[str, Any]) -> tuple[str, list[dict]]:
+    """Stream one Anthropic message as ``tenant``: (its text, every event)."""
+    events = []
+    async with client.stream("POST", "/v1/messages", json={**body, "stream": True},
+                             headers={"X-Apsd-Tenant": tenant}) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    return "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta"), events
+
+
+async def test_the_anthropic_client_through_apsd_to_vllm_is_charged_exactly_vllms_count(nursery, vllm):
+    """vLLM serves ``/v1/messages``: the official ``anthropic`` client's count, whole message and two
+    streams of one long prompt (the second read from vLLM's prefix cache) through apsd are vLLM's
+    answers, and the tenant is charged what vLLM's own metrics counted, its cache reads at the discount."""
+    running = await start(nursery, [vllm], sections={"admission": {"cached_prompt_discount": 0.5}})
+    assert running.daemon.pipeline.engines[0].backends[0].messages is True   # (asked of the server)
+    system, hello = text(4, 400), [{"role": "user", "content": "Hello there, how are you?"}]
+
+    def run() -> tuple[int, list[Any], list[str], list[str]]:
+        c = anthropic_client(running)
+        counted = c.messages.count_tokens(model="tiny", system=system, messages=hello).input_tokens
+        whole = c.messages.create(model="tiny", max_tokens=7, system=system, messages=hello)
+        usages, texts, streamed = [whole.usage], [whole.content[0].text], []
+        for _ in range(2):
+            with c.messages.stream(model="tiny", max_tokens=9, system=system, messages=hello) as stream:
+                streamed.append("".join(stream.text_stream))
+                final = stream.get_final_message()
+            usages.append(final.usage)
+            texts.append(final.content[0].text)
+        return counted, usages, texts, streamed
+
+    async with httpx.AsyncClient(timeout=WAIT_S) as http:
+        own = (await http.post(vllm.url + "/v1/messages/count_tokens",
+                               json={"model": "tiny", "system": system, "messages": hello})).json()["input_tokens"]
+        before = await idle(http, vllm)
+        with trio.fail_after(WAIT_S):
+            counted, usages, texts, streamed = await trio.to_thread.run_sync(run)
+        after = await idle(http, vllm)
+    prompt = after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
+    output = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    cached = after["vllm:prompt_tokens_cached_total"] - before["vllm:prompt_tokens_cached_total"]
+    reads = [u.cache_read_input_tokens or 0 for u in usages]
+    status = running.daemon.pipeline.tenant_status("t")
+    expected = prompt - sum(int(r * 0.5) for r in reads) + output
+    print(f"\nanthropic client through apsd to vLLM: usages {[(u.input_tokens, u.cache_read_input_tokens, u.output_tokens) for u in usages]}; "
+          f"vLLM counted {prompt:.0f} prompt ({cached:.0f} cached) + {output:.0f} output; charged {charged(running):.0f}, "
+          f"expected {expected:.0f}")
+    assert counted == own == anthropic_prompt(usages[0])     # vLLM's own count, relayed, never charged
+    assert [u.output_tokens for u in usages] == [7, 9, 9] and texts[1:] == streamed and all(texts)
+    assert output == 25 == status.generated_tokens and status.completed == 3
+    assert sum(anthropic_prompt(u) for u in usages) == prompt == status.prompt_tokens
+    assert reads[2] > 0 and sum(reads) == cached      # the repeated prompt: cache reads, as vLLM counted them
+    assert charged(running) == pytest.approx(expected, abs=0.01)
+    running.daemon.request_shutdown()
+
+
+async def test_an_anthropic_message_stream_left_by_its_client_is_charged_what_vllm_generated(nursery, vllm):
+    """The client reads 600 text deltas of a 3,000-token message stream and leaves: apsd cancels it at
+    vLLM and charges the tenant vLLM's ``/tokenize`` count of the text that arrived (vLLM's deltas are not
+    tokens) and its count of the prompt."""
+    running = await start(nursery, [vllm])
+    pipeline = running.daemon.pipeline
+    body = {"model": "tiny", "max_tokens": 3000, "stream": True,
+            "messages": [{"role": "user", "content": text(5, 30)}]}
+    async with httpx.AsyncClient() as http, httpx.AsyncClient(base_url=running.url, timeout=WAIT_S) as client:
+        before = await idle(http, vllm)
+        read = 0
+        async with client.stream("POST", "/v1/messages", json=body, headers={"X-Apsd-Tenant": "t"}) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                read += line == "event: content_block_delta"
+                if read == 600:
+                    break
+        await wait_until(lambda: pipeline.tenant_status("t").cancelled == 1)
+        after = await idle(http, vllm)
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    prompt = after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
+    status = pipeline.tenant_status("t")
+    error = abs(status.generated_tokens - generated) / generated
+    print(f"\nabandoned message stream: vLLM generated {generated:.0f} tokens, apsd charged {status.generated_tokens} "
+          f"({error:.2%} off); prompt {status.prompt_tokens} against vLLM's {prompt:.0f}")
+    assert 600 <= generated < 3000 and error <= 0.02
+    assert status.prompt_tokens == prompt
+    assert charged(running) == pytest.approx(status.prompt_tokens + status.generated_tokens, abs=0.01)
+    running.daemon.request_shutdown()
+
+
+async def test_a_started_anthropic_message_stream_on_vllm_is_never_paused(vllm):
+    """vLLM 0.32's ``/v1/messages`` cannot continue a final assistant message (it always opens a new
+    turn), so apsd never pauses a started message stream there: two greedy flood streams on 2 slots run
+    to their end beside a steady tenant's messages, which wait for a free slot, and each reads exactly as
+    the same request answered alone by vLLM, one ``message_start`` and every token."""
+    asks = [{"model": "tiny", "max_tokens": 400, "temperature": 0.0,
+             "messages": [{"role": "user", "content": text(600 + i, 20)}]} for i in range(2)]
+    async with httpx.AsyncClient(base_url=vllm.url, timeout=WAIT_S) as direct:
+        await idle(direct, vllm)
+        alone = [(await stream_message(direct, "-", ask))[0] for ask in asks]
+    async with open_pool(vllm.url, "tiny", slots=2, server="vllm") as pool:
+        client = pool.clients[0]
+        answers: list[Any] = [None, None]
+        steady: list[str] = []
+
+        async def flood(i: int) -> None:
+            answers[i] = await stream_message(client, "flood", asks[i])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(flood, i)
+            running = pool.engines[0]._running     # (both streams have their first token)
+            await wait_until(lambda: sum(r.started_at is not None for r in running) == 2)
+            for _ in range(2):
+                steady.append((await stream_message(client, "steady", {**asks[0], "max_tokens": 8}))[0])
+        preemptions = dict(pool.engines[0].preemptions)
+    print(f"\nvLLM, message streams: preemptions {preemptions}; texts equal: {[a[0] for a in answers] == alone}")
+    assert not any(n for (_, what), n in preemptions.items() if what == "resumed")
+    assert [a[0] for a in answers] == alone and all(steady)
+    for _, events in answers:
+        names = [e["type"] for e in events]
+        assert names.count("message_start") == 1 and names[-1] == "message_stop"
+        assert [e for e in events if e["type"] == "message_delta"][-1]["usage"]["output_tokens"] == 400
 
 
 # -- vLLM on its defaults ---------------------------------------------------------------------------------

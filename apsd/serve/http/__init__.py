@@ -3,8 +3,9 @@
 One blueprint per protocol:
 
 * :mod:`apsd.serve.http.infer`: apsd's own ``POST /infer``;
-* :mod:`apsd.serve.http.openai`: the OpenAI-compatible ``/v1/chat/completions``, ``/v1/completions``
-  and ``/v1/models``;
+* :mod:`apsd.serve.http.openai`: the OpenAI-compatible ``/v1/chat/completions``, ``/v1/completions``,
+  ``/v1/embeddings``, ``/v1/responses`` and ``/v1/models``;
+* :mod:`apsd.serve.http.anthropic`: Anthropic's ``/v1/messages`` and ``/v1/messages/count_tokens``;
 * :mod:`apsd.serve.http.ops`: ``/health``, ``/ready``, ``/metrics``, ``/metrics.json``, ``/tenants/<id>/status``;
 * :mod:`apsd.serve.http.admin`: the operator's ``/admin`` (tenants, keys, audit, usage);
 * :mod:`apsd.serve.http.ui`: the status page, ``/ui``, and the ``/admin/status`` it reads.
@@ -15,11 +16,13 @@ parsing, answers) is in :mod:`apsd.serve.http.common`.
 Ownership: the app owns no tasks and no state of its own beyond :class:`~apsd.serve.http.common.HttpState`;
 it reads and submits through the :class:`~apsd.pipeline.Pipeline` it is given. Hypercorn, run
 by the daemon's nursery, serves it. Nothing a client sends produces a 500 or a traceback; an
-error is answered in the shape of the protocol its path belongs to (OpenAI's under ``/v1/``,
-apsd's ``{"error", "message"[, "field"]}`` elsewhere).
+error is answered in the shape of the protocol its path belongs to (Anthropic's under ``/v1/messages``,
+OpenAI's elsewhere under ``/v1/``, apsd's ``{"error", "message"[, "field"]}`` elsewhere). Every answer to a
+tenant's request carries the tenant's ``RateLimit`` and ``RateLimit-Policy`` fields.
 
 Access (:mod:`apsd.serve.auth`): with API keys configured, ``POST /infer`` and the ``/v1`` completions
-need a tenant's key and run as that tenant; ``/v1/models`` needs a tenant's key or the admin key;
+(and ``/v1/messages``) need a tenant's key and run as that tenant (``Authorization: Bearer <key>``, or
+``x-api-key: <key>`` as Anthropic's clients send it); ``/v1/models`` needs a tenant's key or the admin key;
 ``/tenants/<id>/status`` needs that tenant's key or the admin key; ``/metrics`` and
 ``/metrics.json`` need the admin key or a metrics key; ``/health`` and ``/ready`` are open, and so are
 the status page's files (``/ui``: no data in them; the data, ``/admin/status``, needs the admin key).
@@ -42,11 +45,11 @@ from werkzeug.exceptions import HTTPException
 
 from apsd.core.models import Refusal
 from apsd.pipeline import Pipeline
-from apsd.serve.auth import cross_site_refusal
+from apsd.serve.auth import API_KEY_HEADER, cross_site_refusal
 from apsd.serve.prometheus import exporter_for
-from apsd.serve.http import admin, infer, openai, ops, ui
+from apsd.serve.http import admin, anthropic, infer, openai, ops, ui
 from apsd.state.keeper import StateKeeper
-from apsd.serve.http.common import HttpState, ShieldResponseEnd, error_response, read_unread_body
+from apsd.serve.http.common import HttpState, ShieldResponseEnd, error_response, noted_tenant, read_unread_body
 from apsd.serve.http.infer import parse_infer_body
 from apsd.serve.http.ops import metrics_document
 
@@ -57,6 +60,8 @@ log = logging.getLogger("apsd.serve.http")
 
 def _answer_for_path(refusal: Refusal) -> Response:
     """``refusal`` in the shape of the protocol the request's path belongs to."""
+    if request.path == "/v1/messages" or request.path.startswith("/v1/messages/"):
+        return anthropic.error_response(refusal)
     if request.path.startswith("/v1/"):
         return openai.error_response(refusal)
     return error_response(refusal)
@@ -75,7 +80,8 @@ def create_app(pipeline: Pipeline, *, keeper: StateKeeper | None = None) -> Quar
     # the exporter is made before serving: its histograms see every dispatch
     app.extensions["apsd"] = HttpState(pipeline=pipeline, exporter=exporter_for(pipeline), created=openai.unix_time(),
                                        keeper=keeper)
-    for blueprint in (infer.blueprint, openai.blueprint, ops.blueprint, admin.blueprint, ui.blueprint):
+    for blueprint in (infer.blueprint, openai.blueprint, anthropic.blueprint, ops.blueprint, admin.blueprint,
+                      ui.blueprint):
         app.register_blueprint(blueprint)
 
     @app.before_request
@@ -100,10 +106,21 @@ def create_app(pipeline: Pipeline, *, keeper: StateKeeper | None = None) -> Quar
         if request.endpoint in ops.METRICS_ENDPOINTS or request.endpoint in ops.OPEN_ENDPOINTS:
             return None
         state: HttpState = app.extensions["apsd"]
-        if not state.keyring.get(pipeline.config).is_metrics_key(request.headers.getlist("Authorization")):
+        if not state.keyring.get(pipeline.config).is_metrics_key(request.headers.getlist("Authorization"),
+                                                                  request.headers.getlist(API_KEY_HEADER)):
             return None
         pipeline.ledger.count_refusal(None, "metrics_only")
         return _answer_for_path(Refusal(403, "metrics_only", "a metrics key may only read /metrics and /metrics.json"))
+
+    @app.after_request
+    async def rate_limit_fields(response: Response) -> Response:
+        """Every answer to a tenant's request (once its handler knows the tenant: ``note_tenant``) carries
+        the tenant's ``RateLimit`` and ``RateLimit-Policy`` fields as of now, so that a client can pace
+        itself by any answer: a 200, a stream, a 429, a 413 (:meth:`apsd.core.admission.Admission.rate_limit_headers`)."""
+        tenant_id = noted_tenant()
+        if tenant_id is not None and "RateLimit" not in response.headers:
+            response.headers.update(pipeline.admission.rate_limit_headers(tenant_id))
+        return response
 
     @app.after_request
     async def close_when_unread_or_draining(response: Response) -> Response:

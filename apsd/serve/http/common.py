@@ -5,7 +5,7 @@ Ownership: :class:`HttpState` is made once per app by :func:`apsd.serve.http.cre
 app reads and submits through the :class:`~apsd.pipeline.Pipeline` it was given.
 
 Authentication is one decorator, :func:`authenticated`: it identifies the caller from the
-``Authorization`` header (:mod:`apsd.serve.auth`) before the body is read, refuses what the
+``Authorization`` or ``x-api-key`` header (:mod:`apsd.serve.auth`) before the body is read, refuses what the
 endpoint does not allow (counted as a refusal in the ledger), and hands the handler the
 :class:`~apsd.serve.auth.Caller`. Each protocol renders refusals in its own shape: apsd's
 ``{"error", "message"[, "field"]}`` (:func:`error_response`) or OpenAI's (:mod:`apsd.serve.http.openai`).
@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import trio
-from quart import Response, current_app, request
+from quart import Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
 from apsd.core import strictjson
-from apsd.serve.auth import Caller, KeyRing
+from apsd.serve.auth import API_KEY_HEADER, Caller, KeyRing
 from apsd.core.config import Config
 from apsd.core.models import Refusal
 from apsd.pipeline import Pipeline
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BodyError", "HttpState", "REQUEST_ID_HEADER", "client_request_id", "MAX_TENANT_ID_CHARS", "MAX_TOKENS_REQUESTED", "ShieldResponseEnd",
            "authenticated", "check_prompt_length", "error_response", "http_state", "json_response",
-           "parse_json_object", "read_unread_body", "rounded", "shown"]
+           "note_tenant", "noted_tenant", "parse_json_object", "read_unread_body", "rounded", "shown"]
 
 MAX_TENANT_ID_CHARS = 256
 #: Far beyond any real request; bounds client integers before any arithmetic or formatting.
@@ -80,8 +80,8 @@ class HttpState:
     #: The daemon's state keeper (tenants and keys managed through ``/admin``); None without a daemon.
     keeper: StateKeeper | None = None
 
-    def identify(self, authorization: list[str]) -> Caller | Refusal:
-        return self.keyring.get(self.pipeline.config).identify_headers(authorization)
+    def identify(self, authorization: list[str], api_keys: list[str] | None = None) -> Caller | Refusal:
+        return self.keyring.get(self.pipeline.config).identify_headers(authorization, api_keys)
 
 
 def http_state() -> HttpState:
@@ -109,7 +109,7 @@ def authenticated(*, admin: bool = False, submits: bool = False,
         @functools.wraps(handler)
         async def guarded(*args: Any, **kwargs: Any) -> Any:
             state = http_state()
-            caller = state.identify(request.headers.getlist("Authorization"))
+            caller = state.identify(request.headers.getlist("Authorization"), request.headers.getlist(API_KEY_HEADER))
             if isinstance(caller, Caller):
                 if admin and not caller.admin:
                     caller = Refusal(403, "admin_only", "this endpoint needs the admin key")
@@ -122,6 +122,18 @@ def authenticated(*, admin: bool = False, submits: bool = False,
             return await handler(*args, caller=caller, **kwargs)
         return guarded  # type: ignore[return-value]
     return decorate
+
+
+def note_tenant(tenant_id: str) -> None:
+    """Say which tenant the current request is for, once a handler knows: every answer to it then
+    carries that tenant's ``RateLimit`` and ``RateLimit-Policy`` fields (:func:`apsd.serve.http.create_app`
+    adds them), refusals and streams included."""
+    g.apsd_tenant = tenant_id
+
+
+def noted_tenant() -> str | None:
+    """The tenant :func:`note_tenant` named for the current request (None: none yet)."""
+    return g.get("apsd_tenant")
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from apsd.serve.auth import Caller
 from apsd.core.config import clamp_bid
 from apsd.core.models import Completion
 from apsd.serve.http.common import (MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated, check_prompt_length,
-                     error_response, http_state, json_response, parse_json_object, service_class, shown)
+                     error_response, http_state, json_response, note_tenant, parse_json_object, service_class, shown)
 
 __all__ = ["MAX_TIMEOUT_S", "InferBody", "blueprint", "parse_infer_body"]
 
@@ -103,6 +103,7 @@ async def infer(caller: Caller) -> Response:
         if not caller.anonymous and tenant_id != caller.tenant:
             raise BodyError(403, "tenant_mismatch", "tenant_id names a tenant other than the API key's "
                             "(leave it out, or name the key's own tenant)", field="tenant_id")
+        note_tenant(tenant_id)
         prompt_tokens = pipeline.estimate_prompt_tokens(body.prompt)
         check_prompt_length(prompt_tokens, len(body.prompt), pipeline)
         class_name = service_class(body.service_class)

@@ -35,6 +35,7 @@ status codes; ``code`` is apsd's error code (:func:`error_response`).
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import re
@@ -49,15 +50,16 @@ from quart import Blueprint, Response, request
 from apsd.core.admission import estimate_tokens
 from apsd.serve.auth import Caller
 from apsd.core.config import DEFAULT_BID, AdmissionConfig, Config, TenantConfig, clamp_bid
-from apsd.core.models import ALL_APIS, LENGTH_ALIASES, Completion, InferenceRequest, Refusal
+from apsd.core.models import LENGTH_ALIASES, OPENAI_APIS, Completion, InferenceRequest, Refusal
 from apsd.pipeline import Pipeline
 from apsd.core.streams import TokenChunk, TokenStream
 from apsd.serve.http.common import (MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated, check_prompt_length,
-                     client_request_id, http_state, parse_json_object, service_class, shown)
+                     client_request_id, http_state, note_tenant, parse_json_object, service_class, shown)
 
-__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "MESSAGE_OVERHEAD_TOKENS", "RESPONSES", "OpenAIBody", "PRIORITY_HEADER", "TENANT_HEADER",
-           "blueprint", "error_body", "error_response", "error_type", "parse_openai_body", "placeholder_text",
-           "priority_bid", "unix_time"]
+__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "MEDIA_PART_TOKENS", "MESSAGE_OVERHEAD_TOKENS", "RESPONSES", "OpenAIBody",
+           "PRIORITY_HEADER", "TENANT_HEADER", "blueprint", "error_body", "error_response", "error_type",
+           "parse_openai_body", "placeholder_text", "priority_bid", "priority_header", "route_header", "tenant_of",
+           "unix_time"]
 
 blueprint = Blueprint("openai", __name__, url_prefix="/v1")
 
@@ -70,6 +72,8 @@ TENANT_HEADER = "X-Apsd-Tenant"
 #: apsd's own bid, 1-10, higher served sooner (clamped to the tenant's ``max_bid``); it takes
 #: precedence over the body's vLLM-style ``priority``.
 PRIORITY_HEADER = "X-Apsd-Priority"
+#: The header Anthropic's clients send with every request (``GET /v1/models`` answers them in their shape).
+ANTHROPIC_VERSION_HEADER = "anthropic-version"
 #: The response header saying where the routing policy sent a request, and why.
 ROUTE_HEADER = "X-Apsd-Route"
 #: Tokens added per chat message to the estimate of its text (role and delimiters, as chat
@@ -432,7 +436,7 @@ def priority_bid(tenant: TenantConfig | None, *, priority: int | None = None, he
     return clamp_bid(tenant, header if header is not None else default_bid - (priority or 0))
 
 
-def _tenant(caller: Caller) -> str:
+def tenant_of(caller: Caller) -> str:
     """The tenant a request runs as: the key's, or (no keys) the one :data:`TENANT_HEADER` names."""
     named = request.headers.getlist(TENANT_HEADER)
     if len(named) > 1:
@@ -463,7 +467,7 @@ def _utf8(value: str) -> str:
         return value
 
 
-def _priority_header() -> int | None:
+def priority_header() -> int | None:
     values = request.headers.getlist(PRIORITY_HEADER)
     if not values:
         return None
@@ -647,8 +651,9 @@ async def _stream_answer(pipeline: Pipeline, inference: InferenceRequest, body: 
 async def _complete(api: str, caller: Caller) -> Response:
     pipeline = http_state().pipeline
     try:
-        tenant_id = _tenant(caller)
-        header_bid = _priority_header()
+        tenant_id = tenant_of(caller)
+        note_tenant(tenant_id)
+        header_bid = priority_header()
         request_id = client_request_id()
         if api not in pipeline.apis():
             raise BodyError(404, "unsupported_api", f"/v1/{api} needs an engine that relays to inference servers "
@@ -702,7 +707,7 @@ def _endpoint(api: str) -> Callable[..., Awaitable[Response]]:
     return handle
 
 
-for _api in ALL_APIS:   # /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses
+for _api in OPENAI_APIS:   # /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses
     blueprint.add_url_rule("/" + _api.replace(".", "/"), endpoint=_api.replace(".", "_"), methods=["POST"],
                            view_func=_endpoint(_api))
 
@@ -710,7 +715,8 @@ for _api in ALL_APIS:   # /v1/chat/completions, /v1/completions, /v1/embeddings,
 @blueprint.get("/models")
 @authenticated(answer=error_response)
 async def models(caller: Caller) -> Response:
-    """The models the engines serve that the caller may use, in OpenAI's list shape: a tenant's key
+    """The models the engines serve that the caller may use, in OpenAI's list shape (Anthropic's for a
+    request with the ``anthropic-version`` header, which Anthropic's clients send): a tenant's key
     (or, without keys, the tenant ``X-Apsd-Tenant`` names) sees only its tenant's ``models`` when it
     has a list; the admin key, and a keyless caller naming no tenant, see every model."""
     state = http_state()
@@ -723,5 +729,11 @@ async def models(caller: Caller) -> Response:
     tenant = state.pipeline.config.tenants.get(tenant_id) if tenant_id is not None else None
     if tenant is not None and tenant.models:
         names = [name for name in names if name in tenant.models]
+    if request.headers.get(ANTHROPIC_VERSION_HEADER) is not None:   # (an Anthropic client: its list's shape)
+        created = datetime.datetime.fromtimestamp(state.created, datetime.timezone.utc).isoformat()
+        return _answer({"data": [{"type": "model", "id": name, "display_name": name, "created_at": created}
+                                 for name in names],
+                        "has_more": False, "first_id": names[0] if names else None,
+                        "last_id": names[-1] if names else None}, {})
     return _answer({"object": "list", "data": [{"id": name, "object": "model", "created": state.created,
                                                 "owned_by": "apsd"} for name in names]}, {})
