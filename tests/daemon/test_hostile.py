@@ -669,6 +669,8 @@ async def test_fuzzed_v1_bodies_never_crash_the_daemon_nor_get_a_5xx(nursery, ca
         sent = gateway.backend.completions
         response = client.post(path, content=body, headers={**TENANT, "Content-Type": "application/json"})
         check_answer(response, CLIENT_STATUSES)
+        failures = trio.from_thread.run_sync(lambda: gateway.pipeline.statistics().backends[0].failures)
+        assert failures == 0, f"a client's body was blamed on the backend: {response.status_code} {response.text[:300]}"
         if not valid:
             return
         # a valid body is answered, and what apsd does not interpret reaches the backend untouched
