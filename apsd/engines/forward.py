@@ -112,6 +112,7 @@ from apsd.engines.preemption import (
     resumable,
 )
 from apsd.engines.relay import (
+    CHUNK_PER_TOKEN,
     ECHOES_PREFILL,
     MESSAGES,
     Progress,
@@ -584,7 +585,7 @@ class ForwardEngine:
             if attempt.scope.cancelled_caught:
                 outcome, requeue, pause = self._stopped(attempt)
             if (pause or isinstance(outcome, Refusal)) and request.started_at is not None:
-                await self._count_unreported(attempt)
+                await self._count_unreported(attempt, pausing=pause)
             elif sending and isinstance(outcome, Refusal) and outcome.kind == "cancelled":
                 # its client left before the first token, after the backend took the prompt in (and
                 # prefilled it): charged the backend's count of it, else the estimate
@@ -658,14 +659,18 @@ class ForwardEngine:
         return Refusal(499, "client_disconnected", "the client disconnected while the request was running",
                        kind="cancelled"), None, False
 
-    async def _count_unreported(self, attempt: _Attempt) -> None:
+    async def _count_unreported(self, attempt: _Attempt, *, pausing: bool = False) -> None:
         """An attempt that ended or paused after its first token without the backend's usage (its client
         left, the stream broke or timed out, it was preempted), or whose client left once it was sent, is
         charged the backend's own counts, asked of it together (each bounded by ``health_timeout_s``;
-        shielded: the attempt's scope may be cancelled): of the request's prompt (once per request), and
-        of the text that arrived in chunks that did not say their tokens (at least what was counted live,
-        one per such chunk with text; at most the limit it was sent). apsd's counts stay where the backend
-        cannot say."""
+        shielded: the attempt's scope may be cancelled): of the request's prompt (once per request), and,
+        from a server whose chunks are not its tokens (not :data:`CHUNK_PER_TOKEN`), of the text that
+        arrived in chunks that did not say their tokens (at least what was counted live, one per such
+        chunk with text; at most the limit it was sent). apsd's counts stay where the backend cannot say.
+
+        A paused request keeps at least one token of its limit to resume with: a tokenizer may count more
+        tokens in a text than the server generated to write it, and the resumed attempt must end as the
+        server ends it (its finish reason and usage), not be sent a limit of 0."""
         request, backend = attempt.request, attempt.backend
         progress = self._progress.get(request)
         unsaid = "".join(attempt.relay.unsaid) if attempt.relay is not None else ""
@@ -679,7 +684,7 @@ class ForwardEngine:
             async with trio.open_nursery() as nursery:
                 if progress is None or progress.prompt_tokens is None:
                     nursery.start_soon(ask, "prompt", lambda: self.client.count_prompt_tokens(backend, api, body))
-                if unsaid:
+                if unsaid and backend.server not in CHUNK_PER_TOKEN:
                     nursery.start_soon(ask, "output", lambda: self.client.count_output_tokens(
                         backend, body.get("model"), unsaid))
         if progress is not None and progress.prompt_tokens is not None:
@@ -691,12 +696,18 @@ class ForwardEngine:
         output = counts.get("output")
         if output is not None:
             tokens = max(attempt.base_tokens + output, request.tokens_generated)
-            request.tokens_generated = tokens if request.open_ended else min(tokens, request.tokens_requested)
+            if not request.open_ended:
+                limit = request.tokens_requested - 1 if pausing else request.tokens_requested
+                tokens = min(tokens, max(limit, request.tokens_generated))
+            request.tokens_generated = tokens
 
     def _end(self, attempt: _Attempt, start: float, outcome: Completion | Refusal | None,
              requeue: str | None, pause: bool) -> None:
         """Book an attempt's end: its slot, the backend's counts, then its answer, its requeue or its pause."""
         request, backend, lease = attempt.request, attempt.backend, attempt.lease
+        if pause and not request.open_ended and request.tokens_generated >= request.tokens_requested:
+            # (it had every token it may have, only its end had not come: nothing is left to resume)
+            pause, outcome = False, completion(request, engine_id=self.engine_id, end=self.clock.now())
         self.slots.release(lease)
         backend.in_flight -= 1
         self._running.pop(request, None)

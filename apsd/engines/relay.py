@@ -36,7 +36,7 @@ from apsd.core.streams import TokenChunk
 from apsd.engines.backends import BackendChunk, BackendError
 
 __all__ = ["CONTINUES_CHATS", "CONTINUES_MESSAGES", "ECHOES_PREFILL", "Progress", "StreamRelay", "chunk_text",
-           "continuation", "continues", "prefill_text", "priority_for", "request_body"]
+           "CHUNK_PER_TOKEN", "continuation", "continues", "prefill_text", "priority_for", "request_body"]
 
 #: Servers (``Backend.server``) that continue a chat whose last message is the assistant's.
 CONTINUES_CHATS = frozenset({"llama.cpp", "vllm", "sglang"})
@@ -46,6 +46,10 @@ CONTINUES_MESSAGES = frozenset({"llama.cpp"})
 #: Servers that stream the assistant prefill back before continuing it (llama.cpp: in its first chunk,
 #: with the first new token; and at the start of a whole answer's text), on both APIs.
 ECHOES_PREFILL = frozenset({"llama.cpp"})
+#: Servers whose stream chunks are their tokens, one each (llama.cpp: a chunk per token generated), so the
+#: chunks counted are what they generated. Others' chunks are not (vLLM sends some with no text and, when
+#: its reader falls behind, some with several tokens): what arrived is counted by the server's tokenizer.
+CHUNK_PER_TOKEN = frozenset({"llama.cpp"})
 
 #: The Anthropic API (``request.api``).
 MESSAGES = "messages"

@@ -188,7 +188,7 @@ async def test_chunks_that_do_not_say_their_tokens_are_settled_on_the_backends_c
     """A real server's chunks do not say how many tokens they carry, and vLLM's carry several when its
     output falls behind: a client that leaves is charged the backend's count of the text that arrived,
     not a token per chunk; a stream that ends with usage is charged the usage."""
-    servers = {"a": SimulatedServer(tpot_s=0.1, says_chunk_tokens=False)}   # 1 token, then 8 a chunk
+    servers = {"a": SimulatedServer(tpot_s=0.1, says_chunk_tokens=False, server="vllm")}  # 1 token, then 8 a chunk
     async with forwarding(servers, max_concurrency=1) as pipeline:
         left = request(pipeline, tokens=200, stream=True)
         assert pipeline.admit_now(left)

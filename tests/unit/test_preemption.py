@@ -190,6 +190,35 @@ async def test_a_tenant_below_its_share_takes_a_flood_request_s_slot_at_once_and
     assert all(r.prompt_tokens == floods[0].prompt_tokens for r in floods)   # (the first prompt, not a continuation's)
 
 
+@pytest.mark.parametrize("server", ["llama.cpp", "vllm"])
+async def test_a_paused_stream_counted_at_its_limit_still_resumes_and_ends_as_the_server_ends_it(
+        autojump_clock, monkeypatch, server):
+    """A tokenizer may count more tokens in a stream's text than the server generated to write it (a model
+    whose text does not tokenize back the same). A preempted stream whose text counts to its whole
+    ``max_tokens`` is resumed with at least one token left, never with a limit of 0 (a server may read 0
+    as no limit, and apsd would then blame it for sending too many), and ends with the server's own end;
+    on llama.cpp, whose chunks are its tokens, the chunks counted stay the count."""
+    async def too_many(self, backend, model, text):
+        return 10_000
+
+    monkeypatch.setattr(SimulatedBackendClient, "count_output_tokens", too_many)
+    servers = {"a": SimulatedServer(slots=2, tpot_s=0.1, says_chunk_tokens=False, server=server)}
+    async with forwarding(servers) as pipeline:
+        floods = [chat(pipeline, "flood", 50) for _ in range(2)]
+        await pipeline.clock.sleep(2.0)
+        live = [r.tokens_generated for r in floods]
+        assert all(0 < n < 50 for n in live)
+        assert isinstance(await chat(pipeline, "steady", 5).reply.wait(), Completion)
+        for r in floods:
+            assert isinstance(await r.reply.wait(), Completion)
+        backend = pipeline.engines[0].backends[0]
+    [paused] = [i for i, r in enumerate(floods) if r.preemptions]
+    limits = [body["max_tokens"] for body in servers["a"].bodies if body["messages"][-1]["role"] == "assistant"]
+    assert limits == [50 - live[paused]] if server == "llama.cpp" else limits == [1]
+    assert all(r.tokens_generated <= 50 for r in floods)
+    assert backend.healthy and backend.failures == 0
+
+
 async def test_a_request_without_a_first_token_is_the_victim_and_goes_back_uncharged(autojump_clock):
     """A slow server (its first token takes 2 s): the flood's newest request, still without a token,
     is the victim; it goes back to the queue at its place and is charged once, when it runs."""
