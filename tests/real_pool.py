@@ -204,13 +204,24 @@ async def keep_streams(client: httpx.AsyncClient, tenant: str, model: str, n: in
         nursery.start_soon(one)
 
 
-async def steady_requests(client: httpx.AsyncClient, model: str, count: int, tenant: str = "steady") -> list[float]:
-    """``count`` short requests of ``tenant``, one every :data:`STEADY_GAP_S`: their times to first token."""
+async def steady_requests(client: httpx.AsyncClient, model: str, count: int, tenant: str = "steady",
+                          busy: list[float] | None = None) -> list[float]:
+    """``count`` short requests of ``tenant``, one every :data:`STEADY_GAP_S`: their times to first token
+    (and each one's whole time in seconds, into ``busy``)."""
     ttfts = []
     for _ in range(count):
-        ttfts.append((await first_token_ms(client, tenant, model, SHORT_TOKENS))[0])
+        ttfts.append(await _timed(client, tenant, model, busy))
         await trio.sleep(STEADY_GAP_S)
     return ttfts
+
+
+async def _timed(client: httpx.AsyncClient, tenant: str, model: str, busy: list[float] | None) -> float:
+    """One short request: its time to first token (ms); its whole time (s) goes into ``busy``."""
+    start = time.perf_counter()
+    ttft = (await first_token_ms(client, tenant, model, SHORT_TOKENS))[0]
+    if busy is not None:
+        busy.append(time.perf_counter() - start)
+    return ttft
 
 
 @attrs.frozen
@@ -221,6 +232,9 @@ class Beside:
     background_tokens_per_s: float
     #: The most requests the server ran at once.
     server_most: int
+    #: The share of the server's slot-seconds the foreground's requests held (their whole times over the
+    #: window's slot-seconds): what the background could not have had under any gateway.
+    foreground_share: float = 0.0
 
     @property
     def p99(self) -> float:
@@ -228,8 +242,9 @@ class Beside:
 
 
 async def beside(pool: Pool, *, background: str, streams: int, max_tokens: int, count: int,
-                 foreground: Callable[[httpx.AsyncClient], Any] | None = None,
-                 background_replica: int = 0, foreground_replica: int = -1, settle_s: float = 3.0) -> Beside:
+                 foreground: Callable[[httpx.AsyncClient, list[float]], Any] | None = None,
+                 background_replica: int = 0, foreground_replica: int = -1, settle_s: float = 3.0,
+                 slots: int = 4) -> Beside:
     """Keep ``streams`` streams of ``background`` going (through replica ``background_replica``), let them
     fill the slots for ``settle_s``, then run ``foreground`` (default: ``count`` steady requests) through
     replica ``foreground_replica``."""
@@ -240,10 +255,13 @@ async def beside(pool: Pool, *, background: str, streams: int, max_tokens: int, 
         await trio.sleep(settle_s)
         start, before = time.perf_counter(), counted.tokens
         client = pool.clients[foreground_replica]
-        ttfts = await (foreground(client) if foreground is not None else steady_requests(client, pool.model, count))
-        rate = (counted.tokens - before) / (time.perf_counter() - start)
+        busy: list[float] = []
+        ttfts = await (foreground(client, busy) if foreground is not None
+                       else steady_requests(client, pool.model, count, busy=busy))
+        elapsed = time.perf_counter() - start
+        rate = (counted.tokens - before) / elapsed
         nursery.cancel_scope.cancel()
-    return Beside(ttfts, rate, pool.slots.most)
+    return Beside(ttfts, rate, pool.slots.most, sum(busy) / (elapsed * slots))
 
 
 async def alone_rate(pool: Pool, tenant: str, streams: int, max_tokens: int, window_s: float,
@@ -260,13 +278,13 @@ async def alone_rate(pool: Pool, tenant: str, streams: int, max_tokens: int, win
     return rate
 
 
-def newcomers(model: str, count: int, gap_s: float) -> Callable[[httpx.AsyncClient], Any]:
+def newcomers(model: str, count: int, gap_s: float) -> Callable[[httpx.AsyncClient, list[float]], Any]:
     """A foreground of ``count`` tenants that had sent nothing, one every ``gap_s``, each with one short
     request; their times to first token."""
-    async def run(client: httpx.AsyncClient) -> list[float]:
+    async def run(client: httpx.AsyncClient, busy: list[float]) -> list[float]:
         ttfts = []
         for tenant in NEWCOMERS[:count]:
-            ttfts.append((await first_token_ms(client, tenant, model, SHORT_TOKENS))[0])
+            ttfts.append(await _timed(client, tenant, model, busy))
             await trio.sleep(gap_s)
         return ttfts
     return run
