@@ -623,7 +623,7 @@ class ForwardConfig:
     #: share only once it has run this long (model seconds) since it (re)started ...
     preempt_min_run_s: float = attrs.field(default=1.0, validator=between(0.0, 3600))
     #: ... and at most this many times (then it runs to its end).
-    max_preemptions: int = attrs.field(default=4, validator=between(0, 1000))
+    max_preemptions: int = attrs.field(default=16, validator=between(0, 1000))
 
 
 @attrs.frozen
