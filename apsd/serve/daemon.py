@@ -351,7 +351,7 @@ class Daemon:
         assert self.pipeline is not None
         if KeyRing.from_config(self.pipeline.config).enabled and not KeyRing.from_config(config).enabled:
             raise ConfigError(f"{config.source}: the file configures no API key ([auth] admin_key_hashes, "
-                              "metrics_key_hashes or any tenant's api_key_hashes) while keys are in force: a "
+                              "admin_keys, metrics_key_hashes or any tenant's api_key_hashes) while keys are in force: a "
                               "reload never turns authentication off (a truncated file?); the keys stay. To run "
                               "without keys, restart apsd")
         if self.config.tenants_declared and not config.tenants_declared:
@@ -377,7 +377,7 @@ class Daemon:
         owners = sorted(set(old.tenants) | set(new.tenants))
         changed = [name for name in owners if name in old.tenants and name in new.tenants
                    and set(old.tenants[name].api_key_hashes) != set(new.tenants[name].api_key_hashes)]
-        if set(old.auth.admin_key_hashes) != set(new.auth.admin_key_hashes):
+        if set(old.auth.admin_hashes()) != set(new.auth.admin_hashes()) or old.auth.admin_keys != new.auth.admin_keys:
             changed.append("the admin")
         if set(old.auth.metrics_key_hashes) != set(new.auth.metrics_key_hashes):
             changed.append("the metrics scrapers")

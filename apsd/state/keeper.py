@@ -385,7 +385,7 @@ class StateKeeper:
             raise _bad(f"label: must be a string of at most {MAX_LABEL_CHARS} printable characters", "label")
         now = self.wall()
         expires_at = self._expiry(body, now)
-        if not (self.file_config.auth.admin_key_hashes):
+        if not self.file_config.auth.admin_hashes():
             raise AdminError(409, "admin_key_required", "issuing a key turns authentication on, and no admin key "
                              "is configured, so /admin would lock you out: add [auth] admin_key_hashes "
                              "('apsd hash-key --new') to the config file and reload first")
@@ -602,12 +602,12 @@ class StateKeeper:
         except BaseException:
             budgets.untake(settled)  # (kept for the next flush)
             raise
-        tenants = self.effective_tenants()
-        wanted = [(tenant, key) for tenant, key in budgets.periods().items() if (tenant, key) not in totals]
+        limits = budgets.limits()
+        wanted = [(account, key) for account, key in budgets.periods().items() if (account, key) not in totals]
         totals |= await store.spend(wanted)
-        for (tenant, key), spent in totals.items():
-            if tenant in tenants:
-                budgets.set_spent(tenant, tenants[tenant], key, spent)
+        for (account, key), spent in totals.items():
+            if account in limits:
+                budgets.set_spent(limits[account], key, spent)
 
     def effective_tenants(self) -> dict[str, TenantConfig]:
         if self.store is None or not self.seeded:
@@ -615,17 +615,18 @@ class StateKeeper:
         return {name: record.settings for name, record in self.snapshot.in_force.items()}
 
     async def restore(self, budgets: Budgets) -> dict[str, tuple[float, float]]:
-        """At start: the budgets' spend of the current periods, and the saved bucket levels."""
+        """At start: the spend of the current periods of the budgets in force (``budgets.limits()``:
+        tenants' and keys', tokens and dollars), and the saved bucket levels."""
         self.budgets = budgets
         if self.store is None or not self.seeded:
             return {}
-        tenants = {name: t for name, t in self.effective_tenants().items() if t.budget_tokens}
         from apsd.core.budget import period_key
 
         now = self.wall()
-        keys = [(name, period_key(t.budget_period, now)) for name, t in tenants.items()]
-        for (name, key), spent in (await self.store.spend(keys)).items():
-            budgets.set_spent(name, tenants[name], key, spent)
+        limits = budgets.limits()
+        keys = [(account, period_key(limit.period, now)) for account, limit in limits.items()]
+        for (account, key), spent in (await self.store.spend(keys)).items():
+            budgets.set_spent(limits[account], key, spent)
         return await self.store.load_buckets()
 
     async def close(self) -> None:

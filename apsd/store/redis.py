@@ -16,7 +16,7 @@ dropped.
 Keys, under ``[store] key_prefix``: ``<prefix>:bucket:<tenant>`` (a hash: ``tokens`` and
 ``updated``, Redis's ``TIME``; it expires a day after its last exchange, and a tenant idle for
 longer starts full), ``<prefix>:service`` (a hash: tenant -> weighted service given by every
-replica), ``<prefix>:replicas`` (a sorted set: replica -> last seen), ``<prefix>:budget:<tenant>:<period>``
+replica), ``<prefix>:replicas`` (a sorted set: replica -> last seen), ``<prefix>:budget:<account>:<period>``
 (a hash: a budget's spend in the period, and each replica's lease and settled total: ``BUDGET_SCRIPT``).
 """
 
@@ -204,7 +204,7 @@ class _RedisSession:
         for ask in asks:
             args += [str(ask.budget), str(ask.settled), str(ask.acknowledged), str(ask.known_spent),
                      repr(ask.holding), repr(ask.want)]
-        result = await self._budget(keys=[redis_budget_key(self._prefix, ask.tenant, ask.period) for ask in asks],
+        result = await self._budget(keys=[redis_budget_key(self._prefix, ask.account, ask.period) for ask in asks],
                                     args=args)
         return [(float(result[3 * i]), int(float(result[3 * i + 1])), float(result[3 * i + 2]))
                 for i in range(len(asks))]

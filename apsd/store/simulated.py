@@ -31,7 +31,7 @@ class SimulatedSharedState:
         self.buckets: dict[str, list[float]] = {}
         self.totals: dict[str, float] = {}
         self.seen: dict[str, float] = {}
-        #: (tenant, period) -> the budget account's fields, named as in Redis's hash.
+        #: (account, period) -> the budget account's fields, named as in Redis's hash.
         self.budgets: dict[tuple[str, str], dict[str, float]] = {}
 
     @asynccontextmanager
@@ -60,7 +60,7 @@ class SimulatedSharedState:
         now = trio.current_time()
         out = []
         for ask in asks:
-            account = self.budgets.setdefault((ask.tenant, ask.period), {})
+            account = self.budgets.setdefault((ask.account, ask.period), {})
             spent = max(account.get("spent", 0), ask.known_spent)
             base = account.get(f"settled:{replica}", ask.acknowledged)
             if ask.settled > base:

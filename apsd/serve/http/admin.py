@@ -27,6 +27,7 @@ from typing import Any
 import attrs
 from quart import Blueprint, Response, request
 
+from apsd.core.budget import MICRO, TOKENS, USD, BudgetLimit, Budgets, budget_account
 from apsd.core.config import TenantConfig, field_comments
 from apsd.core.models import Refusal
 from apsd.serve.auth import Caller
@@ -91,6 +92,27 @@ async def _body() -> dict[str, Any]:
     return parse_json_object(await request.get_data(cache=False))
 
 
+def budget_document(budgets: Budgets, limit: BudgetLimit | None) -> dict[str, Any] | None:
+    """A budget as the admin API and the status page show it: tokens, or dollars (``_usd`` fields)."""
+    if limit is None:
+        return None
+    view = budgets.view(limit)
+    common = {"unit": view.unit, "period": view.period, "resets_at": view.resets_at,
+              "used_ratio": round(view.used_ratio, 6)}
+    if view.unit == TOKENS:
+        return {"limit": view.limit, "spent": view.spent, "reserved": view.reserved, **common}
+    return {"limit_usd": view.limit / MICRO, "spent_usd": view.spent / MICRO, "reserved_usd": view.reserved / MICRO,
+            **common}
+
+
+def budgets_of(tenant: str, key_id: str | None = None) -> dict[str, dict[str, Any] | None]:
+    """The tenant's (or its key's) budgets now: ``budget`` (tokens) and ``budget_usd``, each None when unset."""
+    budgets = http_state().pipeline.admission.budgets
+    limits = budgets.limits()
+    return {"budget": budget_document(budgets, limits.get(budget_account(tenant, key_id, TOKENS))),
+            "budget_usd": budget_document(budgets, limits.get(budget_account(tenant, key_id, USD)))}
+
+
 def tenant_view(keeper: StateKeeper, name: str) -> dict[str, Any] | None:
     """A tenant's settings, where they come from, its keys and its live figures (None: no such tenant)."""
     pipeline = http_state().pipeline
@@ -98,6 +120,7 @@ def tenant_view(keeper: StateKeeper, name: str) -> dict[str, Any] | None:
     if tenant is None:
         return None
     status = pipeline.tenant_status(name)
+    budgets = budgets_of(name)
     keys = keeper.key_views(name)
     declared = name in keeper.file_config.tenants
     return {"name": name, **settings_dict(tenant), "source": keeper.tenant_source(name),
@@ -108,10 +131,10 @@ def tenant_view(keeper: StateKeeper, name: str) -> dict[str, Any] | None:
                 "tokens_available": round(status.tokens_available, 3), "queued": status.queued,
                 "running": status.running, "admitted": status.admitted, "completed": status.completed,
                 "rejected": status.rejected, "prompt_tokens": status.prompt_tokens,
-                "generated_tokens": status.generated_tokens,
-                "budget_used": pipeline.admission.budgets.used(name, tenant) if tenant.budget_tokens else None,
-                "budget": None if (budget := pipeline.admission.budgets.view(name, tenant)) is None
-                else attrs.asdict(budget)}}
+                "generated_tokens": status.generated_tokens, "spend_usd": status.spend_usd,
+                "waiting_for_concurrency": status.waiting_for_concurrency,
+                "budget_used": None if (tokens := budgets.get("budget")) is None else tokens["spent"]
+                + tokens["reserved"], **budgets}}
 
 
 # -- tenants ---------------------------------------------------------------------------------------
