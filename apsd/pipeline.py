@@ -231,14 +231,15 @@ class Pipeline:
                     prompt_tokens: int | None = None, timeout_s: float | None = None, model: str | None = None,
                     api: str | None = None, payload: dict | None = None, open_ended: bool = False,
                     request_id: str | None = None, prefix_blocks: tuple[int, ...] | None = None,
-                    service_class: str | None = None) -> InferenceRequest:
+                    service_class: str | None = None, key_id: str | None = None) -> InferenceRequest:
         """A request ready to submit; ``timeout_s`` (model seconds, > 0) may shorten ``[queue] timeout_s``
         for it (a longer one is clamped to the config's when it is queued). ``model``, ``api``,
         ``payload`` and ``open_ended`` describe an OpenAI-style request (see
         :class:`~apsd.core.models.InferenceRequest`). ``request_id``: the client's own (``X-Request-Id``,
         already checked by the HTTP layer); None: apsd numbers it. ``prefix_blocks``: a simulated request's
         routing key (:func:`apsd.core.routing.synthetic_blocks`); None: computed from its text when routed.
-        ``service_class``: the class it names (``X-Apsd-Class``; None: its tenant's default)."""
+        ``service_class``: the class it names (``X-Apsd-Class``; None: its tenant's default). ``key_id``: the
+        issued key it came with (its limits and usage count under it; None: none, or a key of the file)."""
         if timeout_s is not None and not 0 < timeout_s < math.inf:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self._next_request += 1
@@ -257,6 +258,7 @@ class Pipeline:
             prefix_blocks=prefix_blocks,
             cached_discount=self.config.admission.cached_prompt_discount,
             service_class=service_class,
+            key_id=key_id,
         )
 
     def models(self) -> list[str]:

@@ -110,6 +110,8 @@ def key_hashes(_inst: object, attribute: attrs.Attribute, value: tuple[str, ...]
 #: them, and say the rule instead.
 SECRET = {"secret": _KEY_HASHES_RULE}
 SECRET_STRING = {"secret": "must be a string"}
+SECRET_NAMED = {"secret": "must be a table of names and 'sha256:<64 hex digits>' strings (alice = \"sha256:...\"), "
+                          "as 'apsd hash-key' prints them"}
 
 
 #: A name a key may have (an admin key's in ``[auth.admin_keys]``; an issued key's, through ``/admin``).
@@ -122,7 +124,8 @@ def named_key_hashes(_inst: object, attribute: attrs.Attribute, value: dict[str,
             raise ValueError(f"{name[:70]!r}: a key's name is 1-64 letters, digits and '.', '_', '@' or '-', "
                              "starting with a letter or digit")
         if not isinstance(item, str) or not KEY_HASH_PATTERN.fullmatch(item):
-            raise ValueError(f"{name}: {_KEY_HASHES_RULE} (the value given is not shown)")
+            raise ValueError(f"{name}: must be 'sha256:<64 hex digits>', as 'apsd hash-key' prints (the value given "
+                             "is not shown)")
     if len(set(value.values())) != len(value):
         raise ValueError("the same key hash is listed twice")
 
@@ -294,7 +297,7 @@ class AuthConfig:
     #: Named operator keys (``[auth.admin_keys]``: ``alice = "sha256:..."``): the same rights as
     #: ``admin_key_hashes``, and the audit log names the change's author ``admin:alice`` rather than by
     #: the first digits of the hash. A name is 1-64 letters, digits and ``.``, ``_``, ``@`` or ``-``.
-    admin_keys: dict[str, str] = attrs.field(factory=dict, validator=named_key_hashes, metadata=SECRET)
+    admin_keys: dict[str, str] = attrs.field(factory=dict, validator=named_key_hashes, metadata=SECRET_NAMED)
 
     def admin_hashes(self) -> tuple[str, ...]:
         """Every admin key's hash, named or not."""

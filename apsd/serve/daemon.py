@@ -246,7 +246,7 @@ class Daemon:
         pipeline = self.pipeline
         if pipeline is None:
             return
-        effective = attrs.evolve(pipeline.config, tenants=effective.tenants)
+        effective = attrs.evolve(pipeline.config, tenants=effective.tenants, keys=effective.keys)
         policies = self.policies
         try:
             if tenant_weights(effective) != tenant_weights(pipeline.config):

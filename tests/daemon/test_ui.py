@@ -126,7 +126,7 @@ async def test_admin_status_reports_tenants_engine_fairness_and_usage(daemon):
     alpha, beta = tenants["alpha"], tenants["beta"]
     assert (alpha["rate"], alpha["burst"], alpha["weight"], alpha["disabled"]) == (1e4, 10_000, 2.0, False)
     assert alpha["completed"] == 2 and beta["completed"] == 1 and alpha["queued"] == alpha["running"] == 0
-    assert beta["rejected"] == 1 and list(beta["rejected_by_error"]) == ["exceeds_tenant_burst"]
+    assert beta["rejected"] == 1 and list(beta["rejected_by_error"]) == ["exceeds_batch_capacity"]
     assert alpha["window_tokens"] == 40 and beta["window_tokens"] == 20
     assert alpha["service_share"] == pytest.approx(2 / 3, abs=1e-4)
     assert alpha["weight_share"] == pytest.approx(2 / 3, abs=1e-4)
@@ -517,7 +517,7 @@ async def test_the_tenants_table_fits_its_card_and_shows_budgets_and_refusals_no
         body = infer_body(None, "x" * 16, 26)  # 30 tokens: 3 fit the bucket of 100
         answers = [await client.post("/infer", json=body, headers=bearer(KEY_GAMMA)) for _ in range(5)]
         assert [a.status_code for a in answers] == [200, 200, 200, 429, 429]
-        too_big = await client.post("/infer", json=infer_body(None, "x" * 16, 5000), headers=bearer(KEY_GAMMA))
+        too_big = await client.post("/infer", json=infer_body(None, "1" * 101, 5), headers=bearer(KEY_GAMMA))
         assert too_big.status_code == 413
         sampler = ui.sampler_for(running.daemon.pipeline)
         widths = (1280, 1440, 1600, 1920)
