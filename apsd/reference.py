@@ -338,7 +338,8 @@ def config_page() -> str:
 # -- the metrics ------------------------------------------------------------------------------------
 
 #: Labels whose values are names from the configuration or the traffic (their values are not listed).
-_FREE_LABELS = frozenset({"tenant", "class", "engine", "backend", "error", "kind", "aging", "governor", "batching", "preset"})
+_FREE_LABELS = frozenset({"tenant", "class", "engine", "backend", "error", "kind", "aging", "governor", "batching", "preset",
+                          "key", "name", "owner"})
 _SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
 
 

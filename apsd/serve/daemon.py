@@ -45,6 +45,7 @@ from apsd.engines.profiles import ProfileRegistry
 from apsd.pipeline import Pipeline, open_pipeline
 from apsd.plugins import PluginError, load_policy_registry, load_profile_registry, make_plugin_manager
 from apsd.policies.fair import tenant_weights
+from apsd.serve.alerts import BudgetAlerts
 from apsd.serve.auth import KeyRing, check_exposure
 from apsd.serve.http import create_app
 from apsd.serve.http.ui import sampler_for
@@ -179,6 +180,8 @@ class Daemon:
     reload_error: str | None = None
     #: Tenants and keys managed through ``/admin``, and what outlives a restart (:mod:`apsd.state`).
     keeper: StateKeeper | None = None
+    #: Budget alerts (:mod:`apsd.serve.alerts`), once the pipeline runs.
+    alerts: BudgetAlerts | None = None
     _ready: bool = False
     _stop: trio.Event = attrs.field(factory=trio.Event)
     _hurry: trio.Event = attrs.field(factory=trio.Event)
@@ -238,6 +241,8 @@ class Daemon:
         keeper.usage = UsageRecorder(lambda: pipeline.config.tenants, keeper.wall)
         keeper.usage.subscribe(pipeline.ledger.events)
         keeper.apply = self.apply_state
+        self.alerts = BudgetAlerts(pipeline, keeper)
+        await nursery.start(self.alerts.run)
         await nursery.start(functools.partial(keeper.run, buckets=lambda: bucket_levels(pipeline, keeper.wall())))
 
     def apply_state(self, effective: Config, why: str) -> None:

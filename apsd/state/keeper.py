@@ -535,6 +535,14 @@ class StateKeeper:
                     merged[field] = merged.get(field, 0) + amount
         return rows
 
+    async def claim_alert(self, account: str, period: str, threshold: float, at: float) -> bool:
+        """Whether this replica is the first to claim the budget alert of ``account`` at ``threshold`` in
+        ``period`` (:mod:`apsd.serve.alerts`: it is sent once, across replicas and restarts). Raises
+        when the state cannot be reached (the alert is claimed at a later try)."""
+        if self.store is None:
+            return True
+        return await self.store.claim_alert(account, period, threshold, at)
+
     async def audit(self, *, target: str | None, limit: int, before_id: int | None) -> list[AuditEntry]:
         """The audit log, newest first (:meth:`StateStore.audit`); 503 ``state_unavailable`` when the
         state cannot be read now."""
