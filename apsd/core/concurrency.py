@@ -53,6 +53,9 @@ class ConcurrencyGate:
     def in_flight(self, tenant_id: str) -> int:
         return self._tenants[tenant_id]
 
+    def key_in_flight(self, key_id: str) -> int:
+        return self._keys[key_id]
+
     def waiting(self, tenant_id: str) -> int:
         """The tenant's requests waiting in its line."""
         return self._waiting[tenant_id]
