@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from apsd.pipeline import Pipeline
     from apsd.state.keeper import StateKeeper
 
-__all__ = ["CHECK_INTERVAL_S", "SIGNATURE_HEADER", "Alert", "BudgetAlerts", "alert_body", "sign"]
+__all__ = ["CHECK_INTERVAL_S", "SIGNATURE_HEADER", "Alert", "BudgetAlerts", "alert_body", "reached", "sign"]
 
 log = logging.getLogger("apsd.alerts")
 
@@ -100,6 +100,12 @@ def alert_body(alert: Alert) -> dict[str, Any]:
             "period": limit.period, "period_key": alert.period, "resets_at": view.resets_at}
 
 
+def reached(spent: int, limit: int, threshold: float) -> bool:
+    """Whether ``spent`` of ``limit`` reached ``threshold`` (a share), in integers: 83,200 of 104,000 is
+    80%, whatever ``0.8 * 104000`` rounds to in binary."""
+    return spent * 1_000_000 >= round(threshold * 1_000_000) * limit
+
+
 def _retryable(status: int) -> bool:
     return status >= 500 or status in (408, 429)
 
@@ -141,7 +147,7 @@ class BudgetAlerts:
             view = budgets.view(limit)
             period = period_key(limit.period, now)
             for threshold in sorted(self.settings.thresholds):
-                if view.spent < threshold * limit.limit or (account, period, threshold) in self._done:
+                if not reached(view.spent, limit.limit, threshold) or (account, period, threshold) in self._done:
                     continue
                 key = self.pipeline.config.keys.get(limit.key_id) if limit.key_id is not None else None
                 found.append(Alert(limit, view, threshold, period, now, key.label if key is not None else None))

@@ -167,6 +167,7 @@ from apsd.core.events import EventBus
 from apsd.core.ledger import ChangeLog
 from apsd.core.models import Completion, Dispatch, InferenceRequest, Outcome
 from apsd.core.service_window import WINDOW_S, WorkingRow, watch_for
+from apsd.serve.alerts import reached
 
 if TYPE_CHECKING:
     from apsd.engines.backends import BackendStatistics
@@ -848,10 +849,10 @@ class PrometheusExporter:
         budgets = pipeline.admission.budgets
         thresholds = sorted(pipeline.config.alerts.thresholds)
         for account, limit in sorted(budgets.limits().items()):
-            ratio = budgets.view(limit).used_ratio
+            view = budgets.view(limit)
             values = [limit.tenant, limit.key_id or "", limit.unit]
-            used.add_metric(values, ratio)
-            alerted.add_metric(values, max((t for t in thresholds if ratio >= t), default=0.0))
+            used.add_metric(values, view.used_ratio)
+            alerted.add_metric(values, max((t for t in thresholds if reached(view.spent, limit.limit, t)), default=0.0))
         yield used
         yield alerted
 
