@@ -13,7 +13,9 @@
 * ``apsd simulate [--workload W | --trace FILE] [--policy P ...]`` compares policies on one workload in
   virtual time and writes a report (:mod:`apsd.sim.runner`, :mod:`apsd.sim.report`); with
   ``--replicas N`` it runs N replicas sharing a simulated store instead (:mod:`apsd.sim.replicas`).
-* ``apsd research`` runs the research suite and writes ``docs/research.md`` (:mod:`apsd.sim.research`).
+* ``apsd research`` runs the research suite and writes ``docs/research.md`` (:mod:`apsd.sim.research`);
+  ``--classes``, ``--routing``, ``--grid`` and ``--table`` run one study each and write its page under
+  ``docs/research/``.
 * ``apsd profile --gpu G --model M --batch B --prompt-tokens P --output-tokens O`` runs a batch on
   one continuous engine in virtual time and prints its figures (:mod:`apsd.sim.profile`).
 
@@ -367,14 +369,26 @@ def simulate_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--workload", default="seed-stress", metavar="NAME",
                         help="built-in workload (default seed-stress; --list shows them)")
-    source.add_argument("--trace", metavar="FILE", help="replay a trace (.jsonl or .csv: at, tenant, "
-                        "prompt_tokens, output_tokens, bid)")
+    source.add_argument("--trace", metavar="FILE", help="replay a trace (.jsonl or .csv): apsd's own (at, tenant, "
+                        "prompt_tokens, output_tokens[, bid, service_class, prefix, prefix_tokens, hash_ids]), "
+                        "Mooncake / Dynamo JSON lines, the Azure LLM inference CSV or BurstGPT's CSV, detected "
+                        "from the file")
     parser.add_argument("--policy", action="append", metavar="P",
                         help="PRESET or PRESET:KIND=NAME,... (repeatable; default: fifo, static, aps)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a workload parameter (repeatable), e.g. --set rate=5")
     parser.add_argument("--params", metavar="FILE", help="workload parameters from a TOML file (--set wins)")
-    parser.add_argument("--seed", type=int, help="random seed of a built-in workload (default 1)")
+    parser.add_argument("--seed", type=int, help="random seed of a built-in workload, or of a trace's zipf "
+                        "tenant rule (default 1)")
+    trace = parser.add_argument_group("traces", "with --trace FILE")
+    trace.add_argument("--trace-format", choices=("auto", "apsd", "mooncake", "azure", "burstgpt"), default="auto",
+                       help="the trace's format (default auto: detected from its first row)")
+    trace.add_argument("--block-tokens", type=int, default=512, metavar="N",
+                       help="tokens per block id of hash_ids (default 512, the Mooncake traces')")
+    trace.add_argument("--trace-tenants", metavar="RULE",
+                       help="tenants for requests whose row names none: round-robin:N, hash:FIELD:N (e.g. "
+                            "hash:hash_ids:8, by the first block) or zipf:N[:S] (default: all to tenant_00; "
+                            "apsd's own format requires tenant without a rule)")
     parser.add_argument("--config", metavar="FILE", help="apsd config for the engines ([engine], [gpu], [[backends]]), "
                         "queue limits and policy parameters (the workload brings its own tenants)")
     parser.add_argument("--out", metavar="DIR", help="report directory (default apsd-sim/<workload>)")
@@ -409,11 +423,16 @@ def simulate_main(argv: Sequence[str]) -> int:
         return 0
     try:
         if args.trace:
-            if args.set or args.params or args.seed is not None:
-                raise workloads.WorkloadError("--set, --params and --seed apply to built-in workloads, "
-                                              "not --trace")
-            workload = workloads.load_trace(args.trace)
+            from apsd.sim.traces import load_trace
+
+            if args.set or args.params:
+                raise workloads.WorkloadError("--set and --params apply to built-in workloads, not --trace")
+            workload = load_trace(args.trace, format=None if args.trace_format == "auto" else args.trace_format,
+                                  block_tokens=args.block_tokens, tenants=args.trace_tenants,
+                                  seed=1 if args.seed is None else args.seed)
         else:
+            if args.trace_format != "auto" or args.trace_tenants or args.block_tokens != 512:
+                raise workloads.WorkloadError("--trace-format, --block-tokens and --trace-tenants apply to --trace")
             params = workloads.load_params_file(args.params) if args.params else {}
             params.update(workloads.parse_param_assignments(args.set))
             workload = workloads.build_workload(args.workload, params, seed=1 if args.seed is None else args.seed)
@@ -601,15 +620,23 @@ def research_main(argv: Sequence[str]) -> int:
     parser.add_argument("--presets", metavar="P,P", help="with --grid: these presets only")
     parser.add_argument("--routing", action="store_true",
                         help="instead, compare the routing policies least-loaded, prefix and prefix-hash between 4 "
-                             "continuous engines with prefix caches on shared-prefix workloads: print the tables and "
-                             "write research/routing.md (about a minute)")
+                             "continuous engines with prefix caches on shared-prefix workloads and a Mooncake-format "
+                             "trace: print the tables and write research/routing.md (a few minutes)")
     parser.add_argument("--classes", action="store_true",
                         help="instead, run the service-class study: two tenants, a tight and a loose class, at twice "
                              "what a continuous engine serves, under fair with and without classes: print the table "
                              "and write research/service-classes.md (about a minute at 120 s)")
+    parser.add_argument("--table", action="store_true",
+                        help="instead, run the benchmark table: FCFS, static priority, a per-tenant requests-per-"
+                             "minute limit, least counter first, fair, fair with prefix routing and fair with "
+                             "classes on VTC's suites, QLM's interactive + batch mix, shared prefixes, a "
+                             "Mooncake-format trace and two replicas with skewed ingress; print it and write "
+                             "research/benchmark.md (a few minutes)")
     parser.add_argument("--duration", type=float, default=None, metavar="S",
                         help="with --routing or --classes: model seconds of each workload (default 600 and 120)")
     args = parser.parse_args(argv)
+    if args.table:
+        return _research_table(args)
     if args.routing:
         return _research_routing(parser, args)
     if args.classes:
@@ -636,8 +663,31 @@ def _research_classes(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 def _research_routing(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from apsd.sim.research.routing import routing_document, run_routing_study
+    from apsd.sim.research.trace_routing import run_trace_routing, trace_routing_markdown
 
-    return _write_study(parser, args, "routing.md", 600.0, run_routing_study, routing_document)
+    def run(*, duration: float, seed: int, progress: Callable[[str], None] | None) -> tuple[Any, Any]:
+        return (run_routing_study(duration=duration, seed=seed, progress=progress),
+                run_trace_routing(seed=seed, progress=progress))
+
+    def document(result: tuple[Any, Any], *, duration: float, seed: int) -> str:
+        rows, trace = result
+        return routing_document(rows, duration=duration, seed=seed) + "\n" + trace_routing_markdown(trace)
+
+    return _write_study(parser, args, "routing.md", 600.0, run, document)
+
+
+def _research_table(args: argparse.Namespace) -> int:
+    from apsd.sim.research.table import run_table, versions
+    from apsd.sim.research.table_page import benchmark_document, definition_fingerprint
+
+    result = run_table(seed=args.seed, progress=None if args.quiet else lambda what: print(f"  {what}", file=sys.stderr))
+    text = benchmark_document(result, versions(), definition_fingerprint(args.seed))
+    path = Path(args.out) / "research" / "benchmark.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(text)
+    print(f"wrote {path}")
+    return 0
 
 
 def _write_study(parser: argparse.ArgumentParser, args: argparse.Namespace, page: str, default_duration: float,

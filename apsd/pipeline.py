@@ -46,6 +46,7 @@ from apsd.core.ledger import Ledger, LedgerStatistics
 from apsd.core.models import Dispatch, InferenceRequest, Refusal
 from apsd.core.policy import PolicySet
 from apsd.core.prices import Prices
+from apsd.core.routing import BLOCK_TOKENS
 from apsd.core.scheduler import Scheduler
 from apsd.core.service_window import FairnessView, watch_for
 from apsd.core.slots import LocalSlots, SlotTable
@@ -179,6 +180,12 @@ class Pipeline:
         classes = ServiceClasses(classes=dict(config.classes), clock=clock,
                                  queued_total=lambda: ledger.queued_total, finish=ledger.finish,
                                  note_answered_in_queue=scheduler.note_answered_in_queue)
+        waits = [engine.first_token_wait_s for engine in engines if hasattr(engine, "first_token_wait_s")]
+        if waits:
+            classes.engine_wait = lambda request, target_s: min(wait(request, target_s) for wait in waits)
+        takes = [engine.takes_now for engine in engines if hasattr(engine, "takes_now")]
+        if takes:
+            classes.takes_now = lambda request: any(take(request) for take in takes)
         if config.classes:  # (without classes, nothing listens: the unclassed path pays nothing)
             classes.subscribe(ledger.events)
         admission.classes = classes
@@ -231,15 +238,17 @@ class Pipeline:
                     prompt_tokens: int | None = None, timeout_s: float | None = None, model: str | None = None,
                     api: str | None = None, payload: dict | None = None, open_ended: bool = False,
                     request_id: str | None = None, prefix_blocks: tuple[int, ...] | None = None,
-                    service_class: str | None = None, key_id: str | None = None) -> InferenceRequest:
+                    service_class: str | None = None, prefix_block_tokens: int = BLOCK_TOKENS,
+                    key_id: str | None = None) -> InferenceRequest:
         """A request ready to submit; ``timeout_s`` (model seconds, > 0) may shorten ``[queue] timeout_s``
         for it (a longer one is clamped to the config's when it is queued). ``model``, ``api``,
         ``payload`` and ``open_ended`` describe an OpenAI-style request (see
         :class:`~apsd.core.models.InferenceRequest`). ``request_id``: the client's own (``X-Request-Id``,
         already checked by the HTTP layer); None: apsd numbers it. ``prefix_blocks``: a simulated request's
-        routing key (:func:`apsd.core.routing.synthetic_blocks`); None: computed from its text when routed.
-        ``service_class``: the class it names (``X-Apsd-Class``; None: its tenant's default). ``key_id``: the
-        issued key it came with (its limits and usage count under it; None: none, or a key of the file)."""
+        routing key (:func:`apsd.core.routing.synthetic_blocks`, or a trace's blocks of ``prefix_block_tokens``
+        tokens each); None: computed from its text when routed. ``service_class``: the class it names
+        (``X-Apsd-Class``; None: its tenant's default). ``key_id``: the issued key it came with (its limits and
+        usage count under it; None: none, or a key of the file)."""
         if timeout_s is not None and not 0 < timeout_s < math.inf:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self._next_request += 1
@@ -256,6 +265,7 @@ class Pipeline:
             api=api,
             payload=payload,
             prefix_blocks=prefix_blocks,
+            prefix_block_tokens=prefix_block_tokens,
             cached_discount=self.config.admission.cached_prompt_discount,
             service_class=service_class,
             key_id=key_id,

@@ -15,6 +15,9 @@ not heed cancellation.
 from __future__ import annotations
 
 import gc
+import os
+import shutil
+import tempfile
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -85,6 +88,21 @@ def trio_run_with_deadline(limit_s: float) -> Callable[..., Any]:
         return result
 
     return run
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every daemon the tests start, in this process or as a subprocess, keeps its default state in a
+    directory of this run's own, never in the user's ``~/.local/state/apsd`` (whose file a newer or
+    older apsd may have written, and which the tests must not change)."""
+    os.environ.pop("STATE_DIRECTORY", None)
+    os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="apsd-tests-state-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run's state directory goes with the run."""
+    state_home = os.environ.get("XDG_STATE_HOME", "")
+    if "apsd-tests-state-" in state_home:
+        shutil.rmtree(state_home, ignore_errors=True)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-trio has marked the async tests (trio_mode)

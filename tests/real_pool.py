@@ -17,6 +17,8 @@ While it runs, the server's ``/slots`` is read every :data:`SLOTS_POLL_S`: the m
 
 from __future__ import annotations
 
+import math
+import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -27,7 +29,7 @@ import httpx
 import numpy as np
 import trio
 
-from apsd.core.config import StoreConfig, TenantConfig
+from apsd.core.config import ServiceClassConfig, StateConfig, StoreConfig, TenantConfig
 from apsd.core.hookspecs import hookimpl
 from tests.helpers import forwarding_config, start_daemon, wait_until
 
@@ -47,7 +49,7 @@ TENANTS = {name: TenantConfig(rate=1e9, burst=10**12)
 
 async def first_token_ms(client: httpx.AsyncClient, tenant: str, model: str, max_tokens: int, prompt: str = PROMPT,
                          on_chunk: Callable[[], None] | None = None, temperature: float | None = None,
-                         routes: list[str] | None = None) -> tuple[float, str]:
+                         routes: list[str] | None = None, service_class: str | None = None) -> tuple[float, str]:
     """Stream one chat completion as ``tenant``; (ms to its first content chunk, its whole text). Its
     ``X-Apsd-Route`` header is added to ``routes``."""
     body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
@@ -56,8 +58,11 @@ async def first_token_ms(client: httpx.AsyncClient, tenant: str, model: str, max
         body["temperature"] = temperature
     started = time.perf_counter()
     first, parts = None, []
-    async with client.stream("POST", "/v1/chat/completions", json=body,
-                             headers={"X-Apsd-Tenant": tenant}) as response:
+    headers = {"X-Apsd-Tenant": tenant, **({"X-Apsd-Class": service_class} if service_class else {})}
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+        if response.status_code == 503 and service_class:   # (deadline_unmeetable: the class's refusal)
+            await response.aread()
+            return math.inf, ""
         assert response.status_code == 200, await response.aread()
         if routes is not None:
             routes.append(response.headers.get("x-apsd-route", ""))
@@ -136,11 +141,17 @@ class Pool:
 
 @asynccontextmanager
 async def open_pool(server_url: str, model: str, *, slots: int = 4, replicas: int = 1, redis_url: str = "",
-                    preset: str | None = None) -> AsyncIterator[Pool]:
+                    preset: str | None = None, classes: dict[str, ServiceClassConfig] | None = None
+                    ) -> AsyncIterator[Pool]:
     """``replicas`` daemons in front of the server (sharing ``redis_url`` when more than one), the shipped
-    defaults but for the backend's ``max_concurrency`` (its ``-np``), ready once they see it healthy."""
+    defaults but for the backend's ``max_concurrency`` (its ``-np``) and ``classes`` (every tenant may use
+    each), ready once they see it healthy."""
     config = forwarding_config([server_url], TENANTS, preset=preset, max_concurrency=slots,
                                first_token_timeout_s=120.0)
+    config = attrs.evolve(config, state=StateConfig(kind="off"))   # (nothing of these runs is kept)
+    if classes:
+        config = attrs.evolve(config, classes=classes, tenants={
+            name: attrs.evolve(tenant, classes=tuple(classes)) for name, tenant in config.tenants.items()})
     if redis_url:
         config = attrs.evolve(config, store=StoreConfig(kind="redis", url=redis_url))
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
@@ -268,6 +279,40 @@ async def take_turns(pool: Pool, rounds: int, max_tokens: int) -> list[tuple[str
         nursery.start_soon(tenant, "a", 0.0)
         nursery.start_soon(tenant, "b", 0.2)
     return done
+
+
+@attrs.frozen
+class ClassMix:
+    """Two tenants' mix of a tight and a loose class at a multiple of what the server serves."""
+
+    #: (class, time to first token in ms, or infinity when refused) of each request.
+    results: list[tuple[str, float]]
+    #: Per class: (met, missed, refused) as apsd counts them.
+    counts: dict[str, tuple[int, int, int]]
+
+    def attainment(self, name: str) -> float:
+        met, missed, refused = self.counts[name]
+        return met / max(1, met + missed + refused)
+
+
+async def class_mix(pool: Pool, *, rate_per_s: float, duration_s: float, tight_share: float = 0.2,
+                    max_tokens: int = 32, seed: int = 1) -> ClassMix:
+    """Tenants ``a`` and ``b`` each send chat streams at ``rate_per_s`` / 2 (Poisson arrivals) for
+    ``duration_s``: a ``tight_share`` of them in the class ``tight``, the rest in ``loose``."""
+    rng = random.Random(seed)
+    results: list[tuple[str, float]] = []
+
+    async def one(tenant: str, name: str) -> None:
+        ttft, _ = await first_token_ms(pool.clients[0], tenant, pool.model, max_tokens, service_class=name)
+        results.append((name, ttft))
+
+    async with trio.open_nursery() as nursery:
+        end = trio.current_time() + duration_s
+        while trio.current_time() < end:
+            nursery.start_soon(one, rng.choice("ab"), "tight" if rng.random() < tight_share else "loose")
+            await trio.sleep(rng.expovariate(rate_per_s))
+    figures = pool.daemons[0].daemon.pipeline.class_statistics()
+    return ClassMix(results, {f.name: (f.met, f.missed, f.refused) for f in figures})
 
 
 def queue_waits(pool: Pool, tenant_prefix: str) -> list[float]:

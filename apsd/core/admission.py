@@ -331,7 +331,7 @@ class Admission:
             if (over_budget := self.budgets.refusal(limit, amount)) is not None:
                 return over_budget
             holds.append((limit, amount))
-        now = self.clock.now()
+        now = request.arrival = self.clock.now()   # (a class's deadline, and engines' estimates, count from it)
         if request.service_class is not None and self.classes is not None \
                 and (unmeetable := self.classes.refuse_unmeetable(request, now)) is not None:
             return unmeetable
@@ -361,7 +361,6 @@ class Admission:
                 has += f" on this replica ({int(view.tokens)} in its shared bucket, as last known)"
             return Refusal(429, "rate_limited", f"tenant {request.tenant_id!r} {has}; enough accrue in {wait:.2f} s",
                            headers=headers)
-        request.arrival = now
         request.reserved_tokens, request.reserved_output = reserved, output
         request.key_reserved = reserved if key_bucket is not None else 0
         for limit, amount in holds:

@@ -19,8 +19,12 @@ Rules:
   estimated as the classed requests queued whose class's ``ttft_s`` is at most its own (those that
   the ``fair`` queue serves no later than it), times the mean time between dispatches while
   requests were queued (the engines' measured rate, over the last :data:`GAP_SAMPLES` such
-  dispatches; before any was measured, nothing is refused). An estimate past ``ttft_s`` is answered
-  at once: 503 ``deadline_unmeetable`` with ``Retry-After`` (the estimated wait, in wall seconds).
+  dispatches; before any was measured, nothing is refused), plus what the engines say a first
+  token takes from dispatch (``engine_wait``: the ``continuous`` engine's prompts ahead of it at its
+  measured prefill rate; the least over the engines); none at all when an engine would take it at once
+  (``takes_now``: a ``forward`` engine with a free slot, or a request to preempt for it). An estimate
+  past ``ttft_s`` is answered at
+  once: 503 ``deadline_unmeetable`` with ``Retry-After`` (the estimated wait, in wall seconds).
 * **Refused in the queue** (``refuse``): a request still queued when its deadline comes can no
   longer meet it, and is answered then with the same 503 (counted ``cancelled`` in the books, its
   tokens refunded): an answer within ``ttft_s`` for every client, never a truncated 200. One task
@@ -49,13 +53,24 @@ from apsd.core.clock import ModelClock
 from apsd.core.config import ServiceClassConfig, TenantConfig
 from apsd.core.models import Completion, InferenceRequest, Outcome, Refusal
 
-__all__ = ["ClassFigures", "DEADLINE_UNMEETABLE", "GAP_SAMPLES", "ServiceClasses", "class_result"]
+__all__ = ["ClassFigures", "DEADLINE_UNMEETABLE", "GAP_SAMPLES", "ServiceClasses", "class_result", "urgency"]
 
 #: The error code of a request refused because it cannot meet its class's deadline.
 DEADLINE_UNMEETABLE = "deadline_unmeetable"
 #: Dispatches (made while requests were queued) over which the mean time between dispatches is kept.
 GAP_SAMPLES = 64
 _EPSILON = 1e-9
+
+
+def urgency(request: InferenceRequest) -> float:
+    """A classed request's place among those that can still meet their deadline (smaller: more
+    urgent): its class's ``ttft_s`` first (tighter first), then its deadline. ``ttft_s`` is scaled by
+    ``2 ** 32`` so that a millisecond between two classes outweighs any span of deadlines; inside a
+    class deadline order is arrival order, so the rounding of large keys falls back to admission
+    order (``seq``), which is the same. The ``fair`` queue and the continuous engine both order by it."""
+    deadline = request.class_deadline
+    assert deadline is not None
+    return (deadline - request.arrival) * 2.0 ** 32 + deadline
 
 
 @attrs.frozen
@@ -116,6 +131,13 @@ class ServiceClasses:
     #: Answers a queued request (the ledger's ``finish``), then tells the scheduler it is in its queue.
     finish: Callable[[InferenceRequest, Outcome], object]
     note_answered_in_queue: Callable[[], None]
+    #: Model seconds from dispatch to the first token of a request of a class of ``ttft_s`` on the engines
+    #: (the least of theirs, :meth:`apsd.engines.continuous.ContinuousEngine.first_token_wait_s`); None:
+    #: not known.
+    engine_wait: Callable[[InferenceRequest, float], float] | None = None
+    #: Whether an engine would take ``request`` at once (a ``forward`` engine with a free slot for it, or
+    #: a request to preempt for it): its queue wait is then none (None: not known).
+    takes_now: Callable[[InferenceRequest], bool] | None = None
     _counts: dict[str, _Counts] = attrs.field(factory=dict, init=False)
     #: Classed requests in the queue now.
     _in_queue: set[InferenceRequest] = attrs.field(factory=set, init=False)
@@ -190,7 +212,11 @@ class ServiceClasses:
         request.class_best_effort = spec.on_miss == "best_effort"
         if request.class_best_effort:
             return None
+        if self.takes_now is not None and self.takes_now(request):
+            return None
         wait = self.estimated_wait(name)
+        if wait <= spec.ttft_s and self.engine_wait is not None:
+            wait += self.engine_wait(request, spec.ttft_s)
         if wait <= spec.ttft_s:
             return None
         request.class_deadline = None

@@ -224,6 +224,9 @@ class InferenceRequest:
     #: Its routing key: chained hashes of its prompt's blocks (:func:`apsd.core.routing.routing_key`;
     #: None: not computed yet; a simulated request may come with its own).
     prefix_blocks: tuple[int, ...] | None = attrs.field(default=None, repr=False)
+    #: Tokens per block of ``prefix_blocks`` (``apsd.core.routing.BLOCK_TOKENS``, 64, but for a trace's
+    #: blocks, which may be larger: Mooncake's are 512).
+    prefix_block_tokens: int = attrs.field(default=64, repr=False)
     #: Where the routing policy sent it and why (``X-Apsd-Route``), e.g. ``"b1; reason=cache_match"``.
     route: str | None = None
     #: Prompt tokens its engine found in its prefix cache (a backend's ``cached_tokens``).
@@ -288,13 +291,17 @@ class Capacity:
     slots_per_model: dict[str, int] | None = None
     #: Room only requests of tenants below their share may take (``under_share`` says which): the
     #: sequences and KV cache an engine would free by preempting tenants above their share (a
-    #: ``continuous`` engine's sequences, a ``forward`` engine's backends' slots). None: no such room.
+    #: ``continuous`` engine's sequences, a ``forward`` engine's backends' slots; with service classes
+    #: also by sending a looser request of a classed request's own tenant back). None: no such room.
     held_sequences: int = 0
     held_kv_tokens: int = 0
     under_share: Callable[[InferenceRequest], bool] | None = None
     #: Of ``held_sequences``, those of the backends serving each model (the ``forward`` engine, beside
     #: ``slots_per_model``); None: one pool for every model.
     held_per_model: dict[str, int] | None = None
+    #: Requests the free room should go to before the queue's head (the ``forward`` engine: tenants below
+    #: their share of the slots, which would otherwise take a slot back by preemption); None: queue order.
+    prefer: Callable[[InferenceRequest], bool] | None = None
     #: Whether the routing policy lets this engine take ``request`` once it took ``taken`` others in the
     #: same dispatch (several engines: it may be meant for another one with room); None: any request.
     route: Callable[[InferenceRequest, int], bool] | None = None

@@ -21,6 +21,7 @@ between.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -39,7 +40,7 @@ class Lease:
     new lease). ``since`` is the model time its current run began (a remote lease's: converted to
     this process's clock); ``started``: its first token came; ``preemptible``: it may be chosen as a
     victim at all (not started, or started and resumable); ``preemptions``: times its request was
-    preempted before."""
+    preempted before; ``ttft_s``: its service class's target."""
 
     lease_id: str
     backend: str
@@ -49,6 +50,9 @@ class Lease:
     started: bool = False
     preemptible: bool = True
     preemptions: int = 0
+    #: Its request's service class's ``ttft_s`` (``math.inf``: no class): a tighter classed request of the
+    #: same tenant may take its slot.
+    ttft_s: float = math.inf
     #: The lease its slot passes to when it is released (set when it is chosen as a victim).
     yield_to: Lease | None = None
     #: Set once the slot is this lease's (at once, or when the victim it replaces is released).

@@ -31,7 +31,7 @@ from apsd.core.ledger import Ledger
 from apsd.core.models import InferenceRequest
 from apsd.engines.backends import Backend, BackendClient, HttpBackendClient
 from apsd.engines.batch import BatchEngine, FaultInjector, GpuModel
-from apsd.engines.continuous import ContinuousEngine
+from apsd.engines.continuous import ContinuousEngine, tenant_weights
 from apsd.engines.forward import ForwardEngine
 from apsd.engines.preemption import PreemptionRules
 from apsd.core.slots import LocalSlots, SlotTable
@@ -148,14 +148,16 @@ class _Continuous:
         deployment_for(config, profiles)
 
     def build(self, config: Config, *, ledger: Ledger, clock: ModelClock, rank: Callable[[InferenceRequest, float], float],
-              profiles: ProfileRegistry | None, **_: Any) -> list[Engine]:
+              profiles: ProfileRegistry | None, requeue: Callable[[InferenceRequest, str], None] | None = None,
+              **_: Any) -> list[Engine]:
         engine = config.engine
         deployment = deployment_for(config, profiles)
         price = engine.price_per_gpu_hour_usd * engine.tp
         return [ContinuousEngine(i, deployment, ledger, clock, rank, max_sequences=engine.max_sequences,
                                  max_batched_tokens=engine.max_batched_tokens,
                                  isolation=engine.isolation, prefill_chunk_tokens=engine.prefill_chunk_tokens,
-                                 price_per_hour_usd=price, prefix_cache=engine.prefix_cache)
+                                 price_per_hour_usd=price, prefix_cache=engine.prefix_cache,
+                                 classes=bool(config.classes), requeue=requeue, weights=tenant_weights(config))
                 for i in range(engine.count)]
 
 

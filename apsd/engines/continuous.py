@@ -19,8 +19,9 @@ model's context) is refused at admission.
 
 Isolation (``[engine] isolation``, on by default): a tenant is *below its share* when it has
 fewer sequences in this engine than ``max_sequences`` divided by the tenants there, itself
-included (:meth:`ContinuousEngine.under_share`). Three rules keep such a tenant's first token
-close to what it would be alone, whatever the others send:
+included (:meth:`ContinuousEngine.under_share`); with tenants' weights (``[tenants.<name>] weight``),
+its weight's part of it (weight 4 beside a tenant of weight 1: four fifths). Three rules keep such a
+tenant's first token close to what it would be alone, whatever the others send:
 
 1. **It gets in.** When the engine is full (sequences or KV cache), it still takes a request of
    a tenant below its share: it preempts (recompute) the newest sequences of the tenant furthest
@@ -49,6 +50,29 @@ let it pass the head). The measured ratio to its time alone, over a grid of work
 ``isolation = false`` none of this applies: FCFS steps of up to ``max_batched_tokens``, and
 preemption only when the KV cache runs out.
 
+Service classes (:mod:`apsd.core.classes`): a request with a class carries a deadline
+(``class_deadline``), and while it can still meet it (no first token yet, the deadline not passed) it
+is *punctual*. The engine orders prompts by it, within the rules above:
+
+* **Deadline order.** A step that is not a fast step prefills the punctual prompts first, the most
+  urgent first (the tighter class, then the earlier deadline: :func:`apsd.core.classes.urgency`), then
+  the others in the order above; a fast step takes a tenant's punctual prompts before its others.
+  Without isolation the punctual prompts go first, then the others first come first served. A prompt
+  whose deadline passed is no longer punctual: it goes behind those that can still be on time.
+4. **A tight request takes a looser prompt's place** (isolation on, classes configured). A full engine
+   also takes a classed request whose tenant has a prompt here of a looser class (or none) that has not
+   started: that prompt goes back to the scheduler's queue (``requeue``, its place in queue order kept)
+   and the classed request joins instead. A tenant only trades places with itself, so its share is
+   unchanged; without this, a tight request would wait for a slot behind the seconds of work a
+   256-sequence engine holds. Among a tenant's sequences, preemption takes prompts that have not started,
+   least urgent first, before others.
+* **Its wait, told to admission.** :meth:`ContinuousEngine.first_token_wait_s` is what a classed request
+  dispatched now would wait for its first token: the step in progress, the punctual prompts of its
+  class or tighter ones, and its own, at the prefill rate of the last steps. Admission's early refusal
+  adds it to the wait in the queue.
+
+Without classes configured nothing of this applies: the engine behaves exactly as without it.
+
 Events, not tokens: a run of steps in which only decoding happens and nothing joins, finishes,
 runs out of cache or is cancelled is computed in closed form
 (:meth:`~apsd.engines.roofline.Deployment.decode_steps_s`) and slept over at once, so a
@@ -58,9 +82,9 @@ progress. Sequences with a token stream are woken every ``STREAM_INTERVAL_S`` mo
 to receive their tokens.
 
 Prefix cache (``[engine] prefix_cache``, on by default, as vLLM's automatic prefix caching): the
-engine keeps the key blocks (:func:`apsd.core.routing.routing_key`, ``BLOCK_TOKENS`` tokens each) of
-every prompt it has read, in an LRU of as many blocks as its KV cache holds, a prompt's first block
-most recently used. A request joining whose key starts with cached blocks skips their prefill: its
+engine keeps the key blocks (:func:`apsd.core.routing.routing_key`, ``BLOCK_TOKENS`` tokens each, or a
+trace's ``prefix_block_tokens``) of every prompt it has read, in an LRU of as many tokens as its KV
+cache holds, a prompt's first block most recently used. A request joining whose key starts with cached blocks skips their prefill: its
 sequence starts with that many tokens in its context (at most its prompt less one token: the last
 is always computed) and ``request.cached_tokens`` says how many, for settlement at ``[admission]
 cached_prompt_discount``. Its KV cache is still counted whole (blocks shared between sequences are
@@ -85,16 +109,17 @@ from collections.abc import Callable
 import attrs
 import trio
 
+from apsd.core.classes import urgency
 from apsd.core.clock import ModelClock
 from apsd.core.config import Config
 from apsd.core.ledger import Ledger
 from apsd.core.models import GENERATION_APIS, Capacity, Dispatch, InferenceRequest, Refusal
-from apsd.core.routing import BLOCK_TOKENS, Target, routing_key
+from apsd.core.routing import Target, routing_key
 from apsd.core.streams import TokenChunk
 from apsd.core.engine import Demand, EngineStatistics, completion
 from apsd.engines.roofline import Deployment
 
-__all__ = ["ContinuousEngine", "first_token_bound_s", "prefill_chunk_for"]
+__all__ = ["ContinuousEngine", "first_token_bound_s", "prefill_chunk_for", "tenant_weights"]
 
 log = logging.getLogger("apsd.engines.continuous")
 
@@ -108,6 +133,8 @@ PROTECT_FACTOR = 2.5
 CHUNK_STEP = 16
 #: ... and at least this many: the smallest prefill chunk of a protected step: the prefill of tenants above their share always advances.
 MIN_CHUNK = 64
+#: Steps with prefill over which the engine's prefill rate is measured (:meth:`ContinuousEngine.first_token_wait_s`).
+RATE_STEPS = 64
 #: A prefill chunk is as cheap per token as any when its prefill costs at most this much more per
 #: token than the cheapest chunk's (:func:`prefill_chunk_for`).
 CHUNK_TOLERANCE = 0.10
@@ -137,6 +164,18 @@ def prefill_chunk_for(deployment: Deployment, max_batched_tokens: int) -> int:
     per_token = {n: deployment.step_s([(n, 0)], 0, 0) / n for n in sizes}
     cheapest = min(per_token.values())
     return next(n for n in sizes if per_token[n] <= cheapest * (1 + CHUNK_TOLERANCE))
+
+
+def tenant_weights(config: Config) -> dict[str, float]:
+    """The configured tenants whose weight is not 1, and their weights."""
+    return {name: tenant.weight for name, tenant in config.tenants.items() if tenant.weight != 1.0}
+
+
+def _target_s(request: InferenceRequest) -> float:
+    """A request's class's ``ttft_s`` (infinite without a class), to the millisecond (its deadline less
+    its arrival is not exact in floating point: two requests of one class must compare equal)."""
+    deadline = request.class_deadline
+    return math.inf if deadline is None else round(deadline - request.arrival, 3)
 
 
 @attrs.define(eq=False, slots=True)
@@ -177,6 +216,14 @@ class ContinuousEngine:
     price_per_hour_usd: float = 0.0
     #: Keep the blocks of prompts read, and skip their prefill when a prompt starts with them.
     prefix_cache: bool = False
+    #: Service classes are configured: a classed request may displace a less urgent prompt of its own
+    #: tenant that has not started (rule 4 of the module docstring).
+    classes: bool = False
+    #: Tenants whose weight (``[tenants.<name>] weight``) is not 1: their shares here are in proportion
+    #: (the module docstring); empty: equal shares.
+    weights: dict[str, float] = attrs.field(factory=dict)
+    #: The scheduler's ``requeue``: where a displaced prompt goes back to (rule 4); None: preempted instead.
+    requeue: Callable[[InferenceRequest, str], None] | None = None
     kind: str = attrs.field(default="continuous", init=False)
     apis: tuple[str, ...] = attrs.field(default=GENERATION_APIS, init=False)
     # -- state ---------------------------------------------------------------------------------
@@ -231,8 +278,19 @@ class ContinuousEngine:
     _dispatches: int = attrs.field(default=0, init=False)
     _tokens: int = attrs.field(default=0, init=False)
     _preemptions: int = attrs.field(default=0, init=False)
-    #: The prefix cache: key blocks, least recently used first.
-    _blocks: collections.OrderedDict[int, None] = attrs.field(factory=collections.OrderedDict, init=False)
+    #: Prompts sent back to the queue to make room for more urgent ones (rule 4).
+    _displaced: int = attrs.field(default=0, init=False)
+    #: Model time the step (or run of decode steps) in progress ends; during a run of decode steps, its
+    #: sequences and their context at its start (for :meth:`_step_left`).
+    _step_end: float = attrs.field(default=0.0, init=False)
+    _run_steps: tuple[int, int] | None = attrs.field(default=None, init=False)
+    #: (prefill tokens, seconds) of the last ``RATE_STEPS`` steps with prefill (with classes only), for
+    #: :meth:`first_token_wait_s`.
+    _recent_prefill: collections.deque[tuple[int, float]] = attrs.field(
+        factory=lambda: collections.deque(maxlen=RATE_STEPS), init=False)
+    #: The prefix cache: key blocks, least recently used first, and the tokens each holds (and in all).
+    _blocks: collections.OrderedDict[int, int] = attrs.field(factory=collections.OrderedDict, init=False)
+    _block_tokens_held: int = attrs.field(default=0, init=False)
     _prompt_tokens: int = attrs.field(default=0, init=False)
     _cached_tokens: int = attrs.field(default=0, init=False)
 
@@ -273,23 +331,93 @@ class ContinuousEngine:
                 return Capacity(sequences=0, kv_tokens=0, reserve_output=False)
             return Capacity(sequences=max(0, slots), kv_tokens=max(0, kv), reserve_output=False)
         held_sequences, held_kv = self._preemptible()
+        swap_sequences, swap_kv = self._swappable()
+        held_sequences, held_kv = held_sequences + swap_sequences, held_kv + swap_kv
         held_sequences += min(0, slots)  # (dispatched requests not yet joined may have taken some already)
         held_kv += min(0, kv)
         slots, kv = max(0, slots), max(0, kv)
         if self._preempted:  # what was preempted comes back first, after tenants below their share
             held_sequences, held_kv, slots, kv = held_sequences + slots, held_kv + kv, 0, 0
         return Capacity(sequences=slots, kv_tokens=kv, reserve_output=False, held_sequences=max(0, held_sequences),
-                        held_kv_tokens=max(0, held_kv), under_share=self.under_share)
+                        held_kv_tokens=max(0, held_kv), under_share=self.may_use_held)
 
     def under_share(self, request: InferenceRequest) -> bool:
         """Whether ``request``'s tenant is below its share here (:meth:`shares`)."""
         return self._below_share(request.tenant_id)
 
+    def may_use_held(self, request: InferenceRequest) -> bool:
+        """Whether ``request`` may take the held room of a full engine: its tenant is below its share,
+        or it is a classed request that can still meet its deadline and its tenant has a less urgent
+        prompt here that has not started (which it displaces: rule 4 of the module docstring)."""
+        if self._below_share(request.tenant_id):
+            return True
+        deadline = request.class_deadline
+        return (self.classes and deadline is not None and self.clock.now() <= deadline
+                and self._displaceable(request) is not None)
+
+    def first_token_wait_s(self, request: InferenceRequest, target_s: float) -> float:
+        """Model seconds from now to the first token of ``request``, of a class whose ``ttft_s`` is
+        ``target_s``, if it joined now: the rest of the step in progress, then the prompts this engine
+        prefills before its own (the punctual classed prompts of its class or a tighter one, those
+        dispatched here included) and its own prompt (less what the prefix cache holds), at the prefill
+        rate of the engine's last ``RATE_STEPS`` steps with prefill (before any: a chunk beside the
+        decodes running now). Admission's early refusal of a class's requests adds it to their wait in
+        the queue (:meth:`apsd.core.classes.ServiceClasses.refuse_unmeetable`)."""
+        mine = round(target_s, 3)
+        ahead = sum(seq.prompt_left for seq in self._prefilling if self._punctual(seq)
+                    and _target_s(seq.request) <= mine)
+        ahead += sum(r.prompt_tokens for d in self._inbox for r in d.requests
+                     if r.class_deadline is not None and _target_s(r) <= mine and not r.answered)
+        ahead += max(1, request.prompt_tokens - self._cached_prefix(request, touch=False))
+        tokens = sum(n for n, _ in self._recent_prefill)
+        seconds = sum(s for _, s in self._recent_prefill)
+        if not tokens or not seconds:
+            chunk = self.prefill_chunk_tokens if self.isolation else self.max_batched_tokens
+            tokens, seconds = chunk, self.deployment.step_s([(chunk, 0)], len(self._decoding), self._decode_context)
+        return self._step_left() + ahead * seconds / tokens
+
+    def _step_left(self) -> float:
+        """Model seconds until the step in progress ends (a run of decode steps takes in what was
+        dispatched at the end of its step in progress)."""
+        now = self.clock.now()
+        if self._run_steps is None:
+            return max(0.0, self._step_end - now)
+        n, context = self._run_steps
+        d = self.deployment
+        done = d.decode_steps_within(n, context, max(0.0, now - self.t))
+        return max(0.0, self.t + d.decode_steps_s(n, context, done + 1) - now)
+
+    def _displaceable(self, request: InferenceRequest) -> Sequence | None:
+        """The prompt of ``request``'s tenant here that ``request`` (a classed request) would displace:
+        one that has not started, unclassed or of a looser class (a longer ``ttft_s``); the least urgent
+        (:meth:`_displace_key`). None: there is none. (Never one of its own class: that would only
+        trade places inside a class, over and over.)"""
+        mine = _target_s(request)
+        candidates = [seq for seq in self._prefilling
+                      if seq.request.tenant_id == request.tenant_id and seq.request.started_at is None
+                      and _target_s(seq.request) > mine]
+        return max(candidates, key=self._displace_key, default=None)
+
+    def _displace_key(self, seq: Sequence) -> tuple[int, float, int]:
+        """Which not-started prompt to displace first (the largest): not punctual, then least urgent, then newest."""
+        if self._punctual(seq):
+            return (0, urgency(seq.request), seq.request.seq)
+        return (1, 0.0, seq.request.seq)
+
+    def _swappable(self) -> tuple[int, int]:
+        """Room classed requests could take by displacing less urgent prompts of their own tenants that
+        have not started (rule 4): those prompts, and their KV tokens (none without classed requests)."""
+        if not self.classes:
+            return 0, 0
+        waiting = [seq for seq in self._prefilling if seq.request.started_at is None]
+        return len(waiting), sum(seq.context + seq.prompt_left for seq in waiting)
+
     def shares(self) -> dict[str, float]:
         """Tenant -> its dominant share of this engine: the larger of its fraction of ``max_sequences``
         (its requests here, dispatched, running or preempted) and of the usable KV cache (the tokens
-        its sequences hold). A tenant is below its share while this times the tenants here (itself
-        included) is under 1, above it while over 1."""
+        its sequences hold), over its weight. A tenant is below its share while this times the tenants'
+        weights here, summed (itself included; without weights: the number of tenants), is under 1,
+        above it while over 1."""
         key = (self._step, self._version, self._kv_used, self._tenants_changed, len(self._prefilling), self._preemptions)
         if key == self._shares_key:
             return self._shares
@@ -302,18 +430,28 @@ class ContinuousEngine:
             for request in dispatch.requests:
                 kv[request.tenant_id] += request.prompt_tokens + 1
         usable = self.deployment.kv_capacity_tokens - self._watermark
-        self._shares = {tenant: max(n / self.max_sequences, kv[tenant] / usable)
-                        for tenant, n in self._per_tenant.items()}
+        weights = self.weights
+        self._shares = {tenant: max(n / self.max_sequences, kv[tenant] / usable) / weights.get(tenant, 1.0)
+                        for tenant, n in self._per_tenant.items()} if weights else \
+            {tenant: max(n / self.max_sequences, kv[tenant] / usable) for tenant, n in self._per_tenant.items()}
         self._shares_key = key
         return self._shares
 
+    def _weight_of(self, tenants: dict[str, float]) -> float:
+        """The weights of ``tenants`` (the keys of :meth:`shares`) summed: their count when no tenant has
+        a weight other than 1."""
+        if not self.weights:
+            return len(tenants)
+        return sum(self.weights.get(t, 1.0) for t in tenants)
+
     def _below_share(self, tenant: str) -> bool:
         shares = self.shares()
-        return shares.get(tenant, 0.0) * (len(shares) + (tenant not in shares)) < 1.0
+        here = self._weight_of(shares) + (self.weights.get(tenant, 1.0) if tenant not in shares else 0)
+        return shares.get(tenant, 0.0) * here < 1.0
 
     def _over_share(self, tenant: str) -> bool:
         shares = self.shares()
-        return shares[tenant] * len(shares) > 1.0
+        return shares[tenant] * self._weight_of(shares) > 1.0
 
     def _protect(self, fast_step_s: float, end: float) -> None:
         """A fast step of ``fast_step_s`` ends at ``end``: for ``PROTECT_S`` after it, the others' steps
@@ -347,19 +485,26 @@ class ContinuousEngine:
         tenant here has a larger share."""
         shares, tenant = self.shares(), seq.request.tenant_id
         mine = shares[tenant]
-        return mine * len(shares) < 1.0 and any(share > mine for share in shares.values())
+        return mine * self._weight_of(shares) < 1.0 and any(share > mine for share in shares.values())
 
     def _preemptible(self) -> tuple[int, int]:
         """What preempting tenants above their share (counting one more tenant: a newcomer) could free for
         a tenant below its share: their sequences and KV tokens beyond that share."""
         shares = self.shares()
-        tenants = len(shares) + 1
+        tenants = self._weight_of(shares) + 1
         over = [t for t, share in shares.items() if share * tenants > 1.0]
         if not over:
             return 0, 0
         usable = self.deployment.kv_capacity_tokens - self._watermark
-        sequences = sum(max(0, self._per_tenant[t] - self.max_sequences // tenants) for t in over)
-        kv = sum(max(0, round(shares[t] * usable) - usable // tenants) for t in over)
+        if not self.weights:
+            sequences = sum(max(0, self._per_tenant[t] - self.max_sequences // tenants) for t in over)
+            kv = sum(max(0, round(shares[t] * usable) - usable // tenants) for t in over)
+            return sequences, kv
+        weight = self.weights.get
+        sequences = sum(max(0, self._per_tenant[t] - math.floor(self.max_sequences * weight(t, 1.0) / tenants))
+                        for t in over)
+        kv = sum(max(0, round(shares[t] * weight(t, 1.0) * usable) - math.floor(usable * weight(t, 1.0) / tenants))
+                 for t in over)
         return sequences, kv
 
     def first_token_bound_s(self, prompt_tokens: int) -> float:
@@ -386,7 +531,11 @@ class ContinuousEngine:
         return True
 
     def reconfigure(self, config: Config) -> list[str]:
-        return []  # the deployment and its limits need a restart (Pipeline.reconfigure says so)
+        """Take the tenants' new weights; the deployment and its limits need a restart (Pipeline.reconfigure
+        says so)."""
+        self.weights = tenant_weights(config)
+        self._shares_key = None
+        return []
 
     def statistics(self) -> EngineStatistics:
         d = self.deployment
@@ -406,8 +555,8 @@ class ContinuousEngine:
                       room=self.free().fits(request), cache_tokens=self.deployment.kv_capacity_tokens)
 
     # -- the prefix cache ------------------------------------------------------------------------
-    def _cached_prefix(self, request: InferenceRequest) -> int:
-        """Tokens of ``request``'s prompt its first cached blocks hold (touched: used now)."""
+    def _cached_prefix(self, request: InferenceRequest, touch: bool = True) -> int:
+        """Tokens of ``request``'s prompt its first cached blocks hold (``touch``: marked used now)."""
         if not self.prefix_cache:
             return 0
         blocks = self._blocks
@@ -417,9 +566,10 @@ class ContinuousEngine:
             if block not in blocks:
                 break
             n += 1
-        for block in reversed(key[:n]):
-            blocks.move_to_end(block)
-        return max(0, min(n * BLOCK_TOKENS, request.prompt_tokens - 1))
+        if touch:
+            for block in reversed(key[:n]):
+                blocks.move_to_end(block)
+        return max(0, min(n * request.prefix_block_tokens, request.prompt_tokens - 1))
 
     def _remember_prompt(self, request: InferenceRequest) -> None:
         """``request``'s prompt was read: keep its blocks (its first most recently used), evicting the
@@ -427,12 +577,16 @@ class ContinuousEngine:
         if not self.prefix_cache:
             return
         blocks = self._blocks
-        for block in reversed(routing_key(request)[:request.prompt_tokens // BLOCK_TOKENS]):
-            blocks[block] = None
-            blocks.move_to_end(block)
-        capacity = self.deployment.kv_capacity_tokens // BLOCK_TOKENS
-        while len(blocks) > capacity:
-            blocks.popitem(last=False)
+        size = request.prefix_block_tokens
+        for block in reversed(routing_key(request)[:request.prompt_tokens // size]):
+            if block in blocks:
+                blocks.move_to_end(block)
+            else:
+                blocks[block] = size
+                self._block_tokens_held += size
+        capacity = self.deployment.kv_capacity_tokens
+        while self._block_tokens_held > capacity:
+            self._block_tokens_held -= blocks.popitem(last=False)[1]
 
     # -- the loop --------------------------------------------------------------------------------
     async def serve(self, demands: trio.MemorySendChannel[Demand],
@@ -534,6 +688,7 @@ class ContinuousEngine:
             for request in list(self._aborts):
                 self._abort(request)
             self._aborts.clear()
+        joined: list[InferenceRequest] = []
         while self._inbox:
             dispatch = self._inbox.popleft()
             self._dispatches += 1
@@ -541,6 +696,7 @@ class ContinuousEngine:
                 if request.answered:
                     self._leave_tenant(request)
                     continue
+                joined.append(request)
                 if request.stream is not None and request.stream.abandoned:
                     self._aborts.add(request)
                 cached = self._cached_prefix(request)
@@ -555,13 +711,15 @@ class ContinuousEngine:
             if self._aborts:
                 self._boundary()
         if self.isolation:
+            if self.classes and self.requeue is not None and joined:
+                self._swap(joined)
             self._make_room()
         if self._preempted:
             self._resume()
 
     def _resume(self) -> None:
         """Move preempted sequences whose recomputation fits back to prefilling, highest rank first."""
-        self._preempted.sort(key=lambda s: (-self.rank(s.request, self.t), s.request.seq))
+        self._preempted.sort(key=lambda s: (not self._punctual(s), -self.rank(s.request, self.t), s.request.seq))
         while (self._preempted and self._preempted[0].prompt_left + 1 <= self._spare_kv()
                and len(self._prefilling) + len(self._decoding) < self.max_sequences):
             seq = self._preempted.pop(0)
@@ -576,12 +734,7 @@ class ContinuousEngine:
         the prompts of tenants below their share alone, the decodes waiting one (short) step; never
         two such steps in a row."""
         d = self.deployment
-        prefilling: list[Sequence] | collections.deque[Sequence] = self._prefilling
-        fast = False
-        if self.isolation:
-            shares = self.shares()
-            prefilling = sorted(prefilling, key=lambda s: (shares[s.request.tenant_id], s.request.seq))
-            fast = not self._fast_last and self._fast(prefilling[0])
+        prefilling, fast = self._prefill_order()
         self._fast_last = fast
         decoding = 0 if fast else len(self._decoding)
         decode_context = 0 if fast else self._decode_context
@@ -602,6 +755,10 @@ class ContinuousEngine:
         end = self.t + duration
         if fast:
             self._protect(duration, end)
+        self._step_end = end
+        prefilled = sum(chunk for _, chunk in chunks)
+        if self.classes:
+            self._recent_prefill.append((prefilled, duration))
         await self._step_until(end)
         tokens = decoding + sum(chunk for _, chunk in chunks)
         cost = duration * self.price_per_hour_usd / 3600.0
@@ -621,6 +778,43 @@ class ContinuousEngine:
                 self._prefilling.remove(seq)
                 self._first_token_after_prefill(seq)
         self._finish_due()
+
+    def _prefill_order(self) -> tuple[list[Sequence] | collections.deque[Sequence], bool]:
+        """The prompts to prefill, in the order the next step takes them, and whether it is a fast step.
+
+        While isolating: the tenants with the smallest shares first; the step is a fast one when the
+        first is below its share (:meth:`_fast`). Service classes (the module docstring): inside a
+        fast step a tenant's punctual classed prompts go first (most urgent first), and in any other
+        step every punctual classed prompt goes first, most urgent first (:func:`urgency`), then the
+        rest in the order above. Without classed prompts the order is exactly the classless one."""
+        prefilling = self._prefilling
+        classed = any(s.request.class_deadline is not None for s in prefilling)
+        if not self.isolation:
+            if not classed:
+                return prefilling, False
+            place = {seq: n for n, seq in enumerate(prefilling)}  # (FCFS, what was preempted first)
+            return sorted(prefilling, key=lambda s: self._deadline_key(s) if self._punctual(s) else
+                          (1, 0.0, place[s])), False
+        shares = self.shares()
+        if not classed:
+            ordered = sorted(prefilling, key=lambda s: (shares[s.request.tenant_id], s.request.seq))
+            return ordered, not self._fast_last and self._fast(ordered[0])
+        ordered = sorted(prefilling, key=lambda s: (shares[s.request.tenant_id], self._deadline_key(s)))
+        if not self._fast_last and self._fast(ordered[0]):
+            return ordered, True
+        return sorted(ordered, key=lambda s: self._deadline_key(s) if self._punctual(s) else
+                      (1, shares[s.request.tenant_id], s.request.seq)), False
+
+    def _punctual(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s request has a class deadline it can still meet (it has not passed)."""
+        deadline = seq.request.class_deadline
+        return deadline is not None and seq.request.started_at is None and self.t <= deadline
+
+    def _deadline_key(self, seq: Sequence) -> tuple[int, float, int]:
+        """Punctual classed requests first, most urgent first; then the others by admission order."""
+        if self._punctual(seq):
+            return (0, urgency(seq.request), seq.request.seq)
+        return (1, 0.0, seq.request.seq)
 
     def _first_token_after_prefill(self, seq: Sequence) -> None:
         """The step that read ``seq``'s last prompt chunk produced its next token."""
@@ -656,7 +850,9 @@ class ContinuousEngine:
         if self._streaming:
             steps = max(1, min(steps, d.decode_steps_within(n, self._decode_context, STREAM_INTERVAL_S)))
         end = self.t + d.decode_steps_s(n, self._decode_context, steps)
+        self._step_end, self._run_steps = end, (n, self._decode_context)
         await self._wait_for_answer(self.clock.deadline(end))
+        self._run_steps = None
         if not self.clock.reached(end):  # woken early: finish the step in progress, then take it in
             done = d.decode_steps_within(n, self._decode_context, self.clock.now() - self.t)
             steps = min(steps, done + 1)
@@ -779,6 +975,38 @@ class ContinuousEngine:
             over_kv -= self._preempt_one(victim)
             over_slots -= 1
 
+    def _over_capacity(self) -> tuple[int, int]:
+        """Sequences beyond ``max_sequences``, and KV tokens beyond the usable cache (positive: too many)."""
+        return (len(self._prefilling) + len(self._decoding) - self.max_sequences,
+                self._kv_used + len(self._decoding) - (self.deployment.kv_capacity_tokens - self._watermark))
+
+    def _swap(self, joined: list[InferenceRequest]) -> None:
+        """Rule 4: classed requests that just joined a full engine, their tenants above their share (they
+        came in by displacing), each send a looser prompt of their own tenant that has not started back
+        to the queue (:meth:`_displaceable`), most urgent joiner first, while the engine is over capacity."""
+        over_slots, over_kv = self._over_capacity()
+        for request in sorted((r for r in joined if r.class_deadline is not None), key=urgency):
+            if over_slots <= 0 and over_kv <= 0:
+                return
+            if not self._over_share(request.tenant_id) or (victim := self._displaceable(request)) is None:
+                continue
+            over_kv -= self._displace(victim)
+            over_slots -= 1
+
+    def _displace(self, seq: Sequence) -> int:
+        """Send a prompt that has not started back to the scheduler's queue (rule 4), in its old place;
+        the KV tokens this frees."""
+        freed = seq.context + seq.prompt_left
+        self._prefilling.remove(seq)
+        self._release(seq)
+        self._displaced += 1
+        self._prompt_tokens -= seq.request.prompt_tokens   # (it joins again later, and is counted then)
+        self._cached_tokens -= seq.request.cached_tokens
+        seq.request.cached_tokens = 0
+        assert self.requeue is not None
+        self.requeue(seq.request, f"engine {self.engine_id} gave its place to a more urgent request")
+        return freed
+
     def _victim(self, over_share_only: bool = False) -> Sequence | None:
         """The running sequence to preempt: while isolating tenants from each other, the newest of the
         tenant furthest above its share; else (or if none is above it) the one the queue policy ranks
@@ -788,10 +1016,20 @@ class ContinuousEngine:
             over = [seq for seq in running if self._over_share(seq.request.tenant_id)]
             if over:
                 shares = self.shares()
-                return max(over, key=lambda s: (shares[s.request.tenant_id], s.request.seq))
+                if not self.classes:
+                    return max(over, key=lambda s: (shares[s.request.tenant_id], s.request.seq))
+                return max(over, key=lambda s: (shares[s.request.tenant_id], self._victim_rank(s)))
         if over_share_only:
             return None
-        return min(running, key=lambda s: (self.rank(s.request, self.t), -s.request.seq), default=None)
+        return min(running, key=lambda s: (self._punctual(s), self.rank(s.request, self.t), -s.request.seq),
+                   default=None)
+
+    def _victim_rank(self, seq: Sequence) -> tuple[int, int, float, int]:
+        """With service classes, which sequence of a tenant to preempt first (the largest): a prompt
+        that has not started (least urgent first, :meth:`_displace_key`), else the newest."""
+        if seq.request.started_at is None:
+            return (1, *self._displace_key(seq))
+        return (0, 0, 0.0, seq.request.seq)
 
     def _preempt(self, tokens: int) -> None:
         """Free at least ``tokens`` KV tokens by preempting running sequences (:meth:`_victim`)."""

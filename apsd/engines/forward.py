@@ -242,11 +242,11 @@ class ForwardEngine:
             return Capacity(sequences=total, kv_tokens=UNBOUNDED, reserve_output=False, slots_per_model=slots)
         shares: dict[str | None, Shares] = {}
         held_per_model = {name: self._preemptible(name, now, shares) for name in slots}
-        victims: dict[tuple[str | None, str], bool] = {}
+        victims: dict[tuple[str | None, str, float], bool] = {}
 
         def has_victim(request: InferenceRequest) -> bool:
             """Whether a victim would give ``request`` its slot now (what :meth:`_place` will find)."""
-            key = (request.model, request.tenant_id)
+            key = (request.model, request.tenant_id, _urgent_ttft(request, now, self.rules))
             found = victims.get(key)
             if found is None:
                 found = victims[key] = self._victim(request, now, shares) is not None
@@ -254,7 +254,8 @@ class ForwardEngine:
 
         return Capacity(sequences=total, kv_tokens=UNBOUNDED, reserve_output=False, slots_per_model=slots,
                         held_sequences=self._preemptible(None, now, shares), held_per_model=held_per_model,
-                        under_share=has_victim)
+                        under_share=has_victim,
+                        prefer=(lambda r: self._shares(r.model, shares).below(r.tenant_id)) if total else None)
 
     def _shares(self, model: str | None, cache: dict[str | None, Shares]) -> Shares:
         """Who holds the slots of the healthy backends serving ``model`` (None: every backend), every
@@ -266,10 +267,20 @@ class ForwardEngine:
             shares = cache[model] = Shares.of(leases, sum(b.config.max_concurrency for b in serving), self.weights)
         return shares
 
+    def takes_now(self, request: InferenceRequest) -> bool:
+        """Whether ``request`` would be sent at once: a usable backend serving its model has a free slot,
+        or there is a request to preempt for it (service classes' admission asks)."""
+        now = self.clock.now()
+        serving = self._serving(request.model)
+        if any(self._free_slots(b, now) > 0 for b in serving):
+            return True
+        return self.rules.enabled and self._victim(request, now, {}) is not None
+
     def _victim(self, request: InferenceRequest, now: float, cache: dict[str | None, Shares]) -> Lease | None:
         """The lease to preempt for ``request`` now (:func:`~apsd.engines.preemption.choose_victim`), if any."""
         leases = [lease for b in self._serving(request.model) for lease in self.slots.leases(b.name)]
-        return choose_victim(leases, self._shares(request.model, cache), request.tenant_id, now, self.rules)
+        return choose_victim(leases, self._shares(request.model, cache), request.tenant_id, now, self.rules,
+                             _urgent_ttft(request, now, self.rules))
 
     def _preemptible(self, model: str | None, now: float, cache: dict[str | None, Shares]) -> int:
         """Slots of ``model``'s backends that preempting tenants above their share (counting one more
@@ -446,7 +457,7 @@ class ForwardEngine:
         lease = Lease(lease_id=f"{request.request_id}#{self._next_lease}", backend=backend.name,
                       tenant=request.tenant_id, replica=self.slots.replica, since=now, started=started,
                       preemptible=request.stream is not None and (not started or self._resumes(progress, backend)),
-                      preemptions=request.preemptions)
+                      preemptions=request.preemptions, ttft_s=_class_ttft(request))
         outstanding = 0
         if backend.config.priority != "off":   # (the rank of its priority: only a backend configured for it)
             stats = self.ledger.tenants.get(request.tenant_id)
@@ -546,7 +557,8 @@ class ForwardEngine:
         """The API, the body (a continuation for a resumed request) and the stream relay of an attempt."""
         request, backend, lease = attempt.request, attempt.backend, attempt.lease
         polarity = backend.config.priority
-        priority = None if polarity == "off" else priority_for(request, attempt.outstanding, polarity)
+        priority = None if polarity == "off" else priority_for(request, attempt.outstanding, polarity,
+                                                                 self.clock.now())
         api, body, wants_usage = request_body(request, request.model or backend.models[0], priority)
         progress = self._progress.get(request)
         attempt.base_tokens = request.tokens_generated
@@ -718,6 +730,21 @@ class ForwardEngine:
         self._busy_s += duration / c.max_concurrency
         self._cost_usd += cost
         self.ledger.engine_ran(duration / c.max_concurrency, cost)
+
+
+def _class_ttft(request: InferenceRequest) -> float:
+    """``request``'s service class's ``ttft_s`` (``math.inf``: no class)."""
+    deadline = request.class_deadline
+    return deadline - request.arrival if deadline is not None else math.inf
+
+
+def _urgent_ttft(request: InferenceRequest, now: float, rules: PreemptionRules) -> float:
+    """Its class's ``ttft_s`` while it has no first token and can still meet its deadline, and that deadline
+    is nearer than ``preempt_min_run_s`` (a looser class is served by slots that free and the share rule),
+    else ``math.inf``."""
+    deadline = request.class_deadline
+    urgent = deadline is not None and now < deadline < now + rules.min_run_s and request.started_at is None
+    return deadline - request.arrival if urgent else math.inf  # type: ignore[operator]
 
 
 #: A lease that could not be confirmed: its slot went to another sender's request.

@@ -21,6 +21,17 @@ the backends that serve a request's model, counting every sender's leases (:mod:
   preemptions spread over a flood's streams instead of pausing one stream again and again). A started request is *resumed* later as a continuation of its
   own text (:mod:`apsd.engines.relay`): only a stream that can be continued safely is chosen
   (:func:`resumable`).
+* **Service classes.** A classed request that can still meet its deadline, due sooner than
+  ``preempt_min_run_s`` (a looser class is served by the slots that free and the share rule), first
+  takes the slot of a
+  request of its own tenant of a looser class (or none), or of its own class with its first token out
+  already, whatever the shares and however short that request's run (the cap still holds): the tenant
+  trades places with itself (as on the ``continuous`` engine), and a class's promise is its first token. Failing that, its tenant below its share preempts as above (looser classes first among the
+  victims); at or above its share, it may *borrow* one slot beyond its share from a looser request of a
+  tenant holding at least its share, which that tenant, below its share then, takes back by the rule
+  above (from the borrower's loosest requests first). So a tenant holds at most one slot beyond its
+  share for its tight class, and a tight request's first token does not wait for the tenant's own
+  tight requests to end.
 * **Churn is bounded** (``[forward] preempt_min_run_s``, ``max_preemptions``): a request is preempted
   at most that many times, and once it has been, its resumed run lasts that long before it can be again.
 
@@ -35,6 +46,7 @@ reaches it.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -84,6 +96,16 @@ class Shares:
         """Whether ``tenant`` holds more than its share once ``newcomer`` is counted among the tenants."""
         return self.held[tenant] * self._total_weight(newcomer) > self.slots * self.weight(tenant)
 
+    def may_borrow(self, tenant: str) -> bool:
+        """Whether ``tenant`` holds fewer than its share plus one slot: it may borrow one for a request of
+        a tight service class."""
+        total = self._total_weight(tenant)
+        return self.held[tenant] * total < self.slots * self.weight(tenant) + total
+
+    def lends(self, tenant: str, newcomer: str) -> bool:
+        """Whether ``tenant`` holds at least its share once ``newcomer`` is counted among the tenants."""
+        return self.held[tenant] * self._total_weight(newcomer) >= self.slots * self.weight(tenant)
+
     def yields_to(self, tenant: str, newcomer: str) -> bool:
         """Whether ``tenant`` may give one of its slots to ``newcomer``: it is above its share, and keeps
         at least as many slots per weight as ``newcomer`` will hold."""
@@ -129,22 +151,26 @@ def eligible(lease: Lease, now: float, rules: PreemptionRules) -> bool:
     return not lease.started or not lease.preemptions or now - lease.since >= rules.min_run_s
 
 
-def choose_victim(leases: Sequence[Lease], shares: Shares, tenant: str, now: float,
-                  rules: PreemptionRules) -> Lease | None:
-    """The lease to preempt for a request of ``tenant`` (see the module docstring), or None: ``tenant``
-    is not below its share, or no tenant above its share has an eligible request."""
-    if not shares.below(tenant):
+def choose_victim(leases: Sequence[Lease], shares: Shares, tenant: str, now: float, rules: PreemptionRules,
+                  ttft_s: float = math.inf) -> Lease | None:
+    """The lease to preempt for a request of ``tenant`` (see the module docstring), or None. ``ttft_s``:
+    the request's service class's target, while it can still meet its deadline (``math.inf``: no class,
+    or late)."""
+    if ttft_s < math.inf:   # (its own tenant's looser requests, or as tight but started: no minimum run)
+        own = [lease for lease in leases if lease.tenant == tenant and eligible(lease, math.inf, rules)
+               and (lease.ttft_s > ttft_s or lease.ttft_s == ttft_s and lease.started)]
+        if own:
+            return min(own, key=lambda l: (l.started, -l.ttft_s, l.preemptions, -l.since, l.lease_id))
+    if shares.below(tenant):
+        candidates = [lease for lease in leases if lease.tenant != tenant and eligible(lease, now, rules)
+                      and shares.yields_to(lease.tenant, tenant)]
+    elif ttft_s < math.inf and shares.may_borrow(tenant):
+        candidates = [lease for lease in leases if lease.tenant != tenant and lease.ttft_s > ttft_s
+                      and eligible(lease, now, rules) and shares.lends(lease.tenant, tenant)]
+    else:
         return None
-    best: Lease | None = None
-    best_key: tuple[bool, float, int, float, str] | None = None
-    for lease in leases:
-        if lease.tenant == tenant or not eligible(lease, now, rules) or not shares.yields_to(lease.tenant, tenant):
-            continue
-        key = (lease.started, -shares.held[lease.tenant] / shares.weight(lease.tenant), lease.preemptions,
-               -lease.since, lease.lease_id)
-        if best_key is None or key < best_key:
-            best, best_key = lease, key
-    return best
+    return min(candidates, default=None, key=lambda l: (
+        l.started, -shares.held[l.tenant] / shares.weight(l.tenant), -l.ttft_s, l.preemptions, -l.since, l.lease_id))
 
 
 def next_eligible_at(leases: Sequence[Lease], rules: PreemptionRules) -> float | None:

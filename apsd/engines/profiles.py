@@ -241,6 +241,11 @@ BUILTIN_MODELS: tuple[ModelProfile, ...] = (
         summary="Llama 3 8B (GQA, 8 KV heads)",
     ),
     ModelProfile(
+        name="llama-3.1-8b", params=8_030_261_248, layers=32, hidden=4096, heads=32, kv_heads=8,
+        head_dim=128, intermediate=14336, vocab=128256, max_context=131072,
+        summary="Llama 3.1 8B (Llama 3 8B's shape, 128K context: long prompts such as Mooncake's traces)",
+    ),
+    ModelProfile(
         name="llama-2-70b", params=68_976_648_192, layers=80, hidden=8192, heads=64, kv_heads=8,
         head_dim=128, intermediate=28672, vocab=32000, max_context=4096,
         summary="Llama 2 70B (GQA, 8 KV heads)",

@@ -39,16 +39,25 @@ ECHOES_PREFILL = frozenset({"llama.cpp"})
 
 #: The most outstanding requests :func:`priority_for` tells apart (more rank the same).
 PRIORITY_DEPTH = 1_000
+#: Service classes' targets rank in steps of this many milliseconds, in this many tiers (a looser class
+#: ranks as the last tier, before requests without a class).
+CLASS_TIER_MS = 100
+CLASS_TIERS = 600
 
 
-def priority_for(request: InferenceRequest, outstanding: int, polarity: str) -> int:
-    """The ``priority`` sent to a backend that schedules by it (``[[backends]] priority``): first the
-    tenant's requests outstanding when this one was sent (running on the model's backends, from every
-    replica, and queued here), so that a tenant with one request goes ahead of a flood however the flood
-    started; then higher bids. ``lower-first``: smaller values run first (vLLM); ``higher-first``: the
-    reverse."""
-    rank = min(outstanding, PRIORITY_DEPTH) * (MAX_BID + 1) + (MAX_BID - request.priority_bid)
-    return rank if polarity == "lower-first" else (PRIORITY_DEPTH + 1) * (MAX_BID + 1) - rank
+def priority_for(request: InferenceRequest, outstanding: int, polarity: str, now: float = 0.0) -> int:
+    """The ``priority`` sent to a backend that schedules by it (``[[backends]] priority``): first a
+    service class that can still meet its deadline, the tightest (smallest ``ttft_s``) first, before
+    requests without one; then the tenant's requests outstanding when this one was sent (running on the
+    model's backends, from every replica, and queued here), so that a tenant with one request goes ahead
+    of a flood however the flood started; then higher bids. ``lower-first``: smaller values run first
+    (vLLM); ``higher-first``: the reverse."""
+    deadline = request.class_deadline
+    tier = CLASS_TIERS if deadline is None or now >= deadline else \
+        min(CLASS_TIERS - 1, int((deadline - request.arrival) * 1000) // CLASS_TIER_MS)
+    rank = (tier * (PRIORITY_DEPTH + 1) + min(outstanding, PRIORITY_DEPTH)) * (MAX_BID + 1) \
+        + (MAX_BID - request.priority_bid)
+    return rank if polarity == "lower-first" else (CLASS_TIERS + 1) * (PRIORITY_DEPTH + 1) * (MAX_BID + 1) - rank
 
 
 def request_body(request: InferenceRequest, model: str, priority: int | None) -> tuple[str, dict, bool]:

@@ -5,7 +5,9 @@ until it holds ``max_batch_size`` requests or as many as the engine has free
 sequences, or the next request would need more KV tokens than the engine has free
 (``Capacity.need``: prompt + requested for the ``batch`` engine, prompt for the
 ``continuous`` one), or names a model with no free slot (the ``forward`` engine;
-``Capacity.model_room``); that request then leads the next dispatch. When the head does not fit and the queue can look past it
+``Capacity.model_room``); that request then leads the next dispatch. Free room goes first to the
+requests the engine prefers (``Capacity.prefer``: a ``forward`` engine's tenants below their share of
+the slots), in queue order, when the queue can look past its head. When the head does not fit and the queue can look past it
 (``pop_first``, as the fair-share queues can), the first request in queue order of a tenant below
 its share that fits (``Capacity.admits``: the room held for such tenants included) goes instead. ``kv_cap_tokens``, when
 set, caps each dispatch's KV tokens further. A request that could never fit is refused
@@ -73,9 +75,11 @@ class MicroBatching:
             return room is not None and free.admits(request, len(batch), kv)
 
         while queue and len(batch) < size:
-            if takes(queue.peek(now)):
+            head = queue.peek(now)
+            taken = self._preferred(queue, now, free, head, takes)
+            if taken is None and takes(head):
                 taken = queue.pop(now)
-            else:  # queue order is kept, except for a tenant below its share, which may pass the head
+            elif taken is None:  # queue order is kept, except for a tenant below its share, which may pass the head
                 taken = self._under_share(queue, now, free, takes)
                 if taken is None:
                     break
@@ -85,6 +89,16 @@ class MicroBatching:
                 taken_here = slots_taken if room == "free" else held_taken
                 taken_here[taken.model] = taken_here.get(taken.model, 0) + 1
         return batch
+
+    @staticmethod
+    def _preferred(queue: OrderingPolicy, now: float, free: Capacity, head: InferenceRequest,
+                   takes: Callable[[InferenceRequest], bool]) -> InferenceRequest | None:
+        """The first request, in queue order, that the free room should go to before ``head``
+        (``Capacity.prefer``), if ``head`` is not one and the queue can find one (``pop_first``)."""
+        prefer, pop_first = free.prefer, getattr(queue, "pop_first", None)
+        if prefer is None or pop_first is None or prefer(head):
+            return None
+        return pop_first(lambda r: prefer(r) and takes(r), now)
 
     @staticmethod
     def _under_share(queue: OrderingPolicy, now: float, free: Capacity,

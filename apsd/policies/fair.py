@@ -68,6 +68,7 @@ from typing import Any
 
 import attrs
 
+from apsd.core.classes import urgency
 from apsd.core.config import Config, between, parse_section
 from apsd.core.hookspecs import hookimpl
 from apsd.core.models import InferenceRequest, Outcome
@@ -85,22 +86,12 @@ class ChargeWeights:
 
 _heappush, _heappop, _heapreplace = heapq.heappush, heapq.heappop, heapq.heapreplace
 
-#: Keys inside a tenant: a punctual classed request's is its urgency (:func:`urgency`) minus
+#: Keys inside a tenant: a punctual classed request's is its urgency (:func:`apsd.core.classes.urgency`) minus
 #: ``2 ** 51`` (below ``_PUNCTUAL``), a late best-effort one's ``deadline - _TIER`` (below 0), an
 #: unclassed one's its APS key (about ``-bid`` and up). Model times stay far below ``_TIER`` (272 years).
 _TIER = 2.0 ** 34
 _PUNCTUAL_BASE = 2.0 ** 51
 _PUNCTUAL = -(2.0 ** 50)
-
-
-def urgency(request: InferenceRequest) -> float:
-    """A classed request's place among punctual ones: its class's ``ttft_s`` first (tighter first),
-    then its deadline. ``ttft_s`` is scaled by ``2 ** 32`` so that a millisecond between two
-    classes outweighs any span of deadlines; inside a class deadline order is arrival order, so
-    the rounding of large keys falls back to admission order (``seq``), which is the same."""
-    deadline = request.class_deadline
-    assert deadline is not None
-    return (deadline - request.arrival) * 2.0 ** 32 + deadline
 
 
 class _Tenant:
@@ -236,7 +227,7 @@ class FairShareQueue:
 
     def _item(self, request: InferenceRequest, now: float) -> tuple[float, int, float, InferenceRequest]:
         charges = self.charges  # (the charge is computed now, while the request is in the CPU's cache)
-        deadline = request.class_deadline
+        deadline = request.class_deadline if request.started_at is None else None   # (a paused one is past it)
         if deadline is None:
             key = self.alpha * request.arrival - self.bid_weight * request.priority_bid
         else:

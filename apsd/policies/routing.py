@@ -4,8 +4,8 @@
   requests, then the first). Reason ``least_loaded``.
 * ``prefix`` (the default): a picture of each target's prefix cache, an LRU of the key blocks
   (:func:`apsd.core.routing.routing_key`) of the requests sent there, sized from the target's
-  ``cache_tokens`` (a block is ``BLOCK_TOKENS`` tokens). A request's *match* on a target is how
-  many of its key's first blocks the picture holds. Two states, as SGLang's router:
+  ``cache_tokens`` (a block is ``BLOCK_TOKENS`` tokens, or a trace's ``prefix_block_tokens``). A
+  request's *match* on a target is how many of its key's first blocks the picture holds. Two states, as SGLang's router:
 
   1. *Out of balance* when the fullest target's share of its slots exceeds the emptiest's by more
      than ``balance_abs`` **and** is more than ``balance_rel`` times it: the least loaded target
@@ -41,7 +41,7 @@ import attrs
 from apsd.core.config import Config, ConfigError, RoutingConfig
 from apsd.core.hookspecs import hookimpl
 from apsd.core.models import InferenceRequest
-from apsd.core.routing import BLOCK_TOKENS, Route, Target, routing_key
+from apsd.core.routing import Route, Target, routing_key
 
 __all__ = ["LeastLoaded", "PrefixHashRouting", "PrefixRouting", "RING_POINTS"]
 
@@ -127,7 +127,7 @@ class PrefixRouting:
         for block in reversed(key):
             picture[block] = None
             picture.move_to_end(block)
-        capacity = max(1, target.cache_tokens // BLOCK_TOKENS)
+        capacity = max(1, target.cache_tokens // request.prefix_block_tokens)
         while len(picture) > capacity:
             picture.popitem(last=False)
 

@@ -1,6 +1,10 @@
 """The simulator: apsd's own pipeline in virtual time (``apsd simulate``, ``apsd research``).
 
-* :mod:`apsd.sim.workloads` — built-in workload generators and the trace loader.
+* :mod:`apsd.sim.workloads` — built-in workload generators.
+* :mod:`apsd.sim.traces` (a package) — trace files (apsd's own, Mooncake / Dynamo, Azure, BurstGPT) read
+  as workloads, tenant rules, and a generated Mooncake-format trace.
+* :mod:`apsd.sim.baselines` — other schedulers' rules the benchmark table compares with (least counter
+  first, a requests-per-minute limit): the simulator's only, not the daemon's.
 * :mod:`apsd.sim.records` — the plain values a simulation reads and produces (a
   :class:`~apsd.sim.records.PolicyRun` per policy and workload).
 * :mod:`apsd.sim.runner` — one workload under one policy choice, through the daemon's

@@ -8,11 +8,13 @@ Markdown and plots. All times are model seconds from the start of the run.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
 from apsd.core.config import TenantConfig
+from apsd.core.routing import BLOCK_TOKENS
 
 __all__ = ["Arrival", "BatchRecord", "EngineRecord", "GovernorSample", "PolicyRun", "RequestRecord", "Workload"]
 
@@ -26,11 +28,14 @@ class Arrival:
     prompt_tokens: int
     output_tokens: int
     bid: int
-    #: Its prompt's routing key (:func:`apsd.core.routing.synthetic_blocks`): requests that share a
-    #: prefix share its blocks. None: no key (one pool of engines, no prefix cache hits).
+    #: Its prompt's routing key (:func:`apsd.core.routing.synthetic_blocks`, or a trace's block ids):
+    #: requests that share a prefix share its blocks. None: no key (one pool of engines, no prefix
+    #: cache hits).
     prefix_blocks: tuple[int, ...] | None = attrs.field(default=None, repr=False)
     #: The service class it names (``[classes.<name>]``; None: its tenant's default, if any).
     service_class: str | None = None
+    #: Tokens per block of ``prefix_blocks`` (a trace's block size; 64 for the built-ins).
+    prefix_block_tokens: int = attrs.field(default=BLOCK_TOKENS, repr=False)
 
 
 @attrs.frozen
@@ -39,7 +44,9 @@ class Workload:
 
     name: str
     description: str
-    arrivals: tuple[Arrival, ...]          # sorted by ``at``; ties keep generation order
+    #: Sorted by ``at``; ties keep generation (file) order. A tuple, or for a trace a sequence that makes
+    #: each :class:`Arrival` as it is read (:class:`apsd.sim.traces.columns.TraceArrivals`).
+    arrivals: Sequence[Arrival]
     tenants: dict[str, TenantConfig]       # the tenants' buckets during the simulation
     params: dict[str, Any]                 # the parameters it was generated with (for the report)
     seed: int = 0
@@ -146,6 +153,8 @@ class PolicyRun:
     engine: dict[str, Any] = attrs.field(factory=lambda: {"kind": "batch", "count": 1})
     engines: tuple[EngineRecord, ...] = ()
     wall_s: float = attrs.field(default=0.0, eq=False)  # real seconds it took: never in reports' data
+    #: The service classes it ran with (``[classes]``: name -> ServiceClassConfig; empty: none).
+    classes: dict[str, Any] = attrs.field(factory=dict)
 
     @property
     def busy_s(self) -> float:

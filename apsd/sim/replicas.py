@@ -24,12 +24,12 @@ import trio
 import trio.testing
 
 from apsd.core.config import Config
-from apsd.core.models import Completion, InferenceRequest
+from apsd.core.models import Completion, InferenceRequest, Refusal
 from apsd.pipeline import Pipeline, open_pipeline
 from apsd.plugins import load_policy_registry, make_plugin_manager
 from apsd.store.simulated import SimulatedSharedState, simulated_store
-from apsd.sim.records import Workload
-from apsd.sim.runner import PolicyChoice, simulation_config
+from apsd.sim.records import Arrival, RequestRecord, Workload
+from apsd.sim.runner import RPM_LIMITED, PolicyChoice, record_of, seeded_trio_scheduler, simulation_config
 
 __all__ = ["ReplicaRun", "TenantShare", "run_replicas"]
 
@@ -58,23 +58,36 @@ class ReplicaRun:
     #: Model seconds from the first arrival to the last.
     duration_s: float
     tenants: tuple[TenantShare, ...]
+    #: What happened to each arrival, in arrival order (``engine_id``: the replica's engine).
+    requests: tuple[RequestRecord, ...] = ()
+    #: Model seconds to the last outcome.
+    finished_s: float = 0.0
+    #: The replica each arrival went to, in arrival order.
+    placed: tuple[int, ...] = ()
 
 
 def run_replicas(workload: Workload, choice: PolicyChoice, *, replicas: int, sync_interval_s: float,
                  delay_s: float = 0.0, base_config: Config | None = None,
                  tenants: Mapping[str, Any] | None = None,
-                 placement: Mapping[str, Sequence[float]] | None = None) -> ReplicaRun:
+                 placement: Mapping[str, Sequence[float]] | None = None,
+                 plugin_manager: Any = None, door: Callable[[Arrival], str | None] | None = None) -> ReplicaRun:
     """Run ``workload`` through ``replicas`` pipelines sharing one simulated store; ``tenants``
-    (name -> :class:`~apsd.core.config.TenantConfig`) replaces the workload's unthrottled buckets."""
+    (name -> :class:`~apsd.core.config.TenantConfig`) replaces the workload's unthrottled buckets.
+    ``plugin_manager``: the daemon's by default. ``door``: as :func:`~apsd.sim.runner.run_policy`'s, in front of
+    every replica (one limit for all, as a shared store would keep it)."""
     config = simulation_config(base_config or Config(), workload, choice)
     if tenants is not None:
         config = attrs.evolve(config, tenants=dict(tenants))
     config = attrs.evolve(config, store=attrs.evolve(config.store, sync_interval_s=sync_interval_s))
-    requests = trio.run(_drive, workload, config, replicas, delay_s, _placer(placement, replicas),
-                        clock=trio.testing.MockClock(autojump_threshold=0))
+    with seeded_trio_scheduler(workload.seed):
+        requests, placed, finished = trio.run(_drive, workload, config, replicas, delay_s,
+                                              _placer(placement, replicas), plugin_manager or make_plugin_manager(),
+                                              door, clock=trio.testing.MockClock(autojump_threshold=0))
     duration = workload.arrivals[-1].at - workload.arrivals[0].at if workload.arrivals else 0.0
     return ReplicaRun(replicas=replicas, sync_interval_s=sync_interval_s, delay_s=delay_s, duration_s=duration,
-                      tenants=tuple(_share(name, t, requests) for name, t in sorted(config.tenants.items())))
+                      tenants=tuple(_share(name, t, requests) for name, t in sorted(config.tenants.items())),
+                      requests=tuple(record_of(a.at, r) for a, r in zip(workload.arrivals, requests)),
+                      finished_s=finished, placed=tuple(placed))
 
 
 def _placer(placement: Mapping[str, Sequence[float]] | None, replicas: int) -> Callable[[str, int], int]:
@@ -89,23 +102,33 @@ def _placer(placement: Mapping[str, Sequence[float]] | None, replicas: int) -> C
 
 
 async def _drive(workload: Workload, config: Config, replicas: int, delay_s: float,
-                 place: Callable[[str, int], int]) -> list[InferenceRequest]:
+                 place: Callable[[str, int], int], pm: Any, door: Callable[[Arrival], str | None] | None
+                 ) -> tuple[list[InferenceRequest], list[int], float]:
     shared = SimulatedSharedState(delay_s)
-    pm = make_plugin_manager()
     requests: list[InferenceRequest] = []
+    placed: list[int] = []
     async with _pipelines(config, replicas, shared, pm) as pipelines:
         await trio.testing.wait_all_tasks_blocked()
         start = trio.current_time()
         for n, arrival in enumerate(workload.arrivals):
             await trio.sleep_until(start + arrival.at)
-            pipeline = pipelines[place(arrival.tenant, n)]
+            replica = place(arrival.tenant, n)
+            pipeline = pipelines[replica]
             request = pipeline.new_request(tenant_id=arrival.tenant, prompt="", tokens_requested=arrival.output_tokens,
-                                           priority_bid=arrival.bid, prompt_tokens=arrival.prompt_tokens)
-            pipeline.admit_now(request)
+                                           priority_bid=arrival.bid, prompt_tokens=arrival.prompt_tokens,
+                                           prefix_blocks=arrival.prefix_blocks, service_class=arrival.service_class,
+                                           prefix_block_tokens=arrival.prefix_block_tokens)
+            refused = door(arrival) if door is not None else None
+            if refused is not None:
+                request.reply.resolve(Refusal(429, RPM_LIMITED, refused))
+            else:
+                pipeline.admit_now(request)
             requests.append(request)
+            placed.append(replica)
         for pipeline in pipelines:
             await pipeline.ledger.wait_idle()
-    return requests
+        finished = trio.current_time() - start
+    return requests, placed, finished
 
 
 @asynccontextmanager

@@ -45,9 +45,13 @@ from apsd.pipeline import open_pipeline
 from apsd.core.streams import TokenStream
 from apsd.plugins import load_policy_registry, load_profile_registry, make_plugin_manager
 from apsd.core.policy import POLICY_KINDS
-from apsd.sim.records import BatchRecord, EngineRecord, GovernorSample, PolicyRun, RequestRecord, Workload
+from apsd.sim.records import Arrival, BatchRecord, EngineRecord, GovernorSample, PolicyRun, RequestRecord, Workload
 
-__all__ = ["PolicyChoice", "parse_policy_choice", "run_policy", "run_policies"]
+#: The error code of an arrival a door refused (:func:`run_policy`'s ``door``).
+RPM_LIMITED = "rpm_limited"
+
+__all__ = ["RPM_LIMITED", "PolicyChoice", "parse_policy_choice", "record_of", "run_policy", "run_policies",
+           "seeded_trio_scheduler"]
 
 #: Governor/queue samples per run, evenly spaced over its duration.
 SAMPLES = 500
@@ -110,7 +114,7 @@ class _BatchRecorder:
 
 
 @contextlib.contextmanager
-def _seeded_trio_scheduler(seed: int) -> Iterator[None]:
+def seeded_trio_scheduler(seed: int) -> Iterator[None]:
     """Fix the order trio gives tasks waking at the same instant, for the duration of one run.
 
     Trio has no public hook for this: it is the private ``trio._core._run._r``. If trio ever
@@ -132,8 +136,11 @@ def _seeded_trio_scheduler(seed: int) -> Iterator[None]:
 
 def run_policy(workload: Workload, choice: PolicyChoice, *, base_config: Config | None = None,
                plugin_manager: pluggy.PluginManager | None = None,
-               progress: Callable[[int], None] | None = None) -> PolicyRun:
-    """Simulate ``workload`` under ``choice``; ``progress(n)`` is called as arrivals are submitted."""
+               progress: Callable[[int], None] | None = None,
+               door: Callable[[Arrival], str | None] | None = None) -> PolicyRun:
+    """Simulate ``workload`` under ``choice``; ``progress(n)`` is called as arrivals are submitted.
+    ``door`` (a simulator-only baseline, :class:`apsd.sim.baselines.RequestsPerMinute`) is asked about
+    each arrival before admission: a reason refuses it there (429 ``rpm_limited``), None lets it in."""
     config = simulation_config(base_config or Config(), workload, choice)
     pm = plugin_manager or make_plugin_manager()
     recorder = _BatchRecorder()
@@ -141,22 +148,22 @@ def run_policy(workload: Workload, choice: PolicyChoice, *, base_config: Config 
     try:
         policies = load_policy_registry(pm).build(config)
         profiles = load_profile_registry(pm)
-        with _seeded_trio_scheduler(workload.seed):
+        with seeded_trio_scheduler(workload.seed):
             started = time.perf_counter()
             requests, duration, engines, gpus = trio.run(
-                _drive, workload, config, policies, progress, profiles,
+                _drive, workload, config, policies, progress, profiles, door,
                 clock=trio.testing.MockClock(autojump_threshold=0))
             wall_s = time.perf_counter() - started
         fresh_governor = load_policy_registry(pm).build(config).governor
     finally:
         pm.unregister(recorder)
     batches = tuple(sorted(recorder.batches, key=lambda b: b.batch_id))
-    records = tuple(_record(arrival.at, request) for arrival, request in zip(workload.arrivals, requests))
+    records = tuple(record_of(arrival.at, request) for arrival, request in zip(workload.arrivals, requests))
     samples, interval = _sample(records, fresh_governor, duration)
     return PolicyRun(label=choice.label, policy=dict(policies.names), workload=workload, requests=records,
                      batches=batches, samples=samples, sample_interval_s=interval, duration_s=duration,
                      gpus=gpus, tenant_rates={n: t.rate for n, t in config.tenants.items()},
-                     engine=describe_engine(config), engines=engines, wall_s=wall_s)
+                     engine=describe_engine(config), engines=engines, wall_s=wall_s, classes=dict(config.classes))
 
 
 def run_policies(workload: Workload, choices: Sequence[PolicyChoice], **kwargs: Any) -> list[PolicyRun]:
@@ -181,7 +188,8 @@ def describe_engine(config: Config) -> dict[str, Any]:
 
 
 async def _drive(workload: Workload, config: Config, policies: Any, progress: Callable[[int], None] | None,
-                 profiles: Any) -> tuple[list[InferenceRequest], float, tuple[EngineRecord, ...], int]:
+                 profiles: Any, door: Callable[[Arrival], str | None] | None
+                 ) -> tuple[list[InferenceRequest], float, tuple[EngineRecord, ...], int]:
     requests: list[InferenceRequest] = []
     async with open_pipeline(config, policies, request_id_prefix="sim", profiles=profiles,
                              backend_client=simulated_backends(config)) as pipeline:
@@ -197,11 +205,16 @@ async def _drive(workload: Workload, config: Config, policies: Any, progress: Ca
                 await _advance_to(clock, mock, arrival.at)
             request = pipeline.new_request(tenant_id=arrival.tenant, prompt="", tokens_requested=arrival.output_tokens,
                                            priority_bid=arrival.bid, prompt_tokens=arrival.prompt_tokens,
-                                           prefix_blocks=arrival.prefix_blocks, service_class=arrival.service_class)
-            if streamed:  # (so that its first token is seen; nobody reads the stream)
-                request.stream = TokenStream()
-                request.stream.abandon()
-            pipeline.admit_now(request)
+                                           prefix_blocks=arrival.prefix_blocks, service_class=arrival.service_class,
+                                           prefix_block_tokens=arrival.prefix_block_tokens)
+            refused = door(arrival) if door is not None else None
+            if refused is not None:  # (refused at the door: never admitted, nothing to book)
+                request.reply.resolve(Refusal(429, RPM_LIMITED, refused))
+            else:
+                if streamed:  # (so that its first token is seen; nobody reads the stream)
+                    request.stream = TokenStream()
+                    request.stream.abandon()
+                pipeline.admit_now(request)
             requests.append(request)
             if progress is not None and n % 1024 == 0:
                 progress(1024)
@@ -266,7 +279,8 @@ def _sample(records: Sequence[RequestRecord], governor: Any, duration: float) ->
     return tuple(samples), interval
 
 
-def _record(at: float, request: InferenceRequest) -> RequestRecord:
+def record_of(at: float, request: InferenceRequest) -> RequestRecord:
+    """What happened to ``request``, which arrived at ``at`` (model seconds), as a record."""
     outcome = request.reply.outcome
     common = dict(tenant=request.tenant_id, bid=request.priority_bid, prompt_tokens=request.prompt_tokens,
                   output_tokens=request.tokens_requested, arrival=at, service_class=request.service_class)

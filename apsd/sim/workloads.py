@@ -1,13 +1,13 @@
-"""Workloads for ``apsd simulate``: the built-in generators and the trace loader.
+"""Workloads for ``apsd simulate``: the built-in generators (traces: :mod:`apsd.sim.traces`).
 
-Ownership: this module turns a built-in's name and parameters, or a trace file,
-into a :class:`~apsd.sim.records.Workload`: every arrival generated up front, so
+Ownership: this module turns a built-in's name and parameters into a
+:class:`~apsd.sim.records.Workload`: every arrival generated up front, so
 :mod:`apsd.sim.runner` replays the very same requests for every policy. It owns
 parameter handling (defaults, strict types, ranges, the limit of
-:data:`MAX_ARRIVALS` arrivals) and trace parsing. Every problem is a
+:data:`MAX_ARRIVALS` arrivals, shared with traces). Every problem is a
 :class:`WorkloadError` whose one-line message names the workload and the
-parameter (``workload 'poisson': rate: must be > 0, got -1``) or the file, line
-and field (``trace.csv:7: bid: must be between 1 and 10, got 11``).
+parameter (``workload 'poisson': rate: must be > 0, got -1``); a trace's name the
+file, line and field (``trace.csv:7: bid: must be between 1 and 10, got 11``).
 
 Determinism: a built-in draws only from ``numpy.random.default_rng(seed)``, so a
 name, parameters and seed always give the same workload. Arrivals are sorted by
@@ -16,8 +16,8 @@ name, parameters and seed always give the same workload. Arrivals are sorted by
 Tenant buckets: no built-in is about throttling, so every tenant a workload
 defines gets :data:`UNTHROTTLED`, ``TenantConfig(rate=1e6 tokens/s,
 burst=10**9)``: far more than any workload here can use, so admission never
-rejects for quota and a comparison measures scheduling alone. A trace gets the
-same bucket for each tenant it names.
+rejects for quota and a comparison measures scheduling alone. A trace's tenants
+get the same bucket.
 
 Sizes: a built-in's requests always fit the batch engine's KV cache of
 :data:`KV_CAPACITY_TOKENS` per batch (``prompt + output <= 32768``); random sizes
@@ -26,20 +26,16 @@ are clipped to ``1..16384`` each. Bids are integers 1..10.
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import math
 import tomllib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 
-from apsd.core import strictjson
-from apsd.core.config import SEED_KV_CAP_TOKENS, TenantConfig, read_text, read_toml
+from apsd.core.config import SEED_KV_CAP_TOKENS, TenantConfig, read_toml
 from apsd.core.routing import synthetic_blocks
 from apsd.sim.records import Arrival, Workload
 
@@ -51,8 +47,8 @@ __all__ = [
     "build_workload",
     "list_workloads",
     "load_params_file",
-    "load_trace",
     "parse_param_assignments",
+    "tenant_names",
 ]
 
 #: The bucket every tenant gets unless a scenario is about throttling (none is yet).
@@ -63,8 +59,6 @@ MAX_ARRIVALS = 2_000_000
 KV_CAPACITY_TOKENS = SEED_KV_CAP_TOKENS
 #: Random prompt and output sizes are clipped to ``1..MAX_RANDOM_TOKENS`` each.
 MAX_RANDOM_TOKENS = KV_CAPACITY_TOKENS // 2
-#: A trace's sizes may be up to this (what ``POST /infer`` accepts); admission judges the rest.
-MAX_TRACE_TOKENS = 1_000_000_000
 
 
 class WorkloadError(Exception):
@@ -716,198 +710,3 @@ def toml_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
-
-
-# --------------------------------------------------------------------------- traces
-
-TIME_FIELDS = ("at", "arrival", "time")
-TRACE_FIELDS = ("tenant", "prompt_tokens", "output_tokens", "bid")
-FIELDS_HELP = "fields: at (or arrival, time), tenant, prompt_tokens, output_tokens, bid"
-
-
-@attrs.frozen
-class TraceRow:
-    """One record of a trace as read: raw values (strings when from CSV) and its line."""
-
-    line: int
-    values: dict[str, Any]
-    from_text: bool             # True for CSV cells: numbers still to be parsed
-
-
-def unknown_fields(names: Sequence[str]) -> list[str]:
-    return [n for n in names if n not in TIME_FIELDS and n not in TRACE_FIELDS]
-
-
-def unknown_fields_problem(unknown: Sequence[str]) -> str:
-    listed = ", ".join(repr(n) for n in unknown)
-    return f"unknown field{'s' if len(unknown) > 1 else ''} {listed} ({FIELDS_HELP})"
-
-
-def read_jsonl(path: Path, text: str) -> Iterator[TraceRow]:
-    # split on "\n" only: line numbers as an editor shows them (a JSON string may hold U+2028)
-    for line, raw in enumerate(text.split("\n"), start=1):
-        if not raw.strip():
-            continue
-        try:
-            values = strictjson.loads(raw)
-        except strictjson.DuplicateKeyError as exc:
-            raise WorkloadError(f"{path}:{line}: the field {exc.key!r} appears twice") from None
-        except json.JSONDecodeError as exc:
-            raise WorkloadError(f"{path}:{line}: invalid JSON: {exc.msg} (column {exc.colno})") from None
-        except ValueError as exc:   # (nested too deep, NaN or Infinity, a lone surrogate)
-            raise WorkloadError(f"{path}:{line}: invalid JSON: {exc}") from None
-        if not isinstance(values, dict):
-            raise WorkloadError(f"{path}:{line}: must be a JSON object, got {type(values).__name__}")
-        unknown = unknown_fields(list(values))
-        if unknown:
-            raise WorkloadError(f"{path}:{line}: {unknown_fields_problem(unknown)}")
-        yield TraceRow(line, values, from_text=False)
-
-
-def read_csv(path: Path, text: str) -> Iterator[TraceRow]:
-    reader = csv.reader(io.StringIO(text, newline=""))
-    header: list[str] | None = None
-    last_line = 0
-    try:
-        for cells in reader:
-            line, last_line = last_line + 1, reader.line_num  # a record starts after the previous one ends
-            if not any(cell.strip() for cell in cells):
-                continue
-            cells = [cell.strip() for cell in cells]
-            if header is None:
-                header = read_csv_header(path, line, cells)
-                continue
-            if len(cells) > len(header):
-                raise WorkloadError(f"{path}:{line}: {len(cells)} values but the header has {len(header)} columns")
-            yield TraceRow(line, {name: cell for name, cell in zip(header, cells) if cell != ""}, from_text=True)
-    except csv.Error as exc:
-        raise WorkloadError(f"{path}:{reader.line_num}: invalid CSV: {exc}") from None
-
-
-def read_csv_header(path: Path, line: int, cells: list[str]) -> list[str]:
-    unknown = unknown_fields(cells)
-    if unknown:
-        raise WorkloadError(f"{path}:{line}: {unknown_fields_problem(unknown)}")
-    duplicates = sorted({c for c in cells if cells.count(c) > 1})
-    if duplicates:
-        raise WorkloadError(f"{path}:{line}: duplicate column {duplicates[0]!r}")
-    return cells
-
-
-def number_value(raw: Any, from_text: bool) -> float:
-    if from_text:
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ValueError(f"must be a number, got {raw!r}") from None
-    elif isinstance(raw, bool) or not isinstance(raw, (int, float)):
-        raise ValueError(f"must be a number, got {raw!r}")
-    else:
-        value = float(raw)
-    if not math.isfinite(value):
-        raise ValueError(f"must be a finite number, got {raw!r}")
-    return value
-
-
-def integer_value(raw: Any, from_text: bool, low: int, high: int) -> int:
-    if from_text:
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(f"must be an integer, got {raw!r}") from None
-    elif isinstance(raw, bool) or not isinstance(raw, int):
-        raise ValueError(f"must be an integer, got {raw!r}")
-    else:
-        value = raw
-    if not low <= value <= high:
-        raise ValueError(f"must be between {low} and {high}, got {value}")
-    return value
-
-
-def time_value(raw: Any, from_text: bool) -> float:
-    value = number_value(raw, from_text)
-    if value < 0:
-        raise ValueError(f"must be >= 0, got {raw!r}")
-    return value
-
-
-def tenant_value(raw: Any, from_text: bool) -> str:
-    if not isinstance(raw, str):
-        raise ValueError(f"must be a string, got {raw!r}")
-    if not raw.strip():
-        raise ValueError("must not be empty")
-    return raw.strip()
-
-
-def tokens_value(raw: Any, from_text: bool) -> int:
-    return integer_value(raw, from_text, 1, MAX_TRACE_TOKENS)
-
-
-def bid_value(raw: Any, from_text: bool) -> int:
-    return integer_value(raw, from_text, 1, 10)
-
-
-FIELD_PARSERS: dict[str, Callable[[Any, bool], Any]] = {
-    "tenant": tenant_value, "prompt_tokens": tokens_value, "output_tokens": tokens_value, "bid": bid_value,
-}
-
-
-def trace_arrival(path: Path, row: TraceRow) -> Arrival:
-    """Validate one row, naming ``file:line: field`` on the first problem."""
-    def error(field: str, problem: str) -> WorkloadError:
-        return WorkloadError(f"{path}:{row.line}: {field}: {problem}")
-
-    times = [name for name in TIME_FIELDS if name in row.values]
-    if len(times) > 1:
-        raise error(times[0], f"give the arrival time once (found {', '.join(times)})")
-    values: dict[str, Any] = {}
-    for field, parse in [("at", time_value), *FIELD_PARSERS.items()]:
-        name = times[0] if field == "at" and times else field
-        raw = row.values.get(name)
-        if raw is None:
-            if field == "bid":
-                values[field] = 1
-                continue
-            raise error(name, "missing")
-        try:
-            values[field] = parse(raw, row.from_text)
-        except ValueError as exc:
-            raise error(name, str(exc)) from None
-    return Arrival(**values)
-
-
-TRACE_READERS: dict[str, Callable[[Path, str], Iterator[TraceRow]]] = {".jsonl": read_jsonl, ".csv": read_csv}
-
-
-def load_trace(path: str | Path) -> Workload:
-    """A workload replaying trace ``path`` (``.jsonl``: one object a line; ``.csv``: a header row).
-
-    Fields: ``at`` (seconds >= 0; or ``arrival`` / ``time``), ``tenant``,
-    ``prompt_tokens``, ``output_tokens``, ``bid`` (1-10, default 1). Blank lines
-    are skipped; every problem is ``file:line: field: problem``. The workload is
-    named after the file's stem; each tenant gets :data:`UNTHROTTLED`.
-    """
-    path = Path(path)
-    reader = TRACE_READERS.get(path.suffix.lower())
-    if reader is None:
-        raise WorkloadError(f"{path}: unknown trace format {path.suffix or '(no extension)'!r} "
-                            f"(use {' or '.join(TRACE_READERS)})")
-    text = read_text(path, "trace file", WorkloadError, encoding="utf-8-sig")
-    arrivals: list[Arrival] = []
-    for row in reader(path, text):
-        if len(arrivals) == MAX_ARRIVALS:
-            raise WorkloadError(f"{path}:{row.line}: more than {MAX_ARRIVALS:,} arrivals (the limit)")
-        arrivals.append(trace_arrival(path, row))
-    if not arrivals:
-        raise WorkloadError(f"{path}: empty trace (no arrivals)")
-    tenants = {a.tenant: UNTHROTTLED for a in arrivals}
-    arrivals.sort(key=lambda a: a.at)
-    return Workload(
-        name=path.stem,
-        description=f"trace {path}: {len(arrivals):,} arrivals from {len(tenants)} tenants "
-                    f"over {arrivals[-1].at - arrivals[0].at:g} s",
-        arrivals=tuple(arrivals),
-        tenants=tenants,
-        params={"trace": str(path)},
-        seed=0,
-    )

@@ -84,7 +84,7 @@ local function view(key, t)
   for i = 1, #all, 2 do
     local r = cjson.decode(all[i + 1])
     for _, v in ipairs({all[i], r.r, r.t, tostring(t - r.s), tostring(r.st), tostring(r.p), tostring(r.n),
-                        r.y and '1' or '0'}) do
+                        r.y and '1' or '0', tostring(r.c or 0)}) do
       out[#out + 1] = v
     end
   end
@@ -145,7 +145,8 @@ return out
 
 #: KEYS: the backends' hashes, then the replicas' sorted set. ARGV: replica, ttl, orders prefix, then per
 #: lease of this replica: its backend's index (1-based), id, record (with ``a``: its age in seconds).
-#: Returns the replicas seen in the last LEASE_TTL_S, then per backend the count of its fields, then them.
+#: Returns the replicas seen in the last LEASE_TTL_S, then per backend the count of its fields, then them
+#: (9 a lease: id, replica, tenant, age, started, preemptible, preemptions, claimed, class ttft_s or 0).
 RENEW_SCRIPT = _COMMON + """
 local t = now()
 local replica, ttl, orders = ARGV[1], tonumber(ARGV[2]), ARGV[3]
@@ -204,7 +205,7 @@ _CLAIMED = Lease("", "", "", "", 0.0)
 
 def _record(lease: Lease) -> dict[str, Any]:
     return {"r": lease.replica, "t": lease.tenant, "st": int(lease.started), "p": int(lease.preemptible),
-            "n": lease.preemptions}
+            "n": lease.preemptions, "c": lease.ttft_s if math.isfinite(lease.ttft_s) else 0}
 
 
 @attrs.define(eq=False)
@@ -344,15 +345,16 @@ class RedisSlots:
 
     # -- reading Redis's answers -------------------------------------------------------------------
     def _read(self, backend: str, flat: Sequence[str]) -> None:
-        """The others' leases on ``backend`` from a script's answer (8 fields a lease)."""
+        """The others' leases on ``backend`` from a script's answer (9 fields a lease)."""
         now = self.clock.now()
         remote = []
-        for i in range(0, len(flat), 8):
-            lease_id, replica, tenant, age, started, preemptible, preemptions, claimed = flat[i:i + 8]
+        for i in range(0, len(flat), 9):
+            lease_id, replica, tenant, age, started, preemptible, preemptions, claimed, ttft = flat[i:i + 9]
             if replica == self.replica:
                 continue
             lease = Lease(lease_id, backend, tenant, replica, since=now - float(age), started=started == "1",
-                          preemptible=preemptible == "1", preemptions=int(preemptions))
+                          preemptible=preemptible == "1", preemptions=int(preemptions),
+                          ttft_s=float(ttft) if float(ttft) > 0 else math.inf)
             if claimed == "1":
                 lease.yield_to = _CLAIMED
             remote.append(lease)

@@ -138,7 +138,7 @@ async def test_a_client_that_leaves_before_the_first_token_is_charged_the_prompt
                 try:
                     scope.cancel()                                   # the client leaves
                     await wait_until(lambda: not engine._running or all(
-                        s.cancel_called for s, _ in engine._running.values()))
+                        attempt.scope.cancel_called for attempt in engine._running.values()))
                 finally:
                     os.kill(server.process.pid, signal.SIGCONT)
             await wait_until(lambda: daemon.pipeline.tenant_status("t").cancelled == before.cancelled + 1)

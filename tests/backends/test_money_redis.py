@@ -56,7 +56,9 @@ async def test_two_replicas_hold_a_dollar_budget_within_2_percent_under_200_conc
     replicas report it."""
     backend = await start_standin_backend(nursery, varied_length)
     async with open_redis_server() as redis:
-        base = forwarding_config([backend.url], {}, max_concurrency=256)
+        # (two daemons, the stand-in and 200 clients share this process: on a loaded machine a health check
+        # may wait long for its turn, which is not the backend being down)
+        base = forwarding_config([backend.url], {}, max_concurrency=256, health_timeout_s=60.0)
         sections = redis_sections(redis.url)
         config = attrs.evolve(
             base, store=make_config(sections).store, state=make_config(sections).state, prices=PRICES,

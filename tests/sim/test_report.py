@@ -9,7 +9,7 @@ import attrs
 import numpy as np
 import pytest
 
-from apsd.core.config import Config, EngineConfig, TenantConfig
+from apsd.core.config import Config, EngineConfig, ServiceClassConfig, TenantConfig
 from apsd.core.ledger import FAIRNESS_DEFINITION
 from apsd.plugins import make_plugin_manager
 from apsd.policies.fair import ChargeWeights
@@ -17,6 +17,7 @@ from apsd.sim.records import Arrival, BatchRecord, EngineRecord, GovernorSample,
 from apsd.sim.report import (PLOT_FILES, SERVICE_DIFFERENCE_DEFINITION, SERVICE_WEIGHTS, BatchSizes, LowestBidder,
                              Percentiles, RunSummary, TimeInState, WorkloadSummary, build_figure,
                              format_summary_table, service_difference_over_time, summarize, write_report)
+from apsd.sim.report.markdown import report_markdown
 from apsd.sim.report.timeline import busy_cumulative
 from apsd.sim.runner import parse_policy_choice, run_policy
 from apsd.sim.workloads import UNTHROTTLED
@@ -119,8 +120,8 @@ def empty_run(label="empty"):
 def test_summary_top_level_and_workload():
     s = summarize(tiny_run())
     assert set(s.as_dict()) == {"label", "policy", "workload", "gpus", "engine", "duration_s", "tenants", "overall",
-                                "isolation"}
-    assert s.isolation == ()
+                                "isolation", "routing", "classes"}
+    assert s.isolation == () and s.routing == {} and s.classes == ()
     assert s.label == "aps"
     assert s.policy["governor"] == "entropy"
     assert s.workload == WorkloadSummary(name="tiny", description="Two tenants, four requests",
@@ -149,6 +150,32 @@ def test_overall_figures_match_hand_computation():
     assert o.ttft_ms == Percentiles(600.0, 1455.0, 1531.0, 1550.0)
     # TPOTs 50, 50, 100 ms.
     assert o.tpot_ms == Percentiles(50.0, 95.0, 99.0, 100.0)
+
+
+def test_cached_share_routes_and_class_attainment():
+    """The cached share counts completed requests' prompt tokens; routes are counted by engine and reason
+    for every request routed; a class's attainment is met / requests (a refused one counts against it)."""
+    run = tiny_run()
+    requests = list(run.requests)
+    requests[0] = attrs.evolve(requests[0], cached_tokens=4, route="engine-0; reason=cache_match",
+                               service_class="tight")
+    requests[1] = attrs.evolve(requests[1], cached_tokens=1, route="engine-0; reason=no_match", service_class="tight")
+    requests[2] = attrs.evolve(requests[2], route="engine-1; reason=no_match", service_class="loose")
+    requests[3] = attrs.evolve(requests[3], error="deadline_unmeetable", service_class="tight")
+    classes = {"tight": ServiceClassConfig(ttft_s=0.5), "loose": ServiceClassConfig(ttft_s=2.0, on_miss="best_effort")}
+    s = summarize(attrs.evolve(run, requests=tuple(requests), classes=classes))
+    assert s.overall.cached_prompt_share == pytest.approx(5 / 15)
+    assert s.routing == {"engine-0": {"cache_match": 1, "no_match": 1}, "engine-1": {"no_match": 1}}
+    tight, loose = s.classes[1], s.classes[0]
+    assert (loose.name, loose.requests, loose.met, loose.attainment) == ("loose", 1, 1, 1.0)
+    # TTFTs 0.6 (missed) and 0.35 (met), and a refusal: 1 of 3
+    assert (tight.name, tight.requests, tight.met, tight.missed, tight.refused) == ("tight", 3, 1, 1, 1)
+    assert tight.attainment == pytest.approx(1 / 3)
+    report = report_markdown("T", [[s]], {})
+    assert "found 33.3% of the completed requests' prompt tokens" in report
+    assert "| `engine-0` | `cache_match` | 1 |" in report
+    assert "| `tight` | 0.5 | refuse | 3 | 1 | 1 | 1 | 33.3 |" in report
+    assert "#### Service classes" not in report_markdown("T", [[summarize(tiny_run())]], {})
 
 
 def test_per_tenant_figures():

@@ -374,3 +374,30 @@ async def test_without_isolation_the_same_tenant_waits_for_a_flood_sequence_to_f
         assert pipeline.admit_now(light)
         await light.reply.wait()
         assert light.started_at - 2.0 > 4 * pipeline.engines[0].first_token_bound_s(200)
+
+
+@pytest.mark.parametrize("weight", [4.0, 1.0])
+async def test_isolating_shares_follow_the_tenants_weights(autojump_clock, weight):
+    """Two tenants weighted 4:1 (and 1:1), both flooding an isolating engine of 40 sequences: the engine
+    holds about 4:1 of them (preempted sequences included), and serves their tokens about 4:1 while both
+    wait (1:1 at equal weights)."""
+    tenants = {"heavy": TenantConfig(rate=1e12, burst=10**12, weight=weight),
+               "light": TenantConfig(rate=1e12, burst=10**12, weight=1.0)}
+    config = make_config({"policy": {"preset": "fair"}},
+                         engine=EngineConfig(kind="continuous", gpu="a100-80gb", model="llama-2-7b", max_sequences=40),
+                         tenants=tenants)
+    async with open_pipeline(config, build_policies(config)) as pipeline:
+        requests = []
+        for _ in range(300):
+            for tenant in ("heavy", "light"):
+                request = pipeline.new_request(tenant_id=tenant, prompt="", tokens_requested=64, priority_bid=5,
+                                               prompt_tokens=256)
+                assert pipeline.admit_now(request)
+                requests.append(request)
+        await pipeline.clock.sleep(5.0)
+        engine = pipeline.engines[0]
+        held = dict(engine._per_tenant)
+        await pipeline.clock.sleep(5.0)
+        served = {t: sum(r.tokens_generated for r in requests if r.tenant_id == t) for t in tenants}
+    assert 0.75 * weight <= held["heavy"] / held["light"] <= 1.25 * weight, held
+    assert 0.8 * weight < served["heavy"] / served["light"] < 1.25 * weight, served

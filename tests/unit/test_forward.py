@@ -432,10 +432,21 @@ def test_the_priority_ranks_outstanding_requests_first_then_higher_bids(polarity
     assert order == sorted(order, reverse=True) and len(set(order)) == 9
     assert urgency(10, 10**6) == urgency(10, 10**7)   # (beyond the depth it tells apart, the same rank)
 
+    def classed(ttft, outstanding, now=0.0):   # (a service class that can still meet its deadline goes first)
+        request = _Bid(1)
+        request.class_deadline, request.arrival = ttft, 0.0
+        value = priority_for(request, outstanding, polarity, now)
+        return -value if polarity == "lower-first" else value
+
+    assert classed(0.5, 900) > classed(30.0, 0) > urgency(10, 0)
+    assert classed(0.5, 0, now=1.0) == urgency(1, 0)   # (late: as if it had no class)
+
 
 @attrs.define
 class _Bid:
     priority_bid: int
+    class_deadline: float | None = None
+    arrival: float = 0.0
 
 
 async def test_by_default_a_clients_priority_does_not_reach_the_backend(autojump_clock):

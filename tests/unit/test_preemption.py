@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 
 import attrs
 import hypothesis
@@ -37,15 +38,16 @@ from tests.helpers import build_policies
 RULES = PreemptionRules(min_run_s=1.0, max_preemptions=4)
 
 
-def config_for(servers, *, tenants=("flood", "steady"), weights=None, isolation=True, **forward):
+def config_for(servers, *, tenants=("flood", "steady"), weights=None, isolation=True, classes=None, **forward):
     config = parse_config({"policy": {"preset": "fair"}, "engine": {"isolation": isolation},
                            "backends": [{"url": f"http://{name}.test", "name": name,
-                                         "max_concurrency": server.slots} for name, server in servers.items()]},
-                          "<test>")
+                                         "max_concurrency": server.slots} for name, server in servers.items()],
+                           "classes": classes or {}}, "<test>")
     weights = weights or {}
     settings = {"health_interval_s": 1.0, "metrics_interval_s": 0.1, **forward}
     return attrs.evolve(config, forward=ForwardConfig(**settings),
-                        tenants={t: TenantConfig(rate=1e9, burst=10**9, weight=weights.get(t, 1.0)) for t in tenants})
+                        tenants={t: TenantConfig(rate=1e9, burst=10**9, weight=weights.get(t, 1.0),
+                                                 classes=tuple(classes or ())) for t in tenants})
 
 
 @contextlib.asynccontextmanager
@@ -58,9 +60,9 @@ async def forwarding(servers, **settings):
         yield pipeline
 
 
-def chat(pipeline, tenant, tokens, *, stream=True, **body):
+def chat(pipeline, tenant, tokens, *, stream=True, service_class=None, **body):
     r = pipeline.new_request(tenant_id=tenant, prompt="hello", tokens_requested=tokens, priority_bid=5, model="sim",
-                             api="chat.completions",
+                             api="chat.completions", service_class=service_class,
                              payload={"model": "sim", "messages": [{"role": "user", "content": "hello"}], **body})
     if stream:
         r.stream = TokenStream(max_chunks=10**6)
@@ -83,44 +85,56 @@ def expected(tokens: int) -> str:
 
 # -- the rule, against a reference -------------------------------------------------------------------
 
-def reference_victim(leases, slots, weights, tenant, now, rules):
-    """The rule written out plainly: the tenant must hold fewer slots than slots * w / W (W over the
+def reference_victim(leases, slots, weights, tenant, now, rules, ttft=math.inf):
+    """The rule written out plainly: a classed request (``ttft`` finite) takes its own tenant's eligible
+    request of a looser class (or of its own class, started) first, unstarted first, then the loosest, the least preempted, the newest.
+    Otherwise (and a classed request at or above its share may borrow one slot beyond it, from a looser
+    request of a tenant holding at least its share): the tenant must hold fewer slots than slots * w / W (W over the
     tenants holding slots and itself); victims are eligible leases of tenants holding more than their
     share and at least as many per weight, less one, as the tenant will hold; unstarted first, then the largest held / weight, then the fewest preemptions, then the newest,
     then the id."""
+    if ttft < math.inf:
+        own = [lease for lease in leases if lease.tenant == tenant and eligible(lease, math.inf, rules)
+               and (lease.ttft_s > ttft or lease.ttft_s == ttft and lease.started)]
+        if own:
+            return min(own, key=lambda l: (l.started, -l.ttft_s, l.preemptions, -l.since, l.lease_id))
     held = collections.Counter(lease.tenant for lease in leases)
     tenants = set(held) | {tenant}
     total = sum(weights.get(t, 1.0) for t in tenants)
     share = {t: slots * weights.get(t, 1.0) / total for t in tenants}
-    if not held[tenant] < share[tenant] - 1e-12:
+    w = lambda t: weights.get(t, 1.0)  # noqa: E731
+    base = [lease for lease in leases if lease.tenant != tenant and lease.preemptible and lease.yield_to is None
+            and lease.preemptions < rules.max_preemptions
+            and (not lease.started or not lease.preemptions or now - lease.since >= rules.min_run_s)]
+    if held[tenant] < share[tenant] - 1e-12:
+        candidates = [lease for lease in base if held[lease.tenant] > share[lease.tenant] + 1e-12
+                      and (held[lease.tenant] - 1) / w(lease.tenant) >= (held[tenant] + 1) / w(tenant) - 1e-12]
+    elif ttft < math.inf and held[tenant] < share[tenant] + 1 - 1e-12:   # (borrowing one slot for a tight class)
+        candidates = [lease for lease in base if lease.ttft_s > ttft and held[lease.tenant] >= share[lease.tenant] - 1e-12]
+    else:
         return None
-    w = lambda t: weights.get(t, 1.0)
-    candidates = [lease for lease in leases
-                  if lease.tenant != tenant and held[lease.tenant] > share[lease.tenant] + 1e-12
-                  and (held[lease.tenant] - 1) / w(lease.tenant) >= (held[tenant] + 1) / w(tenant) - 1e-12
-                  and lease.preemptible and lease.yield_to is None and lease.preemptions < rules.max_preemptions
-                  and (not lease.started or not lease.preemptions or now - lease.since >= rules.min_run_s)]
     if not candidates:
         return None
-    return min(candidates, key=lambda l: (l.started, -held[l.tenant] / weights.get(l.tenant, 1.0), l.preemptions,
+    return min(candidates, key=lambda l: (l.started, -held[l.tenant] / w(l.tenant), -l.ttft_s, l.preemptions,
                                           -l.since, l.lease_id))
 
 
+classes = st.sampled_from([math.inf, math.inf, 0.5, 1.0, 30.0])
 leases_strategy = st.lists(st.tuples(st.sampled_from("abcde"), st.floats(0, 5), st.booleans(), st.booleans(),
-                                     st.integers(0, 5)), max_size=12)
+                                     st.integers(0, 5), classes), max_size=12)
 
 
 @hypothesis.given(leases_strategy, st.integers(1, 12), st.sampled_from("abcdef"),
-                  st.dictionaries(st.sampled_from("abcdef"), st.sampled_from([0.5, 1.0, 2.0, 4.0])))
+                  st.dictionaries(st.sampled_from("abcdef"), st.sampled_from([0.5, 1.0, 2.0, 4.0])), classes)
 @hypothesis.settings(max_examples=400, deadline=None)
-def test_the_victim_is_the_one_the_rule_names(raw, slots, tenant, weights):
-    leases = [Lease(f"l{i}", "b", t, "r", since=since, started=started, preemptible=preemptible, preemptions=n)
-              for i, (t, since, started, preemptible, n) in enumerate(raw)]
+def test_the_victim_is_the_one_the_rule_names(raw, slots, tenant, weights, ttft):
+    leases = [Lease(f"l{i}", "b", t, "r", since=since, started=started, preemptible=preemptible, preemptions=n,
+                    ttft_s=c) for i, (t, since, started, preemptible, n, c) in enumerate(raw)]
     slots = max(slots, len(leases))
     now = 5.0
     shares = Shares.of(leases, slots, weights)
-    assert choose_victim(leases, shares, tenant, now, RULES) is reference_victim(leases, slots, weights, tenant,
-                                                                                 now, RULES)
+    assert choose_victim(leases, shares, tenant, now, RULES, ttft) is reference_victim(
+        leases, slots, weights, tenant, now, RULES, ttft)
 
 
 def test_eligibility_waits_for_the_minimum_run_and_stops_at_the_cap():
@@ -259,6 +273,20 @@ async def test_requests_that_cannot_be_resumed_are_never_chosen(autojump_clock):
     assert steady.dispatched_at - steady.arrival > 0.5
 
 
+async def test_two_backlogged_tenants_share_the_slots_without_preempting_each_other(autojump_clock):
+    """Two tenants at twice what four slots serve, no classes: a freed slot goes to the tenant below its
+    share first, so the share rule never has to take one back."""
+    servers = {"a": SimulatedServer(slots=4, ttft_s=0.05, tpot_s=0.01)}
+    async with forwarding(servers, tenants=("a", "b")) as pipeline:
+        sent = []
+        for i in range(200):
+            sent.append(chat(pipeline, "ab"[i % 2], 50))
+            await pipeline.clock.sleep(1 / 16)
+        for r in sent:
+            assert isinstance(await r.reply.wait(), Completion)
+        assert sum(pipeline.engines[0].preemptions.values()) == 0
+
+
 async def test_weights_set_the_shares(autojump_clock):
     """Weights 3:1 on four slots: the heavy tenant is below its share with two slots, so it preempts the
     light one; the light one, at its share with one, does not preempt the heavy one."""
@@ -274,6 +302,36 @@ async def test_weights_set_the_shares(autojump_clock):
         for r in [*light, *heavy]:
             await r.reply.wait()
     assert servers["a"].bad_continuations == 0 and all(text_of(r) == expected(500) for r in [*light, *heavy])
+
+
+async def test_a_tight_class_takes_its_own_tenants_looser_slot_at_2x_overload(autojump_clock):
+    """Two tenants at twice what four slots serve, a fifth of their requests in a tight class (first token
+    within 0.3 s, refused when late) and the rest loose (30 s, best effort), on the shipped defaults: the
+    tight class meets its target for at least 95% of its requests, taking the slot of a looser request
+    of its own tenant, which is paused and resumes with nothing lost; the loose class absorbs the
+    overload, and nothing else is preempted (two backlogged tenants alternate on free slots)."""
+    import random
+    servers = {"a": SimulatedServer(slots=4, ttft_s=0.05, tpot_s=0.01)}
+    classes = {"tight": {"ttft_s": 0.3}, "loose": {"ttft_s": 30.0, "on_miss": "best_effort"}}
+    rng = random.Random(3)
+    async with forwarding(servers, tenants=("a", "b"), classes=classes) as pipeline:
+        sent = []
+        for i in range(400):   # (4 slots x 1 request / 0.5 s = 8/s served; 16/s offered)
+            tenant = "ab"[i % 2]
+            sent.append(chat(pipeline, tenant, 50, service_class="tight" if rng.random() < 0.2 else "loose"))
+            await pipeline.clock.sleep(1 / 16)
+        for r in sent:
+            await r.reply.wait()
+        figures = {f.name: f for f in pipeline.class_statistics()}
+        engine = pipeline.engines[0]
+    tight = figures["tight"]
+    assert tight.met / (tight.met + tight.missed + tight.refused) >= 0.95, tight
+    tights = sum(r.service_class == "tight" for r in sent)
+    assert 0 < sum(engine.preemptions.values()) <= tights   # (about one looser request paused per tight one)
+    assert servers["a"].bad_continuations == 0
+    for r in sent:
+        if isinstance(r.reply.outcome, Completion):
+            assert text_of(r) == expected(50)
 
 
 # -- work-conserving: a property over the pool's shapes -----------------------------------------------

@@ -284,7 +284,7 @@ def test_a_batch_beyond_the_kv_capacity_is_refused():
 def test_builtin_names():
     r = registry()
     assert [g.name for g in r.gpus()] == ["a100-40gb", "a100-80gb", "h100-sxm", "h200", "l40s"]
-    assert [m.name for m in r.models()] == ["llama-2-13b", "llama-2-70b", "llama-2-7b", "llama-3-70b", "llama-3-8b"]
+    assert [m.name for m in r.models()] == ["llama-2-13b", "llama-2-70b", "llama-2-7b", "llama-3-70b", "llama-3-8b", "llama-3.1-8b"]
     assert r.registered_by("gpu", "h200") == "builtin"
 
 
@@ -305,7 +305,7 @@ def test_unknown_names_list_the_known_ones():
     r = registry()
     with pytest.raises(ProfileError, match=r"unknown gpu profile 'b200' \(known: a100-40gb, a100-80gb, h100-sxm, h200, l40s\)"):
         r.get_gpu("b200")
-    with pytest.raises(ProfileError, match=r"unknown model profile 'llama-4' \(known: llama-2-13b, .*llama-3-8b\)"):
+    with pytest.raises(ProfileError, match=r"unknown model profile 'llama-4' \(known: llama-2-13b, .*llama-3.1-8b\)"):
         r.get_model("llama-4")
     with pytest.raises(ProfileError, match=r"known: none"):
         ProfileRegistry().get_model("llama-2-7b")

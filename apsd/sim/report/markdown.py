@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from apsd.core.ledger import FAIRNESS_DEFINITION
 from apsd.sim.report.service import SERVICE_DIFFERENCE_DEFINITION
 from apsd.sim.report.summary import RunSummary
-from apsd.sim.report.tables import (S, batch_table, describe_engine, engine_figures, fmt, format_summary_table,
-                                    governor_table, isolation_table, service_difference_table, tenant_table)
+from apsd.sim.report.tables import (S, batch_table, classes_table, describe_engine, engine_figures, fmt,
+                                    format_summary_table, governor_table, isolation_table, routing_table,
+                                    service_difference_table, tenant_table)
 
 __all__ = ["report_markdown"]
 
@@ -44,15 +45,26 @@ def _describe_workload(summary: RunSummary, runs: Sequence[RunSummary]) -> str:
 
 def _policy_section(s: RunSummary) -> list[str]:
     lb = s.overall.lowest_bidder
-    return [f"### `{s.label}`", "",
-            "Policy: " + (", ".join(f"{k} `{v}`" for k, v in s.policy.items()) or "—")
-            + f". Lowest bid {lb.bid if lb.bid is not None else '—'}: "
-            + f"{lb.completed} of {lb.requests} requests completed, queue wait p99 "
-            + fmt(lb.p99_queue_wait_ms, S, 1e-3, suffix=" s") + ", max "
-            + fmt(lb.max_queue_wait_ms, S, 1e-3, suffix=" s") + "." + engine_figures(s), "",
-            "#### Tenants", "", tenant_table(s), "",
-            "#### Governor time in state", "", governor_table(s), "",
-            "#### Batch sizes", "", batch_table(s), ""]
+    out = [f"### `{s.label}`", "",
+           "Policy: " + (", ".join(f"{k} `{v}`" for k, v in s.policy.items()) or "—")
+           + f". Lowest bid {lb.bid if lb.bid is not None else '—'}: "
+           + f"{lb.completed} of {lb.requests} requests completed, queue wait p99 "
+           + fmt(lb.p99_queue_wait_ms, S, 1e-3, suffix=" s") + ", max "
+           + fmt(lb.max_queue_wait_ms, S, 1e-3, suffix=" s") + "." + engine_figures(s), "",
+           "#### Tenants", "", tenant_table(s), ""]
+    routes = routing_table(s)
+    if routes is not None or s.overall.cached_prompt_share:
+        out += ["#### Prefix cache and routing", "",
+                "The engines found " + fmt(s.overall.cached_prompt_share, ".1f", 100, suffix="%")
+                + " of the completed requests' prompt tokens in their prefix caches.", ""]
+        if routes is not None:
+            out += ["Where the routing policy sent each request, and why:", "", routes, ""]
+    classes = classes_table(s)
+    if classes is not None:
+        out += ["#### Service classes", "", "Attainment is met / requests of the class (met: its first token "
+                "within `ttft_s`; refused: 503 `deadline_unmeetable`).", "", classes, ""]
+    return out + ["#### Governor time in state", "", governor_table(s), "",
+                  "#### Batch sizes", "", batch_table(s), ""]
 
 
 def report_markdown(title: str, groups: Sequence[Sequence[RunSummary]], plots: dict[str, str]) -> str:

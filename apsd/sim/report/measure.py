@@ -24,12 +24,13 @@ from apsd.core.ledger import jain_index
 from apsd.sim.records import PolicyRun, RequestRecord
 from apsd.sim.report.runs import (by_tenant, completed, engine_count, latencies, queue_waits, tenant_names, tpots,
                                   ttfts)
+from apsd.sim.report.classes import class_attainment
 from apsd.sim.report.service import summarize_service_difference
-from apsd.sim.report.summary import (BatchSizes, EngineSummary, Fairness, GovernorSummary, LowestBidder, Overall,
+from apsd.sim.report.summary import (BatchSizes, ClassSummary, EngineSummary, Fairness, GovernorSummary, LowestBidder, Overall,
                                      Percentiles, RunSummary, TenantIsolation, TenantSummary, TimeInState,
                                      WorkloadSummary)
 
-__all__ = ["isolation", "summarize"]
+__all__ = ["isolation", "routing_reasons", "summarize"]
 
 
 def _outcomes(requests: Iterable[RequestRecord]) -> dict[str, Any]:
@@ -183,6 +184,7 @@ def summarize(run: PolicyRun, alone: Mapping[str, PolicyRun] | None = None) -> R
         gpu_utilization=busy / (engines * duration) if duration > 0 and engines else None,
         cost_usd=cost,
         cost_per_1m_tokens_usd=cost / tokens * 1e6 if tokens else None,
+        cached_prompt_share=_cached_share(done),
         fairness=Fairness(jain_index=jain_index(fairness_x), tenants_counted=len(fairness_x)),
         lowest_bidder=_lowest_bidder(run),
         **_times(done),
@@ -202,4 +204,26 @@ def summarize(run: PolicyRun, alone: Mapping[str, PolicyRun] | None = None) -> R
         tenants=tenants,
         overall=overall,
         isolation=isolation(run, alone) if alone else (),
+        routing=routing_reasons(run.requests),
+        classes=tuple(ClassSummary(name=c.name, ttft_s=c.ttft_s, tpot_s=run.classes[c.name].tpot_s,
+                                   on_miss=c.on_miss, requests=c.requests, met=c.met, missed=c.missed,
+                                   refused=c.refused, attainment=c.attainment)
+                      for c in class_attainment(run, run.classes)),
     )
+
+
+def _cached_share(done: Sequence[RequestRecord]) -> float | None:
+    """Cached prompt tokens over prompt tokens of ``done`` (None: nothing completed)."""
+    prompt = sum(r.prompt_tokens for r in done)
+    return sum(r.cached_tokens for r in done) / prompt if prompt else None
+
+
+def routing_reasons(requests: Iterable[RequestRecord]) -> dict[str, dict[str, int]]:
+    """Engine (or backend) -> routing reason -> requests, from each record's ``route``
+    (``engine-2; reason=cache_match``); both levels sorted."""
+    counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for r in requests:
+        if r.route:
+            where, _, reason = r.route.partition("; reason=")
+            counts[where][reason or "?"] += 1
+    return {where: dict(sorted(c.items())) for where, c in sorted(counts.items())}

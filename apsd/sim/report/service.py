@@ -35,7 +35,8 @@ from apsd.sim.report.summary import ServiceDifference
 from apsd.sim.report.timeline import spread_cumulative, union
 
 __all__ = ["SERVICE_DIFFERENCE_DEFINITION", "SERVICE_STEP_S", "SERVICE_WEIGHTS", "SERVICE_WINDOW_S",
-           "service_difference_over_time", "summarize_service_difference"]
+           "backlogged_service_shares", "service_difference_over_time", "summarize_service_difference",
+           "weighted_service_jain"]
 
 #: Service per prompt and output token: what the fair-share policy charges by default (VTC's weights).
 SERVICE_WEIGHTS = ChargeWeights()
@@ -55,12 +56,17 @@ SERVICE_DIFFERENCE_DEFINITION = (
 
 
 def _backlogged_throughout(requests: Sequence[RequestRecord], starts: np.ndarray,
-                           ends: np.ndarray) -> np.ndarray | None:
-    """Per window ``[starts[k], ends[k]]``: whether some request of ``requests`` waited in the queue at
-    every instant of it (each waits from its arrival to its last dispatch; never dispatched: never).
-    None when the queue never held one of them for a whole window."""
-    span_start, span_end = union((r.arrival, r.dispatched_at) for r in requests
-                                 if r.outcome != "rejected" and r.dispatched_at is not None)
+                           ends: np.ndarray, until: str = "dispatch") -> np.ndarray | None:
+    """Per window ``[starts[k], ends[k]]``: whether some request of ``requests`` waited at every instant of
+    it: in the queue, from its arrival to its (last) dispatch (``until="dispatch"``), or anywhere, from its
+    arrival to its first token (``until="first_token"``: in an engine that holds many sequences, most of
+    the waiting is inside it); never dispatched (or started): never. None when no request waited for a
+    whole window."""
+    if until == "dispatch":
+        spans = ((r.arrival, r.dispatched_at) for r in requests if r.outcome != "rejected" and r.dispatched_at is not None)
+    else:
+        spans = ((r.arrival, r.started_at) for r in requests if r.started_at is not None)
+    span_start, span_end = union(spans)
     if not span_start.size or (span_end - span_start).max() < SERVICE_WINDOW_S:
         return None
     i = np.searchsorted(span_start, starts, side="right") - 1
@@ -78,32 +84,80 @@ def _service_cumulative(requests: Sequence[RequestRecord], edges: np.ndarray) ->
                              edges)
 
 
-def service_difference_over_time(run: PolicyRun) -> tuple[np.ndarray, np.ndarray]:
-    """The start of every window of :data:`SERVICE_WINDOW_S` (one every :data:`SERVICE_STEP_S` from 0,
-    ending by the run's end), and its service difference: NaN where fewer than two tenants were
-    backlogged throughout it. See the module docstring for the definition."""
+def _windows(run: PolicyRun, until: str = "dispatch") -> tuple[np.ndarray, list[str], list[np.ndarray],
+                                                               list[np.ndarray]]:
+    """Every window's start, and per tenant that was ever backlogged throughout one: its name, whether it
+    was in each window, and the weighted service it received within each."""
     steps = round(SERVICE_WINDOW_S / SERVICE_STEP_S)
     count = max(math.floor((run.duration_s - SERVICE_WINDOW_S) / SERVICE_STEP_S + 1e-9) + 1, 0)
     edges = np.arange(count + steps) * SERVICE_STEP_S
     starts, ends = edges[:count], edges[steps:]
-    high, low = np.full(count, -np.inf), np.full(count, np.inf)
-    backlogged = np.zeros(count, dtype=int)
+    names, throughouts, services = [], [], []
     for tenant, requests in by_tenant(run).items():
-        throughout = _backlogged_throughout(requests, starts, ends)
+        throughout = _backlogged_throughout(requests, starts, ends, until)
         if throughout is None:
             continue
         served = _service_cumulative(requests, edges) / tenant_weight(run, tenant)
-        in_window = served[steps:] - served[:count]
+        names.append(tenant)
+        throughouts.append(throughout)
+        services.append(served[steps:] - served[:count])
+    return starts, names, throughouts, services
+
+
+def weighted_service_jain(run: PolicyRun, until: str = "dispatch") -> float | None:
+    """Jain's index of the weighted service of the tenants backlogged throughout each window (the
+    windows of the service difference), averaged over the windows with two or more: 1 when every
+    backlogged tenant received service in proportion to its weight. None: no such window. ``until``: as
+    :func:`service_difference_over_time`'s."""
+    starts, _, throughouts, services = _windows(run, until)
+    if len(throughouts) < 2 or not len(starts):
+        return None
+    mask = np.array(throughouts)
+    x = np.where(mask, np.array(services), 0.0)
+    n = mask.sum(axis=0)
+    total, squares = x.sum(axis=0), np.square(x).sum(axis=0)
+    measured = (n >= 2) & (squares > 0)
+    if not measured.any():
+        return None
+    return float(np.mean(total[measured] ** 2 / (n[measured] * squares[measured])))
+
+
+def backlogged_service_shares(run: PolicyRun, until: str = "dispatch") -> dict[str, float]:
+    """Each tenant's share of the service (unweighted) received in the windows in which every tenant
+    that was ever backlogged throughout a window was backlogged throughout (empty: no such window, or
+    fewer than two such tenants): what each got while all competed. ``until``: as
+    :func:`service_difference_over_time`'s."""
+    _, names, throughouts, services = _windows(run, until)
+    if len(throughouts) < 2:
+        return {}
+    all_in = np.logical_and.reduce(np.array(throughouts))
+    if not all_in.any():
+        return {}
+    served = {name: float(service[all_in].sum()) * tenant_weight(run, name) for name, service in zip(names, services)}
+    total = sum(served.values())
+    return {name: value / total for name, value in sorted(served.items())} if total > 0 else {}
+
+
+def service_difference_over_time(run: PolicyRun, until: str = "dispatch") -> tuple[np.ndarray, np.ndarray]:
+    """The start of every window of :data:`SERVICE_WINDOW_S` (one every :data:`SERVICE_STEP_S` from 0,
+    ending by the run's end), and its service difference: NaN where fewer than two tenants were
+    backlogged throughout it. See the module docstring for the definition; ``until="first_token"`` counts
+    a tenant backlogged while a request of its waits for its first token, in the queue or in an engine."""
+    starts, _, throughouts, services = _windows(run, until)
+    count = len(starts)
+    high, low = np.full(count, -np.inf), np.full(count, np.inf)
+    backlogged = np.zeros(count, dtype=int)
+    for throughout, in_window in zip(throughouts, services):
         high = np.where(throughout, np.maximum(high, in_window), high)
         low = np.where(throughout, np.minimum(low, in_window), low)
         backlogged += throughout
     return starts, np.where(backlogged >= 2, high - low, np.nan)
 
 
-def summarize_service_difference(run: PolicyRun) -> ServiceDifference:
+def summarize_service_difference(run: PolicyRun, until: str = "dispatch") -> ServiceDifference:
     """The largest service difference over the whole run and over its first half (windows that end
     by half its duration), its mean over the run's windows, and how many windows had one."""
-    starts, difference = service_difference_over_time(run)
+    starts, difference = service_difference_over_time(run, until)
     measured = ~np.isnan(difference)
     first_half = measured & (starts + SERVICE_WINDOW_S <= run.duration_s / 2)
 

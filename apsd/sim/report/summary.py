@@ -24,7 +24,7 @@ import numpy as np
 
 from apsd.core.ledger import FAIRNESS_DEFINITION
 
-__all__ = ["SIGNIFICANT_DIGITS", "BatchSizes", "EngineSummary", "Fairness", "GovernorSummary", "LowestBidder",
+__all__ = ["SIGNIFICANT_DIGITS", "BatchSizes", "ClassSummary", "EngineSummary", "Fairness", "GovernorSummary", "LowestBidder",
            "TenantIsolation",
            "Outcomes", "Overall", "Percentiles", "RunSummary", "ServiceDifference", "TenantSummary", "TimeInState",
            "WorkloadSummary", "plain", "rounded", "summary_json"]
@@ -204,6 +204,9 @@ class Overall(Outcomes):
     gpu_utilization: float | None = _number()
     cost_usd: float = _number()
     cost_per_1m_tokens_usd: float | None = _number()
+    #: Prompt tokens the engines found in their prefix caches over all prompt tokens, of the completed
+    #: requests (None: none completed).
+    cached_prompt_share: float | None = _number()
     fairness: Fairness
     lowest_bidder: LowestBidder
     queue_wait_ms: Percentiles
@@ -281,6 +284,21 @@ class TenantIsolation(_Value):
 
 
 @attrs.frozen
+class ClassSummary(_Value):
+    """One service class's attainment in a run (:mod:`apsd.sim.report.classes`: attainment = met / requests)."""
+
+    name: str
+    ttft_s: float = _number()
+    tpot_s: float = _number()
+    on_miss: str
+    requests: int = _number()
+    met: int = _number()
+    missed: int = _number()
+    refused: int = _number()
+    attainment: float | None = _number()
+
+
+@attrs.frozen
 class RunSummary(_Value):
     """One policy on one workload: what ``summary.json`` holds for it."""
 
@@ -296,6 +314,11 @@ class RunSummary(_Value):
     overall: Overall
     #: Each tenant beside the others against alone, by tenant name (empty: not compared).
     isolation: tuple[TenantIsolation, ...] = ()
+    #: Where the routing policy sent requests and why: engine (or backend) -> reason -> requests, both
+    #: sorted (empty: no routing decision was made).
+    routing: dict[str, dict[str, int]] = attrs.field(factory=dict)
+    #: Every configured service class's attainment, by name (empty: no classes).
+    classes: tuple[ClassSummary, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=2, sort_keys=True)

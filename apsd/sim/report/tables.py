@@ -15,8 +15,9 @@ from typing import Any
 
 from apsd.sim.report.summary import EngineSummary, Percentiles, RunSummary
 
-__all__ = ["MS", "S", "batch_table", "describe_engine", "engine_figures", "fmt", "format_summary_table",
-           "governor_table", "isolation_table", "service_difference_table", "table", "tenant_table"]
+__all__ = ["MS", "S", "batch_table", "classes_table", "describe_engine", "engine_figures", "fmt",
+           "format_summary_table", "governor_table", "isolation_table", "routing_table", "service_difference_table",
+           "table", "tenant_table"]
 
 S = ".3f"
 MS = ".2f"
@@ -163,3 +164,21 @@ def engine_figures(summary: RunSummary) -> str:
         return ""
     return (" Engine: MFU " + fmt(e.mfu, ".1f", 100, suffix="%") + ", MBU " + fmt(e.mbu, ".1f", 100, suffix="%")
             + f" over its busy time; {e.preemptions} preemption{'' if e.preemptions == 1 else 's'}.")
+
+
+def routing_table(summary: RunSummary) -> str | None:
+    """Where the routing policy sent requests, by engine and reason (None: it made no decision)."""
+    if not summary.routing:
+        return None
+    return table(("engine", "reason", "requests"),
+                 ((f"`{where}`", f"`{reason}`", str(n)) for where, reasons in summary.routing.items()
+                  for reason, n in reasons.items()), "llr")
+
+
+def classes_table(summary: RunSummary) -> str | None:
+    """Each service class's attainment (None: the run had no classes)."""
+    if not summary.classes:
+        return None
+    return table(("class", "ttft_s", "on_miss", "requests", "met", "missed", "refused", "attainment (%)"),
+                 ((f"`{c.name}`", f"{c.ttft_s:g}", c.on_miss, str(c.requests), str(c.met), str(c.missed),
+                   str(c.refused), fmt(c.attainment, ".1f", 100)) for c in summary.classes), "lrlrrrrr")

@@ -21,6 +21,11 @@ Modules, by concept:
 * :mod:`~apsd.sim.research.run` — :func:`write_research` and :func:`open_report_writer`.
 * :mod:`~apsd.sim.research.measured` — what research.md is computed from (:class:`Measured`).
 * :mod:`~apsd.sim.research.claims` — the design's claims and the thresholds of every verdict.
+* Studies with a page of their own under ``research/``: :mod:`~apsd.sim.research.classes`
+  (``--classes``), :mod:`~apsd.sim.research.routing` and :mod:`~apsd.sim.research.trace_routing`
+  (``--routing``), :mod:`~apsd.sim.research.grid` (``--grid``), and the benchmark table
+  (``--table``): :mod:`~apsd.sim.research.table_suite` (its rows and workloads),
+  :mod:`~apsd.sim.research.table` (running and measuring) and :mod:`~apsd.sim.research.table_page`.
 * :mod:`~apsd.sim.research.design`, :mod:`~apsd.sim.research.continuous`,
   :mod:`~apsd.sim.research.isolation` and :mod:`~apsd.sim.research.document` — research.md's sections,
   and the document; :mod:`~apsd.sim.research.prose` formats their figures.

@@ -1,9 +1,8 @@
 """Service classes under overload, in virtual time (``apsd research --classes``).
 
-Two tenants of equal weight share one continuous engine (llama-3-8b on an a100-80gb) whose own batch is
-capped at :data:`MAX_SEQUENCES` sequences, with engine isolation off (:func:`study_config`): the waiting
-is then done in apsd's queue, where deadlines are known, not inside the engine. Each
-sends the same mix: a fifth of its requests in the tight class ``interactive`` (``ttft_s = 2``,
+Two tenants of equal weight share one continuous engine with the shipped ``[engine]`` defaults
+(llama-3-8b on an a100-80gb, 256 sequences, isolation on: :func:`study_config` changes only the kind).
+Each sends the same mix: a fifth of its requests in the tight class ``interactive`` (``ttft_s = 1``,
 ``refuse``) and the rest in the loose class ``batch`` (``ttft_s = 30``, ``best_effort``), every request
 a 512-token prompt for 128 tokens, Poisson arrivals at twice what the engine completes
 (:func:`capacity`: its steady completion rate under a flood of the same requests).
@@ -12,7 +11,9 @@ The same arrivals run twice under ``fair``: with the classes configured, and wit
 requests, measured against the classes they would have had). Figures per class: met, missed,
 refused (``deadline_unmeetable``), and attainment = met / requests (:mod:`apsd.sim.report.classes`).
 What is claimed: with classes the tight class's attainment is at least :data:`TIGHT_TARGET` while the
-loose class absorbs the overload.
+loose class absorbs the overload. The engine holds far more work than one second of it (256 sequences):
+the tight class holds because the engine orders prompts by deadline and a tight request takes the
+place of a looser prompt of its own tenant (:mod:`apsd.engines.continuous`, service classes).
 """
 
 from __future__ import annotations
@@ -27,18 +28,15 @@ from apsd.sim.records import Arrival, PolicyRun, Workload
 from apsd.sim.report.classes import ClassAttainment, class_attainment
 from apsd.sim.runner import parse_policy_choice, run_policy
 
-__all__ = ["CLASSES", "MAX_SEQUENCES", "TIGHT_TARGET", "ClassesResult", "capacity", "classes_document", "classes_markdown",
+__all__ = ["CLASSES", "TIGHT_TARGET", "ClassesResult", "capacity", "classes_document", "classes_markdown",
            "class_workload", "run_classes_study", "study_config"]
 
 #: The classes of the study.
-CLASSES = {"interactive": ServiceClassConfig(ttft_s=2.0),
+CLASSES = {"interactive": ServiceClassConfig(ttft_s=1.0),
            "batch": ServiceClassConfig(ttft_s=30.0, on_miss="best_effort")}
 #: The tight class's attainment the study must show with classes.
 TIGHT_TARGET = 0.95
 PRESET = "fair"
-#: The engine's own batch: with the default 256 (and isolation's preemptions) the engine holds many
-#: seconds of work of its own, and a first token waits for it whatever apsd's queue decides.
-MAX_SEQUENCES = 32
 TENANTS = ("tenant_a", "tenant_b")
 PROMPT_TOKENS, OUTPUT_TOKENS = 512, 128
 
@@ -61,9 +59,9 @@ class ClassesResult:
 
 
 def study_config(base: Config) -> Config:
-    """``base`` with the study's engine: one continuous engine of :data:`MAX_SEQUENCES`, no isolation."""
-    return attrs.evolve(base, engine=attrs.evolve(base.engine, kind="continuous", count=1,
-                                                  max_sequences=MAX_SEQUENCES, isolation=False))
+    """``base`` with one continuous engine of its ``[engine]`` settings (the shipped defaults unless
+    ``base`` changes them: 256 sequences, isolation on)."""
+    return attrs.evolve(base, engine=attrs.evolve(base.engine, kind="continuous", count=1))
 
 
 _config = study_config
@@ -127,10 +125,14 @@ def _percent(value: float | None) -> str:
 def classes_markdown(result: ClassesResult, base: Config | None = None) -> str:
     """The study's table: each class with and without classes, side by side."""
     base = _config(base or Config())
-    lines = [f"Two tenants of equal weight on one continuous engine ({base.engine.model} on {base.engine.gpu}, "
-             f"at most {MAX_SEQUENCES} sequences, isolation off), `{PRESET}` queue. Every request is a {PROMPT_TOKENS}-token prompt for {OUTPUT_TOKENS} tokens; "
-             f"{result.tight_share:.0%} of each tenant's requests are `interactive` (ttft_s 2, refuse), the rest "
-             f"`batch` (ttft_s 30, best effort). Arrivals: {result.rate:.1f}/s, {result.overload:g}x the "
+    tight, loose = CLASSES["interactive"], CLASSES["batch"]
+    engine = base.engine
+    lines = [f"Two tenants of equal weight on one continuous engine with the shipped defaults ({engine.model} on "
+             f"{engine.gpu}, at most {engine.max_sequences} sequences, isolation "
+             f"{'on' if engine.isolation else 'off'}), `{PRESET}` queue. Every request is a {PROMPT_TOKENS}-token "
+             f"prompt for {OUTPUT_TOKENS} tokens; {result.tight_share:.0%} of each tenant's requests are "
+             f"`interactive` (ttft_s {tight.ttft_s:g}, {tight.on_miss}), the rest `batch` (ttft_s {loose.ttft_s:g}, "
+             f"best effort). Arrivals: {result.rate:.1f}/s, {result.overload:g}x the "
              f"{result.capacity:.1f} requests/s the engine completes, for {result.duration:g} model seconds.", "",
              "| class | requests | with classes: met | missed | refused | attainment "
              "| without classes: met | missed | attainment |",
