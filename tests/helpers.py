@@ -31,6 +31,7 @@ from apsd.pipeline import Pipeline
 from apsd.plugins import load_policy_registry, make_plugin_manager
 from apsd.core.policy import PolicySet
 
+from tests.budget_spender import INPUT_PER_1M_USD, OUTPUT_PER_1M_USD
 from tests.standin_backend import Exchange, Reply, chat_answer, json_reply
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -301,7 +302,7 @@ def fill(directory: Path) -> Path:
 # -- spending a dollar budget (tests/daemon/test_money.py, tests/backends/test_money_redis.py) ----------------
 
 #: What the stand-in's model costs in the money tests: $2 per million prompt tokens, $10 per million output.
-PRICES = {"standin": PriceConfig(input_per_1m_usd=2.0, output_per_1m_usd=10.0)}
+PRICES = {"standin": PriceConfig(input_per_1m_usd=INPUT_PER_1M_USD, output_per_1m_usd=OUTPUT_PER_1M_USD)}
 #: The dollar budget the concurrency tests spend (about 600 requests of 4 + 20-100 tokens).
 BUDGET_USD = 0.36
 #: The prompt tokens the stand-in reports (below apsd's estimate of "request NNNNN": no prompt excess).
@@ -315,61 +316,3 @@ def varied_length(exchange: Exchange) -> Reply:
     tokens = min(int(request.get("max_tokens") or 100), 20 + zlib.crc32(request["prompt"].encode()) % 81)
     usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": tokens, "total_tokens": PROMPT_TOKENS + tokens}
     return json_reply(chat_answer(request, usage, content=" ".join(["tok"] * tokens)))
-
-
-def priced(usage: dict) -> float:
-    return (usage["prompt_tokens"] * 2.0 + usage["completion_tokens"] * 10.0) / 1e6
-
-
-@attrs.define
-class Spender:
-    """Clients that spend a dollar budget through ``/v1/completions`` until it is gone. A client refused
-    ``budget_exhausted`` while requests are still in flight on some daemon (its budget shows them
-    reserved) tries again, since they may give back part of what they reserved; it stops once every
-    daemon has nothing reserved. ``budget_leasing`` waits its ``Retry-After``. What was spent is priced
-    from the answers' own usage."""
-
-    spent: float = 0.0
-    served: int = 0
-    refusals: dict[str, int] = attrs.field(factory=dict)
-    sent: int = 0
-
-    async def nothing_reserved(self, admins: list[httpx.AsyncClient], tenant: str) -> bool:
-        for admin in admins:
-            budget = (await admin.get(f"/admin/tenants/{tenant}")).json()["live"]["budget_usd"]
-            if budget["reserved_usd"]:
-                return False
-        return True
-
-    async def client(self, http: httpx.AsyncClient, admins: list[httpx.AsyncClient], tenant: str) -> None:
-        while True:
-            self.sent += 1
-            answer = await http.post("/v1/completions", headers={"X-Apsd-Tenant": tenant},
-                                     json={"model": "standin", "prompt": f"request {self.sent:05d}", "max_tokens": 100})
-            if answer.status_code == 200:
-                self.served += 1
-                self.spent += priced(answer.json()["usage"])
-                continue
-            error = answer.json()["error"]["code"]
-            self.refusals[error] = self.refusals.get(error, 0) + 1
-            assert answer.status_code == 429 and error in ("budget_exhausted", "budget_leasing"), answer.text
-            if error == "budget_leasing":
-                await trio.sleep(float(answer.headers["Retry-After"]))
-            elif await self.nothing_reserved(admins, tenant):
-                return
-            else:
-                await trio.sleep(0.05)
-
-    async def spend(self, urls: list[str], tenant: str, count: int = 200, per_pool: int = 10) -> None:
-        """``count`` clients at once, spread over the daemons at ``urls`` (httpx pools of ``per_pool``
-        clients each: one pool of 200 connections costs the test more than the daemon)."""
-        pools = [httpx.AsyncClient(base_url=urls[i % len(urls)], timeout=60) for i in range(count // per_pool)]
-        admins = [httpx.AsyncClient(base_url=url, timeout=60) for url in urls]
-        try:
-            async with trio.open_nursery() as nursery:
-                for number in range(count):
-                    nursery.start_soon(self.client, pools[number % len(pools)], [admins[number % len(urls)],
-                                       *[a for a in admins if a is not admins[number % len(urls)]]], tenant)
-        finally:
-            for client in pools + admins:
-                await client.aclose()

@@ -33,7 +33,11 @@ replicas together spend at most the budget plus what requests used beyond their 
 the store counted is the period's spend every replica reports. A replica keeps a lease of a quarter
 of its share of what is left while idle (``(budget - spent) / (4 * replicas)``), twice its last
 interval's demand while busy, and room for the requests it refused until they are due back; it
-returns the rest. A replica that is not seen for :data:`LEASE_TTL_S` loses its lease to the others.
+returns the rest. A replica that is not seen for :data:`LEASE_TTL_S` loses its lease, which the store
+counts as spent (it may have been, unreported) until that replica reports what it really spent: a replica
+that never comes back strands at most its lease for the period, and a long outage never spends a lease
+twice. A replica cut off from the store stops admitting from its lease :data:`LEASE_FRESH_S` after its
+last exchange, and claims none of it when it is back.
 
 Periods are UTC calendar days or months of the wall clock.
 """
@@ -51,7 +55,7 @@ from apsd.core.clock import calendar_time
 from apsd.core.config import KeyConfig, TenantConfig
 from apsd.core.models import Refusal
 
-__all__ = ["BudgetAsk", "BudgetLimit", "BudgetView", "Budgets", "LEASE_TTL_S", "MICRO", "TOKENS", "USD",
+__all__ = ["BudgetAsk", "BudgetLimit", "BudgetView", "Budgets", "LEASE_FRESH_S", "LEASE_TTL_S", "MICRO", "TOKENS", "USD",
            "all_limits", "budget_account", "key_limits", "limits_for", "period_end", "period_key", "tenant_limits"]
 
 #: The units of a budget, and micro-dollars per dollar (a dollar budget is counted in micro-dollars).
@@ -84,6 +88,10 @@ def period_end(period: str, wall: float) -> float:
 #: Seconds a replica that has not exchanged with the shared store keeps its lease of a budget: then
 #: the lease goes back to the budget (a replica that crashed gives it back this way).
 LEASE_TTL_S = 30.0
+#: Seconds after its last exchange that a replica stops admitting from its lease of a budget (a
+#: replica cut off from the store holds nothing after this): well before :data:`LEASE_TTL_S`, when the
+#: store may grant that lease to the others, so two replicas never spend the same lease.
+LEASE_FRESH_S = LEASE_TTL_S / 2
 #: Seconds a lease keeps room for refused requests after their ``Retry-After`` (the bucket's ``HOLD_S``).
 HOLD_S = 2.0
 #: The share of what a budget has left that an idle replica keeps leased, per replica.
@@ -235,6 +243,10 @@ class _Account:
     def unexchanged(self) -> int:
         return self.settled_total - self.acknowledged
 
+    def held(self, now: float) -> float:
+        """The lease, while the store still counts it this replica's (see :data:`LEASE_FRESH_S`); else 0."""
+        return self.lease if self.exchanged and now - self.exchanged_at < LEASE_FRESH_S else 0.0
+
 
 @attrs.define(eq=False)
 class Budgets:
@@ -285,14 +297,15 @@ class Budgets:
         account = self._account(limit)
         used = self.used(limit)
         if self.shared:
-            if cost <= account.lease - account.reserved - account.unexchanged:
+            lease = account.held(trio.current_time())
+            if cost <= lease - account.reserved - account.unexchanged:
                 return None
             account.refused += cost
             if used + cost <= limit.limit:
                 retry = max(1, math.ceil(self.sync_interval_s or 0))
                 if account.waiting_until < trio.current_time() + retry + HOLD_S:
                     account.waiting_until = trio.current_time() + retry + HOLD_S
-                held = max(0, int(account.lease - account.reserved - account.unexchanged))
+                held = max(0, int(lease - account.reserved - account.unexchanged))
                 return Refusal(429, "budget_leasing",
                                f"{limit.who} has {limit.amount(limit.limit - used)} of its budget left as last known, "
                                f"but this replica holds {limit.amount(held)} of it and this request reserves "
@@ -369,7 +382,8 @@ class Budgets:
         for name, limit in limits.items():
             account = self._account(limit)
             unexchanged = account.unexchanged
-            holding = max(0.0, account.lease - unexchanged)
+            # (a lease not renewed for LEASE_FRESH_S is no longer claimed: the store may have given it away)
+            holding = max(0.0, account.held(now) - unexchanged)
             free = holding - account.reserved
             if now >= account.waiting_until:
                 account.waiting = 0.0

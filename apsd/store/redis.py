@@ -93,7 +93,8 @@ return out
 #: account budget, settled, acknowledged, known_spent, holding, want (the fields of BudgetAsk).
 #: Returns per account: granted, the period's spend, what is left unleased (as strings).
 #: The account is a hash: ``spent``; per replica ``settled:<id>`` (its settled total last counted),
-#: ``lease:<id>`` (what it holds) and ``seen:<id>`` (Redis's TIME at its last exchange).
+#: ``lease:<id>`` (what it holds) and ``seen:<id>`` (Redis's TIME at its last exchange); a replica not seen
+#: for the lease TTL loses its lease, counted as spent (``presumed:<id>``) until it reports what it spent.
 BUDGET_SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -108,6 +109,11 @@ for i, key in ipairs(KEYS) do
   for j = 1, #all, 2 do fields[all[j]] = all[j + 1] end
   local spent = math.max(tonumber(fields['spent'] or '0'), known)  -- (a Redis that lost it: written back)
   local base = tonumber(fields['settled:' .. replica] or acked)
+  local presumed = tonumber(fields['presumed:' .. replica] or '0')
+  if presumed > 0 then  -- back after its lease was presumed spent: what it reports replaces the presumption
+    spent = math.max(0, spent - presumed)
+    redis.call('HDEL', key, 'presumed:' .. replica)
+  end
   if settled > base then spent = spent + (settled - base) end
   local others = 0
   for name, value in pairs(fields) do
@@ -115,7 +121,11 @@ for i, key in ipairs(KEYS) do
       local other = string.sub(name, 6)
       if other ~= replica then
         if now - tonumber(value) > lease_ttl then
+          -- (a replica not seen may have spent its lease unreported: presumed spent until it reports)
+          local lease = tonumber(fields['lease:' .. other] or '0')
+          spent = spent + lease
           redis.call('HDEL', key, name, 'lease:' .. other)
+          redis.call('HSET', key, 'presumed:' .. other, tostring(tonumber(fields['presumed:' .. other] or '0') + lease))
         else
           others = others + tonumber(fields['lease:' .. other] or '0')
         end

@@ -18,9 +18,10 @@ import trio
 from apsd.core.config import Config, TenantConfig
 from apsd.serve.auth import hash_key
 
-from tests.helpers import (BUDGET_USD, FAST_GPU, PRICES, WAIT_S, LiveDaemon, Spender, backends_up, forwarding_config,
+from tests.helpers import (BUDGET_USD, FAST_GPU, PRICES, WAIT_S, LiveDaemon, backends_up, forwarding_config,
                            infer_body, make_config, start_daemon, varied_length, wait_until)
 from tests.redis_server import open_redis_server
+from tests.budget_spender import spend
 from tests.standin_backend import start_standin_backend
 from tests.webhook_receiver import open_webhook_receiver
 
@@ -66,9 +67,7 @@ async def test_two_replicas_hold_a_dollar_budget_within_2_percent_under_200_conc
         async with two_replicas(config) as daemons:
             for daemon in daemons:
                 await wait_until(backends_up(daemon.daemon))
-            spender = Spender()
-            with trio.fail_after(200):
-                await spender.spend([d.url for d in daemons], "team")
+            spender = await spend([d.url for d in daemons], "team")
             print(f"${BUDGET_USD} budget, 200 concurrent clients on two replicas sharing Redis: {spender.served} "
                   f"served, ${spender.spent:.6f} spent ({spender.spent / BUDGET_USD - 1:+.3%}); "
                   f"refusals {spender.refusals}")

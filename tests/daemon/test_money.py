@@ -19,8 +19,9 @@ import trio
 from apsd.core.config import ConfigError, PriceConfig, ServerConfig, StateConfig, TenantConfig, parse_config
 from apsd.serve.alerts import SIGNATURE_HEADER, sign
 
-from tests.helpers import (BUDGET_USD, FAST_GPU, PRICES, Spender, backends_up, forwarding_config, infer_body, make_config,
+from tests.helpers import (BUDGET_USD, FAST_GPU, PRICES, backends_up, forwarding_config, infer_body, make_config,
                            run_cli, start_daemon, varied_length, wait_until)
+from tests.budget_spender import spend
 from tests.standin_backend import start_standin_backend
 from tests.webhook_receiver import open_webhook_receiver
 
@@ -38,9 +39,7 @@ async def test_a_dollar_budget_holds_within_1_percent_under_200_concurrent_reque
         prices=PRICES, state=StateConfig(path=str(tmp_path / "apsd.db")))
     running = await start_daemon(nursery, config)
     await wait_until(backends_up(running.daemon))
-    spender = Spender()
-    with trio.fail_after(180):
-        await spender.spend([running.url], "team")
+    spender = await spend([running.url], "team")
     print(f"${BUDGET_USD} budget, 200 concurrent clients on one daemon: {spender.served} served, "
           f"${spender.spent:.6f} spent ({spender.spent / BUDGET_USD - 1:+.3%}); refusals {spender.refusals}")
     assert BUDGET_USD * 0.99 <= spender.spent <= BUDGET_USD * 1.01

@@ -289,3 +289,69 @@ async def test_an_unpriced_model_is_refused_to_a_dollar_budget_and_free_to_the_o
         served = ask(pipeline, "budgeted", tokens=20)
         assert isinstance(await served.reply.wait(), Completion)
         assert served.spend_usd == pytest.approx((served.prompt_tokens * 1 + 20 * 2) / 1e6)
+
+
+async def test_a_replica_cut_off_from_the_store_never_lets_its_lease_be_spent_twice(autojump_clock):
+    """Two replicas share a budget of 1,000 tokens through the simulated store (the Redis script's
+    rules). One holds a lease and then loses the store: it admits from its lease for a while, never past
+    LEASE_FRESH_S after its last exchange. After LEASE_TTL_S the store drops that lease but counts it as
+    spent (the cut-off replica may have spent it, unreported): the other replica cannot spend it again.
+    When the cut-off replica is back, what it really spent replaces the presumption, the rest of its old
+    lease goes to the other, and together they spend exactly the budget."""
+    from apsd.core.budget import LEASE_FRESH_S, LEASE_TTL_S, Budgets, tenant_limits
+    from apsd.store.simulated import SimulatedSharedState
+
+    (limit,) = tenant_limits("team", TenantConfig(rate=1e6, burst=10**6, budget_tokens=1000))
+    limits = {limit.account: limit}
+    state = SimulatedSharedState()
+    replicas = {name: Budgets(wall=lambda: 1.8e9, limits=lambda: limits) for name in ("a", "b")}
+    for budgets in replicas.values():
+        budgets.share(0.05)
+        budgets.replicas = 2
+
+    async def exchange(name: str) -> None:
+        budgets = replicas[name]
+        asks = budgets.asks(limits)
+        for one, answer in zip(asks, await state.budget(name, asks)):
+            budgets.exchanged(one, *answer)
+
+    def spend(name: str, cost: int) -> bool:
+        budgets = replicas[name]
+        if budgets.refusal(limit, cost) is not None:
+            return False
+        budgets.reserve(limit, cost)
+        budgets.settle(limit.account, cost, cost, limit)
+        return True
+
+    spent = 0
+    for _ in range(3):   # a busy: it leases twice its demand (an idle b keeps a little)
+        for name in ("a", "b"):
+            await exchange(name)
+        spent += 50 * sum(spend("a", 50) for _ in range(4))
+    assert replicas["a"]._accounts[limit.account].lease >= 300   # (what a holds now, unspent)
+    cut_off = trio.current_time()
+    spent_by_a_cut_off = 0
+    while trio.current_time() - cut_off < 2 * LEASE_TTL_S:
+        if trio.current_time() - cut_off < 5:   # a spends part of its lease while cut off
+            done = 10 * spend("a", 10)
+            assert done, "a cannot spend the lease it holds"
+            spent += done
+            spent_by_a_cut_off += done
+        elif trio.current_time() - cut_off >= LEASE_FRESH_S:
+            assert not spend("a", 1), "a spends a lease the store may have given away"
+        await exchange("b")
+        spent += 10 * sum(spend("b", 10) for _ in range(20))
+        assert spent <= 1000
+        await trio.sleep(0.5)
+    assert spent_by_a_cut_off == 100 and spent < 1000   # (a's old lease is not b's, though a spent only part)
+    await exchange("a")   # back: it reports what it spent, claims nothing, and the rest is free again
+    account = state.budgets[(limit.account, replicas["a"]._accounts[limit.account].key)]
+    assert account["spent"] == spent and "presumed:a" not in account
+    assert account["lease:a"] == replicas["a"]._accounts[limit.account].lease <= 1000 - spent   # (a fresh grant)
+    for _ in range(10):
+        for name in ("a", "b"):
+            await exchange(name)
+            spent += 10 * sum(spend(name, 10) for _ in range(20))
+            assert spent <= 1000
+        await trio.sleep(0.5)
+    assert spent == 1000
