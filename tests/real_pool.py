@@ -12,7 +12,8 @@ by the client (from sending to the first content chunk):
 * ``newcomers``: tenants that had sent nothing, each arriving with one short request, one after another;
 * ``turns``: two tenants on a one-slot server, each sending its next request once it has its answer.
 
-While it runs, the server's ``/slots`` is read every :data:`SLOTS_POLL_S`: the most requests it ran at once.
+While it runs, the server is asked every :data:`SLOTS_POLL_S` how many requests it runs (llama.cpp's
+``/slots``, vLLM's ``vllm:num_requests_running``): the most it ran at once.
 """
 
 from __future__ import annotations
@@ -96,19 +97,27 @@ async def warm_up(url: str, model: str, slots: int) -> None:
 
 @attrs.define
 class SlotWatch:
-    """The most requests the server ran at once (its ``/slots``), read every :data:`SLOTS_POLL_S`."""
+    """The most requests the server ran at once, read every :data:`SLOTS_POLL_S`: a llama.cpp server's
+    ``/slots``, a vLLM server's ``vllm:num_requests_running`` (``server``)."""
 
     url: str
+    server: str = "llama.cpp"
     most: int = 0
     reads: int = 0
 
     async def run(self) -> None:
         async with httpx.AsyncClient(base_url=self.url, timeout=10) as client:
             while True:
-                slots = (await client.get("/slots")).json()
-                self.most = max(self.most, sum(bool(s.get("is_processing")) for s in slots))
+                self.most = max(self.most, await self._running(client))
                 self.reads += 1
                 await trio.sleep(SLOTS_POLL_S)
+
+    async def _running(self, client: httpx.AsyncClient) -> int:
+        if self.server == "vllm":
+            text = (await client.get("/metrics")).text
+            return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+                       if line.startswith("vllm:num_requests_running"))
+        return sum(bool(s.get("is_processing")) for s in (await client.get("/slots")).json())
 
 
 class Dispatches:
@@ -141,12 +150,13 @@ class Pool:
 
 @asynccontextmanager
 async def open_pool(server_url: str, model: str, *, slots: int = 4, replicas: int = 1, redis_url: str = "",
-                    preset: str | None = None, classes: dict[str, ServiceClassConfig] | None = None
-                    ) -> AsyncIterator[Pool]:
-    """``replicas`` daemons in front of the server (sharing ``redis_url`` when more than one), the shipped
-    defaults but for the backend's ``max_concurrency`` (its ``-np``) and ``classes`` (every tenant may use
-    each), ready once they see it healthy."""
-    config = forwarding_config([server_url], TENANTS, preset=preset, max_concurrency=slots,
+                    preset: str | None = None, classes: dict[str, ServiceClassConfig] | None = None,
+                    server: str = "llama.cpp", backend: dict[str, Any] | None = None) -> AsyncIterator[Pool]:
+    """``replicas`` daemons in front of the ``server`` (its kind: ``llama.cpp`` or ``vllm``), sharing
+    ``redis_url`` when more than one, the shipped defaults but for the backend's ``max_concurrency`` (its
+    ``-np`` or ``--max-num-seqs``), more ``[[backends]]`` keys (``backend``) and ``classes`` (every tenant may
+    use each), ready once they see it healthy."""
+    config = forwarding_config([server_url], TENANTS, preset=preset, max_concurrency=slots, backend=backend,
                                first_token_timeout_s=120.0)
     config = attrs.evolve(config, state=StateConfig(kind="off"))   # (nothing of these runs is kept)
     if classes:
@@ -164,7 +174,7 @@ async def open_pool(server_url: str, model: str, *, slots: int = 4, replicas: in
             daemons.append(running)
             dispatches.append(recorder)
             clients.append(httpx.AsyncClient(base_url=running.url, timeout=300, limits=limits))
-        watch = SlotWatch(server_url)
+        watch = SlotWatch(server_url, server)
         nursery.start_soon(watch.run)
         try:
             yield Pool(server_url, model, daemons, clients, watch, dispatches)

@@ -238,6 +238,12 @@ class BackendClient(Protocol):
         """What kind of server it is: ``llama.cpp``, ``vllm``, ``sglang``, or ``openai`` (none of those,
         or it cannot say). Never raises."""
 
+    async def count_output_tokens(self, backend: Backend, model: str | None, text: str) -> int | None:
+        """The backend's own count of the tokens of ``text``, output it generated (no special tokens
+        added), or None when it cannot say (as :meth:`count_prompt_tokens`). Never raises. Used to
+        charge a stream that ended without the backend's usage: its chunks do not say how many
+        tokens each carries."""
+
     async def aclose(self) -> None: ...
 
 
@@ -336,6 +342,17 @@ class HttpBackendClient:
         except ValueError:
             return None
 
+    async def _tokenizer(self, backend: Backend, base: str, headers: dict[str, str]) -> str | None:
+        """How ``backend`` counts tokens (``backend.tokenizer``), found out on first use: "llama.cpp"
+        when its ``/tokenize`` takes llama.cpp's body, asked with an empty text (a server logs the
+        bodies it refuses, and a user's text has no place in its log); None: try vLLM's."""
+        if backend.tokenizer is None:
+            probe = await self._client.post(base + "/tokenize", headers=headers,
+                                            json={"content": "", "add_special": False})
+            if probe.status_code == 200 and isinstance(probe.json().get("tokens"), list):
+                backend.tokenizer = "llama.cpp"
+        return backend.tokenizer
+
     async def count_prompt_tokens(self, backend: Backend, api: str, body: dict) -> int | None:
         base = backend.config.url.rstrip("/")
         headers = self._headers(backend)
@@ -344,7 +361,8 @@ class HttpBackendClient:
         prompt = body.get("prompt") if not chat else None
         try:
             with trio.fail_after(self.settings.health_timeout_s):
-                if backend.tokenizer in (None, "llama.cpp"):
+                kind = await self._tokenizer(backend, base, headers)
+                if kind == "llama.cpp":
                     if chat:   # its template renders the conversation as it will run it
                         rendered = await self._client.post(base + "/apply-template", json=body, headers=headers)
                         prompt = rendered.json().get("prompt") if rendered.status_code == 200 else None
@@ -353,22 +371,44 @@ class HttpBackendClient:
                                                           json={"content": prompt, "add_special": True})
                         tokens = answer.json().get("tokens") if answer.status_code == 200 else None
                         if isinstance(tokens, list):
-                            backend.tokenizer = "llama.cpp"
                             return len(tokens)
-                    if backend.tokenizer == "llama.cpp":
-                        return None
-                if backend.tokenizer in (None, "vllm"):
+                    return None
+                if kind in (None, "vllm"):
                     ask = {"model": model, "messages": body.get("messages")} if chat else \
                         {"model": model, "prompt": body.get("prompt")}
-                    answer = await self._client.post(base + "/tokenize", json=ask, headers=headers)
-                    count = answer.json().get("count") if answer.status_code == 200 else None
-                    if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
-                        backend.tokenizer = "vllm"
-                        return count
-                backend.tokenizer = backend.tokenizer or ""
+                    return await self._vllm_count(backend, base, headers, ask)
                 return None
         except (httpx.HTTPError, trio.TooSlowError, ValueError, AttributeError, RecursionError):
             return None
+
+    async def count_output_tokens(self, backend: Backend, model: str | None, text: str) -> int | None:
+        base = backend.config.url.rstrip("/")
+        headers = self._headers(backend)
+        try:
+            with trio.fail_after(self.settings.health_timeout_s):
+                kind = await self._tokenizer(backend, base, headers)
+                if kind == "llama.cpp":
+                    answer = await self._client.post(base + "/tokenize", headers=headers,
+                                                      json={"content": text, "add_special": False})
+                    tokens = answer.json().get("tokens") if answer.status_code == 200 else None
+                    return len(tokens) if isinstance(tokens, list) else None
+                if kind in (None, "vllm"):
+                    return await self._vllm_count(backend, base, headers,
+                                                  {"model": model, "prompt": text, "add_special_tokens": False})
+                return None
+        except (httpx.HTTPError, trio.TooSlowError, ValueError, AttributeError, RecursionError):
+            return None
+
+    async def _vllm_count(self, backend: Backend, base: str, headers: dict[str, str], ask: dict) -> int | None:
+        """vLLM's ``/tokenize`` count of ``ask``; a backend that answers it otherwise counts nothing from
+        now on (``backend.tokenizer`` becomes "")."""
+        answer = await self._client.post(base + "/tokenize", json=ask, headers=headers)
+        count = answer.json().get("count") if answer.status_code == 200 else None
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+            backend.tokenizer = "vllm"
+            return count
+        backend.tokenizer = backend.tokenizer or ""
+        return None
 
     async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk,
                        request_id: str = "") -> BackendAnswer:
@@ -609,7 +649,10 @@ class SimulatedServer:
     ends with such tokens) resumes the count after the tokens it was given, and a continuation whose
     text is not exactly tokens ``0`` to ``k - 1`` is counted in ``bad_continuations``. Like llama.cpp,
     a ``llama.cpp`` server's continued chat stream repeats the prefill in its first chunk; a chat stream
-    starts with a role chunk."""
+    starts with a role chunk.
+
+    ``says_chunk_tokens = False`` makes its stream chunks leave their tokens unsaid, as a real server's
+    do (its tokenizer then counts one token per `` t<i>``)."""
 
     models: tuple[str, ...] = ("sim",)
     slots: int = 4
@@ -622,6 +665,7 @@ class SimulatedServer:
     stalled: bool = False
     stall_s: float = 5.0
     server: str = "llama.cpp"
+    says_chunk_tokens: bool = True
     bodies: list[dict] = attrs.field(factory=list)
     bad_continuations: int = 0
     running: int = 0
@@ -684,6 +728,10 @@ class SimulatedBackendClient:
         await trio.lowlevel.checkpoint()
         return self.servers[backend.name].server
 
+    async def count_output_tokens(self, backend: Backend, model: str | None, text: str) -> int | None:
+        await trio.lowlevel.checkpoint()
+        return None if self.servers[backend.name].down else len(_SIMULATED_TOKEN.findall(text))
+
     async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk,
                        request_id: str = "") -> BackendAnswer:
         server = self._server(backend)
@@ -730,7 +778,7 @@ class SimulatedBackendClient:
                 chunk = _simulated_chunk(api, first + sent, n)
                 if not sent and first and server.server == "llama.cpp" and api == "chat.completions":
                     chunk = _simulated_chunk(api, 0, first + n)   # (llama.cpp echoes the prefill with its first token)
-                on_chunk(BackendChunk(chunk, tokens=n))
+                on_chunk(BackendChunk(chunk, tokens=n if server.says_chunk_tokens else None))
                 sent += n
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens}
             on_chunk(BackendChunk({"object": "chat.completion.chunk", "choices": [], "usage": usage}, tokens=0))
@@ -752,6 +800,8 @@ def _simulated_text(first: int, tokens: int) -> str:
 
 
 _SIMULATED_TOKENS = re.compile(r"(?: t\d+)+$")
+#: One token of a simulated answer (its tokenizer's count).
+_SIMULATED_TOKEN = re.compile(r" t\d+")
 
 
 def _continued_from(server: SimulatedServer, api: str, body: dict) -> int:

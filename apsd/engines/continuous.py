@@ -34,7 +34,9 @@ tenant's first token close to what it would be alone, whatever the others send:
    of at most ``prefill_chunk_tokens`` per step (Sarathi-Serve's chunked prefill), so the step a
    newcomer arrives during is short too. By default the chunk is the smallest whose prefill is
    about as cheap per token as any (:func:`prefill_chunk_for`; 512 tokens for llama-3-8b on an
-   A100): shorter steps at almost no cost in throughput.
+   A100): shorter steps at almost no cost in throughput. A prompt alone (nothing decoding, nothing
+   else prefilling or waiting) is not chunked: there is no one to keep a step short for, and its
+   first token comes as soon as the hardware allows (the published single-request figures).
 
 While such a tenant comes back often (a fast step in the last ``PROTECT_S``), the others' steps
 are kept within ``PROTECT_FACTOR`` times its fast step where a smaller chunk allows, so the step it
@@ -729,8 +731,9 @@ class ContinuousEngine:
 
     # -- one step with prefill ---------------------------------------------------------------------
     async def _mixed_step(self) -> None:
-        """One step: the decodes and prefill chunks (while isolating, at most ``prefill_chunk_tokens``
-        of them, the prompts of the tenants with the smallest shares here first); or the fast lane:
+        """One step: the decodes and prefill chunks (while isolating and something else runs or waits, at
+        most ``prefill_chunk_tokens`` of them: a prompt alone is prefilled whole, as far as the budget
+        allows; the prompts of the tenants with the smallest shares here first); or the fast lane:
         the prompts of tenants below their share alone, the decodes waiting one (short) step; never
         two such steps in a row."""
         d = self.deployment
@@ -741,8 +744,8 @@ class ContinuousEngine:
         budget = self.max_batched_tokens - decoding
         if fast:  # the first prompt whole, then the other fast ones up to a chunk
             budget = min(budget, max(self.prefill_chunk_tokens, prefilling[0].prompt_left))
-        elif self.isolation:
-            budget = min(budget, self._chunk(decoding, decode_context))
+        elif self.isolation and (decoding or len(prefilling) > 1 or self._preempted):
+            budget = min(budget, self._chunk(decoding, decode_context))   # (a prompt alone is not chunked)
         chunks: list[tuple[Sequence, int]] = []
         for seq in prefilling:
             if budget <= 0 or (fast and not self._fast(seq)):

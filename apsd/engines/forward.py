@@ -70,7 +70,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import attrs
 import trio
@@ -141,6 +141,8 @@ class _Attempt:
     outstanding: int = 0
     #: The request's output tokens when this attempt began.
     base_tokens: int = 0
+    #: Its stream relay, once it is sent.
+    relay: StreamRelay | None = None
     #: Its time's cost is booked (once, at its end or with its completion).
     accounted: bool = False
 
@@ -538,12 +540,12 @@ class ForwardEngine:
             if attempt.scope.cancelled_caught:
                 outcome, requeue, pause = self._stopped(attempt)
             if (pause or isinstance(outcome, Refusal)) and request.started_at is not None:
-                await self._count_prompt(request, backend)
+                await self._count_unreported(attempt)
             elif sending and isinstance(outcome, Refusal) and outcome.kind == "cancelled":
                 # its client left before the first token, after the backend took the prompt in (and
                 # prefilled it): charged the backend's count of it, else the estimate
                 request.prompt_charged = True
-                await self._count_prompt(request, backend)
+                await self._count_unreported(attempt)
         except Exception:  # a bug or a surprise: this request fails, the daemon goes on
             log.exception("request %s on backend %s failed unexpectedly", request.request_id, backend.name)
             outcome, requeue, pause = Refusal(502, "backend_failed", f"forwarding to backend {backend.name} "
@@ -583,8 +585,9 @@ class ForwardEngine:
             lease.preemptible = False
             self.slots.update(lease)
 
-        return api, body, StreamRelay(request, backend.name, wants_usage, started, self.clock.now, progress,
-                                      unresumable, echo=echo)
+        attempt.relay = StreamRelay(request, backend.name, wants_usage, started, self.clock.now, progress,
+                                    unresumable, echo=echo)
+        return api, body, attempt.relay
 
     def _stopped(self, attempt: _Attempt) -> tuple[Refusal | None, str | None, bool]:
         """(outcome, requeue reason, pause) of an attempt the engine or its client stopped."""
@@ -608,22 +611,40 @@ class ForwardEngine:
         return Refusal(499, "client_disconnected", "the client disconnected while the request was running",
                        kind="cancelled"), None, False
 
-    async def _count_prompt(self, request: InferenceRequest, backend: Backend) -> None:
-        """A request that ended or paused after its first token without the backend's usage (its client
+    async def _count_unreported(self, attempt: _Attempt) -> None:
+        """An attempt that ended or paused after its first token without the backend's usage (its client
         left, the stream broke or timed out, it was preempted), or whose client left once it was sent, is
-        charged the backend's own count of its prompt, asked of the backend (bounded by ``health_timeout_s``, shielded: the request's scope may
-        be cancelled); apsd's estimate stays when the backend cannot say. Counted once per request."""
+        charged the backend's own counts, asked of it together (each bounded by ``health_timeout_s``;
+        shielded: the attempt's scope may be cancelled): of the request's prompt (once per request), and
+        of the text that arrived in chunks that did not say their tokens (at least what was counted live,
+        one per such chunk with text; at most the limit it was sent). apsd's counts stay where the backend
+        cannot say."""
+        request, backend = attempt.request, attempt.backend
         progress = self._progress.get(request)
+        unsaid = "".join(attempt.relay.unsaid) if attempt.relay is not None else ""
+        api, body, _ = request_body(request, request.model or backend.models[0], None)
+        counts: dict[str, int | None] = {}
+
+        async def ask(what: str, count: Callable[[], Awaitable[int | None]]) -> None:
+            counts[what] = await count()
+
+        with trio.CancelScope(shield=True):
+            async with trio.open_nursery() as nursery:
+                if progress is None or progress.prompt_tokens is None:
+                    nursery.start_soon(ask, "prompt", lambda: self.client.count_prompt_tokens(backend, api, body))
+                if unsaid:
+                    nursery.start_soon(ask, "output", lambda: self.client.count_output_tokens(
+                        backend, body.get("model"), unsaid))
         if progress is not None and progress.prompt_tokens is not None:
             request.prompt_tokens = progress.prompt_tokens
-            return
-        api, body, _ = request_body(request, request.model or backend.models[0], None)
-        with trio.CancelScope(shield=True):
-            count = await self.client.count_prompt_tokens(backend, api, body)
-        if count is not None:
-            request.prompt_tokens = count
+        elif counts.get("prompt") is not None:
+            request.prompt_tokens = counts["prompt"]  # type: ignore[assignment]
         if progress is not None:
             progress.prompt_tokens = request.prompt_tokens
+        output = counts.get("output")
+        if output is not None:
+            tokens = max(attempt.base_tokens + output, request.tokens_generated)
+            request.tokens_generated = tokens if request.open_ended else min(tokens, request.tokens_requested)
 
     def _end(self, attempt: _Attempt, start: float, outcome: Completion | Refusal | None,
              requeue: str | None, pause: bool) -> None:

@@ -215,6 +215,10 @@ class StreamRelay:
     #: This attempt resumes a preempted one on a server that echoes the prefill before continuing it: the
     #: part of that text not seen again yet ("": nothing to drop).
     echo: str = ""
+    #: The text of this attempt's chunks whose tokens the backend did not say (a real server's: vLLM sends
+    #: some chunks with no text and some with several tokens, so one per chunk with text is only a live
+    #: count), for the backend's own count when the attempt ends without its usage.
+    unsaid: list[str] = attrs.field(factory=list, init=False)
     _held: list[tuple[dict, bytes | None]] = attrs.field(factory=list, init=False)
     #: Output tokens the request had when this attempt began.
     _base: int = attrs.field(default=0, init=False)
@@ -246,6 +250,8 @@ class StreamRelay:
                                f"{request.tokens_requested} it was allowed (max_tokens)", retryable=False,
                                unhealthy=True)
         request.tokens_generated += tokens
+        if piece.tokens is None and text:
+            self.unsaid.append(text)
         if progress is not None and text:
             progress.parts.append(text)
         stream = request.stream

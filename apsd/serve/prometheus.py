@@ -63,11 +63,12 @@ Metrics (``tenant`` is a configured tenant's name)::
     apsd_backend_saturated{backend}           gauge    saturation, requests in flight, sent,
     apsd_backend_in_flight{backend}           gauge    failed and retried, tokens by phase
     apsd_backend_requests_total{backend}      counter  (prompt, completion), cost, and the
-    apsd_backend_failures_total{backend}      counter  waiting requests its own metrics report
-    apsd_backend_retries_total{backend}       counter
-    apsd_backend_tokens_total{backend,phase}  counter
+    apsd_backend_failures_total{backend}      counter  waiting requests and KV cache use its
+    apsd_backend_retries_total{backend}       counter  own metrics report (the last two: no
+    apsd_backend_tokens_total{backend,phase}  counter  sample while it reports none)
     apsd_backend_cost_usd_total{backend}      counter
     apsd_backend_waiting{backend}             gauge
+    apsd_backend_kv_usage_ratio{backend}      gauge
     apsd_route_decisions_total{target,reason} counter  requests the routing policy sent to a backend or
                                                        engine, and why (cache_match, no_match, imbalance,
                                                        spill, least_loaded, hash, hash_spill)
@@ -927,6 +928,8 @@ class PrometheusExporter:
             "cost": CounterMetricFamily("apsd_backend_cost_usd", "Cost in USD of the requests it ran", labels=labels),
             "waiting": GaugeMetricFamily("apsd_backend_waiting", "Requests waiting in the backend's own queue, as "
                                          "its metrics last said", labels=labels),
+            "kv_usage": GaugeMetricFamily("apsd_backend_kv_usage_ratio", "Share of the backend's KV cache in use "
+                                          "(0 to 1), as its metrics last said", labels=labels),
         }
         for b in backends:
             label = [b.name]
@@ -941,6 +944,8 @@ class PrometheusExporter:
             families["cost"].add_metric(label, b.cost_usd)
             if b.waiting is not None:
                 families["waiting"].add_metric(label, b.waiting)
+            if b.kv_usage is not None:
+                families["kv_usage"].add_metric(label, b.kv_usage)
         yield from families.values()
 
     def _governor(self, view: GovernorView, declared: Iterable[str]) -> Iterator[Metric]:

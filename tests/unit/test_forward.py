@@ -184,6 +184,28 @@ async def test_a_client_that_leaves_mid_stream_frees_the_slot_and_is_billed_what
         assert isinstance(await waiting.reply.wait(), Completion)      # the freed slot went to it
 
 
+async def test_chunks_that_do_not_say_their_tokens_are_settled_on_the_backends_count(autojump_clock):
+    """A real server's chunks do not say how many tokens they carry, and vLLM's carry several when its
+    output falls behind: a client that leaves is charged the backend's count of the text that arrived,
+    not a token per chunk; a stream that ends with usage is charged the usage."""
+    servers = {"a": SimulatedServer(tpot_s=0.1, says_chunk_tokens=False)}   # 1 token, then 8 a chunk
+    async with forwarding(servers, max_concurrency=1) as pipeline:
+        left = request(pipeline, tokens=200, stream=True)
+        assert pipeline.admit_now(left)
+        await pipeline.clock.sleep(2.0)
+        chunks = left.tokens_generated            # the live count: one per chunk with text
+        assert 2 < chunks < 200 // 8
+        assert pipeline.cancel(left)
+        outcome = await left.reply.wait()
+        assert outcome.error == "client_disconnected"
+        assert left.tokens_generated == 1 + 8 * (chunks - 1)
+        level = pipeline.admission.buckets["t"].level(pipeline.clock.now())
+        assert level == pytest.approx(10**9 - left.prompt_tokens - left.tokens_generated)
+        whole = request(pipeline, tokens=50, stream=True)
+        assert pipeline.admit_now(whole)
+        assert isinstance(await whole.reply.wait(), Completion) and whole.tokens_generated == 50
+
+
 async def test_settlement_uses_the_backends_usage(autojump_clock):
     servers = {"a": SimulatedServer()}
     async with forwarding(servers) as pipeline:
