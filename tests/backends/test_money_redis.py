@@ -77,7 +77,7 @@ async def test_two_replicas_hold_a_dollar_budget_within_2_percent_under_200_conc
                 return (await daemon.client.get("/admin/tenants/team")).json()["live"]["budget_usd"]["spent_usd"]
 
             with trio.fail_after(WAIT_S):   # (each replica's next exchanges bring the other's spend)
-                while any(abs(await spent(d) - spender.spent) > 1e-6 * spender.served for d in daemons):
+                while any(abs(seen - spender.spent) > 1e-6 * spender.served for seen in [await spent(d) for d in daemons]):
                     await trio.sleep(0.1)
 
 
