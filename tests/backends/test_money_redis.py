@@ -25,7 +25,9 @@ from tests.budget_spender import spend
 from tests.standin_backend import start_standin_backend
 from tests.webhook_receiver import open_webhook_receiver
 
-pytestmark = pytest.mark.timeout(240)
+# (on a loaded machine the replicas' exchanges with Redis time out now and then, and the clients wait for
+# leases meanwhile: the budget holds all the same, the spending takes longer)
+pytestmark = pytest.mark.timeout(480)
 
 ADMIN = "alice-admin-key-" + "a" * 30
 
@@ -67,7 +69,7 @@ async def test_two_replicas_hold_a_dollar_budget_within_2_percent_under_200_conc
         async with two_replicas(config) as daemons:
             for daemon in daemons:
                 await wait_until(backends_up(daemon.daemon))
-            spender = await spend([d.url for d in daemons], "team")
+            spender = await spend([d.url for d in daemons], "team", limit_s=360)
             print(f"${BUDGET_USD} budget, 200 concurrent clients on two replicas sharing Redis: {spender.served} "
                   f"served, ${spender.spent:.6f} spent ({spender.spent / BUDGET_USD - 1:+.3%}); "
                   f"refusals {spender.refusals}")
@@ -76,7 +78,7 @@ async def test_two_replicas_hold_a_dollar_budget_within_2_percent_under_200_conc
             async def spent(daemon: LiveDaemon) -> float:
                 return (await daemon.client.get("/admin/tenants/team")).json()["live"]["budget_usd"]["spent_usd"]
 
-            with trio.fail_after(WAIT_S):   # (each replica's next exchanges bring the other's spend)
+            with trio.fail_after(60):   # (each replica's next exchanges bring the other's spend)
                 while any(abs(seen - spender.spent) > 1e-6 * spender.served for seen in [await spent(d) for d in daemons]):
                     await trio.sleep(0.1)
 
@@ -119,7 +121,7 @@ async def test_named_keys_with_limits_live_on_both_replicas_and_an_alert_is_sent
                 if answer.json()["error"] == "budget_exhausted":
                     break
                 await trio.sleep(float(answer.headers["Retry-After"]))
-            assert served == 10
+            assert served == 10, answer.text
             (alert,) = await receiver.wait_for(1, 30)
             await trio.sleep(2.5)   # (both replicas checked again: no second delivery)
             assert len(receiver.received) == 1
