@@ -3,8 +3,9 @@
 * ``apsd [--policy PRESET] [--host H] [--port N] [--log-level L] [--log-format F] [--log-prompts] [CONFIG]``
   runs the daemon (:mod:`apsd.serve.daemon`) until SIGTERM or SIGINT.
 * ``apsd hash-key [--new]`` makes an API key's hash for the config (:mod:`apsd.serve.auth`).
-* ``apsd usage [--tenant T] [--from WHEN] [--to WHEN] [--group-by hour|day]`` prints a running
-  daemon's usage history (``GET /admin/usage``; the admin key from ``APSD_ADMIN_KEY``).
+* ``apsd usage [--tenant T] [--from WHEN] [--to WHEN] [--group-by hour|day] [--by-key]`` prints a
+  running daemon's usage history (``GET /admin/usage``; the admin key from ``APSD_ADMIN_KEY``), spend in
+  dollars included, and the budgets in force (tokens and dollars, tenants' and keys').
 * ``apsd state export [CONFIG] [--output FILE]`` and ``apsd state import [CONFIG] FILE [--merge]``
   write the whole state (:mod:`apsd.state`) the config names as one JSON document, and add one to
   it: how a single daemon's SQLite state moves into Redis for replicas (:mod:`apsd.state.dump`).
@@ -259,8 +260,10 @@ def usage_main(argv: Sequence[str]) -> int:
 
     parser = argparse.ArgumentParser(
         prog="apsd usage",
-        description="Print a running daemon's usage per tenant and hour or day (GET /admin/usage): requests "
-                    "by outcome, refusals, tokens, cost and latency percentiles. The admin key is read from "
+        description="Print a running daemon's usage per tenant (and issued key) and hour or day (GET /admin/usage): "
+                    "requests by outcome, refusals, tokens, cost, spend at the configured prices and latency "
+                    "percentiles; then the budgets in force this period (tenants' and keys', in tokens and "
+                    "dollars: spent of limit). The admin key is read from "
                     "the environment variable APSD_ADMIN_KEY (not from the command line, where the process "
                     "list would show it); without keys configured (loopback) none is needed.",
         epilog="Example: APSD_ADMIN_KEY=... apsd usage --tenant team-a --from 2026-11-01 --group-by day --format csv")
@@ -271,41 +274,90 @@ def usage_main(argv: Sequence[str]) -> int:
     parser.add_argument("--to", dest="end", metavar="WHEN", help="end (default: now)")
     parser.add_argument("--group-by", choices=("hour", "day"), default="hour", help="(default: %(default)s)")
     parser.add_argument("--by-model", action="store_true", help="one row per model and backend too")
+    parser.add_argument("--by-key", action="store_true", help="one row per issued API key too (its name; "
+                        "requests without an issued key on a row of their own)")
+    parser.add_argument("--key", metavar="ID", help="one issued key's usage (its id, key_...)")
     parser.add_argument("--format", choices=("table", "csv", "json"), default="table", help="(default: %(default)s)")
     args = parser.parse_args(argv)
     params = {"group_by": args.group_by, "format": "csv" if args.format == "csv" else "json"}
-    for name, value in (("tenant", args.tenant), ("from", args.start), ("to", args.end)):
+    for name, value in (("tenant", args.tenant), ("from", args.start), ("to", args.end), ("key", args.key)):
         if value:
             params[name] = value
-    if args.by_model:
-        params["by"] = "model"
+    by = [name for name, wanted in (("model", args.by_model), ("key", args.by_key or args.key)) if wanted]
+    if by:
+        params["by"] = ",".join(by)
     key = os.environ.get("APSD_ADMIN_KEY", "")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    try:
-        answer = httpx.get(args.url.rstrip("/") + "/admin/usage", params=params, headers=headers, timeout=30,
-                           trust_env=False)
-    except httpx.HTTPError as exc:
-        parser.exit(1, f"apsd usage: error: cannot reach {args.url}: {exc}\n")
-    if answer.status_code != 200:
+
+    def get(path: str, query: dict[str, str] | None = None) -> httpx.Response:
         try:
-            message = answer.json().get("message", answer.text)
-        except ValueError:
-            message = answer.text[:200]
-        parser.exit(1, f"apsd usage: error: {args.url} answered {answer.status_code}: {message}\n")
+            answer = httpx.get(args.url.rstrip("/") + path, params=query, headers=headers, timeout=30, trust_env=False)
+        except httpx.HTTPError as exc:
+            parser.exit(1, f"apsd usage: error: cannot reach {args.url}: {exc}\n")
+        if answer.status_code != 200:
+            try:
+                message = answer.json().get("message", answer.text)
+            except ValueError:
+                message = answer.text[:200]
+            parser.exit(1, f"apsd usage: error: {args.url} answered {answer.status_code}: {message}\n")
+        return answer
+
+    answer = get("/admin/usage", params)
     if args.format != "table":
         sys.stdout.write(answer.text if args.format == "csv" else json.dumps(answer.json(), indent=2) + "\n")
         return 0
     rows = answer.json()["rows"]
-    columns = [c for c in CSV_COLUMNS if c not in ("refused_by_error",) and (args.by_model or c not in
-                                                                              ("model", "backend"))]
-    cells = [[("" if row[c] is None else str(row[c])) for c in columns] for row in rows]
-    widths = [max([len(c)] + [len(line[i]) for line in cells]) for i, c in enumerate(columns)]
-    for line in [columns, *cells]:
-        print("  ".join(value.rjust(width) if i >= 2 else value.ljust(width)
-                        for i, (value, width) in enumerate(zip(line, widths))).rstrip())
+    text = {"period", "tenant", "model", "backend", "key_name"}
+    columns = ["period", "tenant", *(["model", "backend"] if args.by_model else []),
+               *(["key_name"] if "key" in by else []),
+               *[c for c in CSV_COLUMNS if c not in text | {"refused_by_error", "key", "key_name", "spend_usd",
+                                                             "unpriced", "cost_usd"}
+                 and not c.startswith(("ttft", "latency"))],
+               "cost_usd", "spend_usd", *[c for c in CSV_COLUMNS if c.startswith(("ttft", "latency"))]]
+    _print_table(columns, [[("" if row[c] is None else str(row[c])) for c in columns] for row in rows], text)
     if not rows:
         print("(no usage in that period)", file=sys.stderr)
+    budgets = _budget_rows(get, args.tenant, args.key)
+    if budgets:
+        print("\nbudgets this period (spent of limit, as this daemon knows it now):")
+        _print_table(["tenant", "key", "unit", "spent", "limit", "used", "period", "resets_at"], budgets,
+                     {"tenant", "key", "unit", "period", "resets_at"})
     return 0
+
+
+def _print_table(columns: Sequence[str], cells: Sequence[Sequence[str]], text: set[str]) -> None:
+    """Columns aligned: text to the left, figures to the right."""
+    widths = [max([len(c)] + [len(line[i]) for line in cells]) for i, c in enumerate(columns)]
+    for line in [list(columns), *cells]:
+        print("  ".join(value.ljust(width) if column in text else value.rjust(width)
+                        for column, value, width in zip(columns, line, widths)).rstrip())
+
+
+def _budget_rows(get: Any, tenant: str | None, key_id: str | None) -> list[list[str]]:
+    """The budgets of the tenants (and issued keys) in force, as table cells: tokens, or dollars."""
+    import datetime
+
+    def cells(owner: str, key: str, budget: dict[str, Any]) -> list[str]:
+        usd = budget["unit"] == "usd"
+        spent, limit = (budget["spent_usd"], budget["limit_usd"]) if usd else (budget["spent"], budget["limit"])
+        amount = (lambda v: f"${v:,.4f}") if usd else (lambda v: f"{v:,}")
+        resets = datetime.datetime.fromtimestamp(budget["resets_at"], datetime.UTC).strftime("%Y-%m-%dT%H:%MZ")
+        return [owner, key, budget["unit"], amount(spent), amount(limit), f"{budget['used_ratio']:.1%}",
+                budget["period"], resets]
+
+    rows = []
+    if key_id is None:
+        for view in get("/admin/tenants").json()["tenants"]:
+            if tenant and view["name"] != tenant:
+                continue
+            rows += [cells(view["name"], "", view["live"][kind]) for kind in ("budget", "budget_usd")
+                     if view["live"] and view["live"].get(kind)]
+    for view in get("/admin/keys", {"tenant": tenant} if tenant else None).json()["keys"]:
+        if key_id and view["id"] != key_id:
+            continue
+        live = view.get("live") or {}
+        rows += [cells(view["tenant"], view["name"], live[kind]) for kind in ("budget", "budget_usd") if live.get(kind)]
+    return rows
 
 
 def simulate_parser() -> argparse.ArgumentParser:

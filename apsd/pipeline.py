@@ -45,6 +45,7 @@ from apsd.core.events import EventBus
 from apsd.core.ledger import Ledger, LedgerStatistics
 from apsd.core.models import Dispatch, InferenceRequest, Refusal
 from apsd.core.policy import PolicySet
+from apsd.core.prices import Prices
 from apsd.core.routing import BLOCK_TOKENS
 from apsd.core.scheduler import Scheduler
 from apsd.core.service_window import FairnessView, watch_for
@@ -120,6 +121,10 @@ class TenantStatus:
     prompt_tokens: int
     generated_tokens: int
     cost_usd: float
+    #: What its requests cost it at ``[prices]``, US dollars (since start; the usage history keeps it longer).
+    spend_usd: float = 0.0
+    #: Its requests waiting in its line for its ``max_concurrency`` (:mod:`apsd.core.concurrency`).
+    waiting_for_concurrency: int = 0
 
 
 @attrs.define(eq=False)
@@ -164,10 +169,14 @@ class Pipeline:
                                 routing=policies.routing, slots=slots)
         if len(engines) > 1 and all(hasattr(engine, "target") for engine in engines):
             scheduler.route_between(policies.routing, engines)
+        prices = Prices(dict(config.prices), default_model=lambda: _single_model(engines))
         admission = Admission(tenants=dict(config.tenants), batching=policies.batching, ledger=ledger,
                               clock=clock, engine_refuse=engines[0].refuse, max_queued=config.queue.max_requests,
                               max_queued_per_tenant=config.queue.max_requests_per_tenant,
-                              max_queued_tokens=config.queue.max_tokens, store=store)
+                              max_queued_tokens=config.queue.max_tokens, store=store, keys=dict(config.keys),
+                              settings=config.admission, prices=prices)
+        ledger.price = prices.spend_usd
+        scheduler.gate.limits = admission.concurrency_limits
         classes = ServiceClasses(classes=dict(config.classes), clock=clock,
                                  queued_total=lambda: ledger.queued_total, finish=ledger.finish,
                                  note_answered_in_queue=scheduler.note_answered_in_queue)
@@ -184,7 +193,7 @@ class Pipeline:
         ledger.settle, ledger.tell_policies = admission.settle, scheduler.policy_finished
         scheduler.on_new_queue = store.share
         store.share(scheduler.queue)
-        store.share_budgets(admission.budgets, lambda: admission.tenants)
+        store.share_budgets(admission.budgets)
         send, receive = trio.open_memory_channel[InferenceRequest](config.queue.ingress_buffer)
         return cls(config=config, policies=policies, clock=clock, ledger=ledger, admission=admission,
                    scheduler=scheduler, engines=engines, store=store, slots=slots, classes=classes,
@@ -229,14 +238,17 @@ class Pipeline:
                     prompt_tokens: int | None = None, timeout_s: float | None = None, model: str | None = None,
                     api: str | None = None, payload: dict | None = None, open_ended: bool = False,
                     request_id: str | None = None, prefix_blocks: tuple[int, ...] | None = None,
-                    service_class: str | None = None, prefix_block_tokens: int = BLOCK_TOKENS) -> InferenceRequest:
+                    service_class: str | None = None, prefix_block_tokens: int = BLOCK_TOKENS,
+                    key_id: str | None = None) -> InferenceRequest:
         """A request ready to submit; ``timeout_s`` (model seconds, > 0) may shorten ``[queue] timeout_s``
         for it (a longer one is clamped to the config's when it is queued). ``model``, ``api``,
         ``payload`` and ``open_ended`` describe an OpenAI-style request (see
         :class:`~apsd.core.models.InferenceRequest`). ``request_id``: the client's own (``X-Request-Id``,
         already checked by the HTTP layer); None: apsd numbers it. ``prefix_blocks``: a simulated request's
         routing key (:func:`apsd.core.routing.synthetic_blocks`, or a trace's blocks of ``prefix_block_tokens``
-        tokens each); None: computed from its text when routed. ``service_class``: the class it names (``X-Apsd-Class``; None: its tenant's default)."""
+        tokens each); None: computed from its text when routed. ``service_class``: the class it names
+        (``X-Apsd-Class``; None: its tenant's default). ``key_id``: the issued key it came with (its limits and
+        usage count under it; None: none, or a key of the file)."""
         if timeout_s is not None and not 0 < timeout_s < math.inf:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self._next_request += 1
@@ -256,6 +268,7 @@ class Pipeline:
             prefix_block_tokens=prefix_block_tokens,
             cached_discount=self.config.admission.cached_prompt_discount,
             service_class=service_class,
+            key_id=key_id,
         )
 
     def models(self) -> list[str]:
@@ -395,7 +408,8 @@ class Pipeline:
                                             old.queue.ingress_buffer))
                    if now != then]
         config = attrs.evolve(config, **fixed)
-        changes += self.admission.reconfigure(config.tenants, policies.batching, config.queue)
+        changes += self.admission.reconfigure(config.tenants, policies.batching, config.queue, keys=config.keys,
+                                              admission=config.admission, prices=config.prices)
         changes += self.classes.reconfigure(config.classes)
         if config.classes:
             self.classes.subscribe(self.ledger.events)
@@ -403,6 +417,7 @@ class Pipeline:
         if policies.names != self.policies.names or config.policy.params != old.policy.params:
             changes.append("policies: " + ", ".join(f"{k}={v}" for k, v in policies.names.items()))
         self.scheduler.use_policies(policies)
+        self.scheduler.release_waiting()
         if config.queue.timeout_s != old.queue.timeout_s:  # admission reports the other queue keys
             changes.append(f"queue.timeout_s {config.queue.timeout_s:g} (for requests queued from now on)")
         self.scheduler.queue_timeout_s = config.queue.timeout_s
@@ -493,7 +508,14 @@ class Pipeline:
             queued=stats.queued, running=stats.running, in_flight=stats.in_flight, admitted=stats.admitted,
             completed=stats.completed, rejected=stats.rejected, rejected_by_error=dict(stats.rejected_by_error),
             failed=stats.failed, cancelled=stats.cancelled, prompt_tokens=stats.prompt_tokens,
-            generated_tokens=stats.generated_tokens, cost_usd=stats.cost_usd)
+            generated_tokens=stats.generated_tokens, cost_usd=stats.cost_usd, spend_usd=stats.spend_usd,
+            waiting_for_concurrency=self.scheduler.gate.waiting(tenant_id))
+
+
+def _single_model(engines: list[Engine]) -> str | None:
+    """The one model the engines serve (what a request naming none is priced as), or None."""
+    names = {name for engine in engines for name in engine.models()}
+    return next(iter(names)) if len(names) == 1 else None
 
 
 @asynccontextmanager

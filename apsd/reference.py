@@ -156,6 +156,12 @@ _NAMED_VALIDATORS: dict[str, Callable[[], str]] = {
     "engine_kind": _engine_kinds,
     "model_names": lambda: "model names, none empty, none twice",
     "class_names": lambda: "names of `[classes.<name>]`, none empty, none twice",
+    "named_key_hashes": lambda: "name = `sha256:` and 64 lower-case hex digits (what `apsd hash-key` prints); "
+                                "no hash twice",
+    "optional_price": lambda: "unset, or 0 to 1e+06",
+    "alert_thresholds": lambda: "shares above 0, at most 10, none twice",
+    "http_url_or_empty": lambda: "empty, or an `http://` or `https://` URL of printable ASCII",
+    "_owner_kind": lambda: "`\"person\"`, `\"agent\"` or empty",
 }
 
 
@@ -269,13 +275,13 @@ def _policy_sections() -> str:
 
 
 def config_page() -> str:
-    from apsd.core.config import BackendConfig, PolicyConfig, ServiceClassConfig, TenantConfig
+    from apsd.core.config import BackendConfig, PolicyConfig, PriceConfig, ServiceClassConfig, TenantConfig
 
     fields = [f for f in attrs.fields(attrs.resolve_types(Config)) if f.metadata.get("toml", True)]
     sections = [f.name for f in fields if attrs.has(f.type)]
     contents = [f"[`[{name}]`](#{name})" for name in sections]
     contents += ["[`[[backends]]`](#backends)", "[`[tenants.<name>]`](#tenantsname)",
-                 "[`[classes.<name>]`](#classesname)"]
+                 "[`[prices.<model>]`](#pricesmodel)", "[`[classes.<name>]`](#classesname)"]
     out = ["# Configuration reference", "", _NOTICE.format(source="`apsd/core/config.py`"), "",
            "apsd reads one TOML file, named on its command line (`apsd apsd.toml`); without one it runs on the "
            "defaults below, which are also what [`config/apsd.toml`](../../config/apsd.toml) sets. Every key is "
@@ -317,6 +323,10 @@ def config_page() -> str:
                "requests still run) and re-rates them (keeping their tokens, up to the new `burst`).\n\n"
                + table(_KEY_HEADER, key_rows(TenantConfig, "tenants.<name>")) + "\n\n"
                "The default tenants:\n\n" + table(("tenant", "rate", "burst"), default_rows) + "\n")
+    out.append("## `[prices.<model>]`\n\n" + paragraphs(PriceConfig.__doc__) + "\n\n"
+               "One table per model, named by the model's name as requests give it (`[prices.\"llama-3-8b\"]`); "
+               "`input_per_1m_usd` and `output_per_1m_usd` are required. None is configured by default.\n\n"
+               + table(_KEY_HEADER, key_rows(PriceConfig, "prices.<model>")) + "\n")
     out.append("## `[classes.<name>]`\n\n" + paragraphs(ServiceClassConfig.__doc__) + "\n\n"
                "One table per class, named by its key (`[classes.interactive]`); `ttft_s` is required. None is "
                "configured by default. A tenant may use the classes its `classes` names, and a name there that is "
@@ -328,7 +338,8 @@ def config_page() -> str:
 # -- the metrics ------------------------------------------------------------------------------------
 
 #: Labels whose values are names from the configuration or the traffic (their values are not listed).
-_FREE_LABELS = frozenset({"tenant", "class", "engine", "backend", "error", "kind", "aging", "governor", "batching", "preset"})
+_FREE_LABELS = frozenset({"tenant", "class", "engine", "backend", "error", "kind", "aging", "governor", "batching", "preset",
+                          "key", "name", "owner"})
 _SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
 
 

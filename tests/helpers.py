@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,12 +24,15 @@ import httpx
 import numpy as np
 import trio
 
-from apsd.core.config import Config, GpuConfig, ServerConfig, TenantConfig, parse_config
+from apsd.core.config import Config, GpuConfig, PriceConfig, ServerConfig, TenantConfig, parse_config
 from apsd.serve.daemon import Daemon
 from apsd.core.models import InferenceRequest
 from apsd.pipeline import Pipeline
 from apsd.plugins import load_policy_registry, make_plugin_manager
 from apsd.core.policy import PolicySet
+
+from tests.budget_spender import INPUT_PER_1M_USD, OUTPUT_PER_1M_USD
+from tests.standin_backend import Exchange, Reply, chat_answer, json_reply
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The installed ``apsd`` command of the interpreter running the tests.
@@ -296,3 +301,22 @@ def fill(directory: Path) -> Path:
     finally:
         os.close(descriptor)
     return filler
+
+
+# -- spending a dollar budget (tests/daemon/test_money.py, tests/backends/test_money_redis.py) ----------------
+
+#: What the stand-in's model costs in the money tests: $2 per million prompt tokens, $10 per million output.
+PRICES = {"standin": PriceConfig(input_per_1m_usd=INPUT_PER_1M_USD, output_per_1m_usd=OUTPUT_PER_1M_USD)}
+#: The dollar budget the concurrency tests spend (about 600 requests of 4 + 20-100 tokens).
+BUDGET_USD = 0.36
+#: The prompt tokens the stand-in reports (below apsd's estimate of "request NNNNN": no prompt excess).
+PROMPT_TOKENS = 4
+
+
+def varied_length(exchange: Exchange) -> Reply:
+    """An answer of 20 to 100 tokens (at most the request's limit), fixed by the prompt's text, with a
+    truthful usage: so requests use less than, and sometimes more than, what apsd learns to reserve."""
+    request = json.loads(exchange.body)
+    tokens = min(int(request.get("max_tokens") or 100), 20 + zlib.crc32(request["prompt"].encode()) % 81)
+    usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": tokens, "total_tokens": PROMPT_TOKENS + tokens}
+    return json_reply(chat_answer(request, usage, content=" ".join(["tok"] * tokens)))

@@ -13,18 +13,23 @@ Checks, in order (the first that fails answers):
    tenant disabled          -> 403 ``tenant_disabled``
    model not in its list    -> 403 ``model_not_allowed`` (its ``models``, when it has one)
    class unknown / not its  -> 400 ``unknown_class`` / 403 ``class_not_allowed`` (:mod:`apsd.core.classes`)
-3. can never be admitted    -> 413 (cost above the tenant's burst, above what the
+   key may not use the model -> 403 ``model_not_allowed`` (its key's ``models``, when it has one)
+3. can never be admitted    -> 413 (prompt + output limit above the tenant's ``max_request_tokens``:
+                               ``exceeds_max_request_tokens``; the prompt alone above the tenant's
+                               burst (or its key's): ``exceeds_tenant_burst``; above what the
                                engines can hold — they say, and the batching policy
                                may cap it further — or above the queue's ``max_tokens``)
 4. tenant's queue share full -> 429 ``tenant_queue_full`` with ``Retry-After``
    queue full               -> 503 ``queue_full`` with ``Retry-After`` (``max_requests``
                                requests queued, or this one would pass ``max_tokens``)
-5. budget would be passed   -> 429 ``budget_exhausted`` with ``Retry-After`` (the period's
-                               end; :mod:`apsd.core.budget`)
+5. model without a price    -> 403 ``model_not_priced`` (the tenant or its key has a dollar budget)
+   budget would be passed   -> 429 ``budget_exhausted`` with ``Retry-After`` (the period's
+                               end; the tenant's or its key's, tokens or dollars: :mod:`apsd.core.budget`)
 5b. deadline unmeetable    -> 503 ``deadline_unmeetable`` with ``Retry-After`` (a ``refuse`` class whose
                                estimated wait passes its ``ttft_s``; :mod:`apsd.core.classes`)
 6. bucket short of tokens   -> 429 ``rate_limited`` with ``Retry-After`` and
-                               the IETF ``RateLimit``/``RateLimit-Policy`` fields
+                               the IETF ``RateLimit``/``RateLimit-Policy`` fields (the key's own
+                               bucket first, when it has one, then the tenant's)
 
 A policy that raises in ``refuse_reason`` (check 3) answers 500 ``policy_error``; any
 other exception while deciding answers 500 ``internal_error`` (:meth:`Admission.handle`).
@@ -37,11 +42,13 @@ while the store is unreachable may be answered 503 ``store_unavailable`` instead
 shared bucket, a 429's ``Retry-After`` comes from the shared bucket's last known level, not from
 this replica's slice alone (:mod:`apsd.store.leasing`, "Refusals tell the shared truth").
 
-Settlement: admission takes a request's whole ``cost_tokens`` (prompt + requested)
-from its bucket. When the request ends, :meth:`Admission.settle` (called by
-:meth:`apsd.core.ledger.Ledger.finish`) gives back what it did not use: everything if it
-never started, the unused output otherwise (see :func:`apsd.core.ledger.billed_tokens`). A tenant's
-budget is reserved and settled the same way.
+Reservation and settlement: admission takes a request's reservation from its bucket (and its key's):
+its prompt estimate and the output it will probably generate, not its whole ``max_tokens``
+(:mod:`apsd.core.reservation`). When the request ends, :meth:`Admission.settle` (called by
+:meth:`apsd.core.ledger.Ledger.finish`) charges what it used (see :func:`apsd.core.ledger.billed_tokens`):
+it gives back what it did not use (everything if it never started), or takes what it used beyond,
+into debt if need be, which the tenant repays before its next request is admitted. Budgets
+(the tenant's and its key's, in tokens or dollars) are reserved and settled the same way.
 """
 
 from __future__ import annotations
@@ -56,10 +63,12 @@ import trio
 
 from apsd.core.clock import ModelClock
 from apsd.core.bucket import TokenBucket
-from apsd.core.budget import Budgets
-from apsd.core.config import AdmissionConfig, QueueConfig, TenantConfig
+from apsd.core.budget import MICRO, TOKENS, USD, BudgetLimit, Budgets, all_limits, limits_for
+from apsd.core.config import AdmissionConfig, KeyConfig, PriceConfig, QueueConfig, TenantConfig
 from apsd.core.ledger import billed_tokens
-from apsd.core.models import InferenceRequest, Outcome, Refusal
+from apsd.core.models import Completion, InferenceRequest, Outcome, Refusal
+from apsd.core.prices import Prices
+from apsd.core.reservation import OutputEstimates
 
 if TYPE_CHECKING:
     from apsd.core.classes import ServiceClasses
@@ -104,7 +113,8 @@ def estimate_tokens(text: str, settings: AdmissionConfig) -> int:
 
 #: A tenant's settings a reconfiguration reports by name when they change (rate and burst are
 #: reported as a re-rating; key hashes never).
-_SETTINGS_REPORTED = ("max_bid", "default_bid", "weight", "models", "budget_tokens", "budget_period", "disabled")
+_SETTINGS_REPORTED = ("max_bid", "default_bid", "weight", "models", "budget_tokens", "budget_usd", "budget_period",
+                      "disabled", "output_estimate_tokens", "max_request_tokens", "max_concurrency")
 
 _MAX_HEADER_SECONDS = 2**31 - 1  # what HTTP delta-seconds parsers are required to handle
 
@@ -134,19 +144,92 @@ class Admission:
     #: Where the buckets come from (:mod:`apsd.store`); None: this process's own, full at start.
     store: Store | None = None
     buckets: dict[str, Bucket] = attrs.field(init=False)
-    #: Tenants' budgets (``budget_tokens``): reserved at admission, settled with the bucket.
+    #: Budgets (tenants' and keys', tokens and dollars): reserved at admission, settled with the bucket.
     budgets: Budgets = attrs.field(factory=Budgets)
     accepting: bool = True
     #: The service classes (:mod:`apsd.core.classes`); None: requests have no class.
     classes: ServiceClasses | None = None
+    #: The keys issued through ``/admin`` in force, by id (their limits), and the own buckets of those
+    #: with a ``rate``.
+    keys: dict[str, KeyConfig] = attrs.field(factory=dict)
+    key_buckets: dict[str, Bucket] = attrs.field(init=False, factory=dict)
+    #: ``[admission]``: the output a request reserves (:mod:`apsd.core.reservation`).
+    settings: AdmissionConfig = attrs.field(factory=AdmissionConfig)
+    estimates: OutputEstimates = attrs.field(init=False)
+    #: ``[prices]``: what a request's tokens cost in dollars.
+    prices: Prices = attrs.field(factory=Prices)
+    _limits: dict[str, BudgetLimit] = attrs.field(init=False, factory=dict)
     _next_seq: int = 0
 
     def __attrs_post_init__(self) -> None:
         now = self.clock.now()
         self.buckets = {name: self._new_bucket(name, t, now) for name, t in self.tenants.items()}
+        self.estimates = OutputEstimates(self.settings)
+        self._use_keys(self.keys, now)
+        self.budgets.limits = lambda: self._limits
 
     def _new_bucket(self, name: str, tenant: TenantConfig, now: float) -> Bucket:
         return self.store.bucket(name, tenant, now) if self.store is not None else TokenBucket.full(tenant, now)
+
+    @staticmethod
+    def key_bucket_name(key: KeyConfig) -> str:
+        """A key's own bucket, as the store names it (beside its tenant's)."""
+        return f"{key.tenant}:key:{key.key_id}"
+
+    def _key_contract(self, key: KeyConfig) -> TenantConfig | None:
+        """The rate and burst of the key's own bucket (None: it has none): its ``burst``, or its tenant's,
+        never above its tenant's."""
+        tenant = self.tenants.get(key.tenant)
+        if not key.limits.rate or tenant is None:
+            return None
+        burst = min(key.limits.burst or tenant.burst, tenant.burst)
+        return TenantConfig(rate=key.limits.rate, burst=burst)
+
+    def _use_keys(self, keys: dict[str, KeyConfig], now: float) -> list[str]:
+        """Take the keys in force: their buckets made, re-rated (level kept, up to the new burst) or
+        dropped, and the budgets in force recomputed; returns what changed."""
+        changes = []
+        for key_id in sorted(set(self.key_buckets)):
+            key = keys.get(key_id)
+            if key is None or self._key_contract(key) is None:
+                del self.key_buckets[key_id]
+                if key is not None:
+                    changes.append(f"key {key.label} of tenant {key.tenant}: no bucket of its own")
+        for key_id, key in sorted(keys.items()):
+            contract = self._key_contract(key)
+            if contract is None:
+                continue
+            bucket = self.key_buckets.get(key_id)
+            if bucket is not None and (bucket.rate, bucket.burst) == (contract.rate, float(contract.burst)):
+                continue
+            if bucket is None or (self.store is not None and self.store.kind != "memory"):
+                self.key_buckets[key_id] = self._new_bucket(self.key_bucket_name(key), contract, now)
+            else:
+                self.key_buckets[key_id] = TokenBucket(rate=contract.rate, burst=float(contract.burst),
+                                                       tokens=min(bucket.level(now), float(contract.burst)), updated=now)
+            changes.append(f"key {key.label} of tenant {key.tenant}: rate {contract.rate:g}, burst {contract.burst}")
+        self.keys = dict(keys)
+        self._limits = all_limits(self.tenants, self.keys)
+        return changes
+
+    def key_of(self, request: InferenceRequest) -> KeyConfig | None:
+        """The issued key ``request`` came with, if it is still in force (and its tenant's)."""
+        if request.key_id is None:
+            return None
+        key = self.keys.get(request.key_id)
+        return key if key is not None and key.tenant == request.tenant_id else None
+
+    def concurrency_limits(self, request: InferenceRequest) -> tuple[int, int]:
+        """(the tenant's ``max_concurrency``, its key's) for ``request`` (0: none): what the scheduler's
+        gate holds it to (:mod:`apsd.core.concurrency`)."""
+        tenant = self.tenants.get(request.tenant_id)
+        key = self.key_of(request)
+        return (tenant.max_concurrency if tenant is not None else 0,
+                key.limits.max_concurrency if key is not None else 0)
+
+    def budget_limits(self) -> dict[str, BudgetLimit]:
+        """Every budget in force, by account."""
+        return self._limits
 
     def rate_limit_headers(self, tenant_id: str) -> dict[str, str]:
         """The tenant's bucket as of now, in the IETF httpapi draft's structured fields (a List of one
@@ -187,14 +270,28 @@ class Admission:
         if tenant.models and request.model is not None and request.model not in tenant.models:
             return Refusal(403, "model_not_allowed", f"tenant {request.tenant_id!r} may not use model "
                            f"{request.model!r} (it may use: {', '.join(tenant.models)})", field="model")
+        key = self.key_of(request)
+        if key is not None and key.limits.models and request.model is not None \
+                and request.model not in key.limits.models:
+            return Refusal(403, "model_not_allowed", f"key {key.label!r} of tenant {request.tenant_id!r} may not use "
+                           f"model {request.model!r} (it may use: {', '.join(key.limits.models)})", field="model")
         if self.classes is not None and (wrong_class := self.classes.resolve(request, tenant)) is not None:
             return wrong_class
         cost = request.cost_tokens
-        if cost > tenant.burst:
+        if tenant.max_request_tokens and cost > tenant.max_request_tokens:
+            return Refusal(413, "exceeds_max_request_tokens",
+                           f"request may use {cost} tokens (prompt {request.prompt_tokens} + output limit "
+                           f"{request.tokens_requested}) but tenant {request.tenant_id!r} sends at most "
+                           f"{tenant.max_request_tokens} a request (its max_request_tokens); lower max_tokens",
+                           field="max_tokens")
+        key_bucket = self.key_buckets.get(key.key_id) if key is not None else None
+        burst = tenant.burst if key_bucket is None else min(tenant.burst, int(key_bucket.burst))
+        if request.prompt_tokens > burst:
+            whose = (f"tenant {request.tenant_id!r}" if burst == tenant.burst
+                     else f"key {key.label!r} of tenant {request.tenant_id!r}" if key is not None else "")
             return Refusal(413, "exceeds_tenant_burst",
-                           f"request costs {cost} tokens (prompt {request.prompt_tokens} + requested "
-                           f"{request.tokens_requested}) but tenant {request.tenant_id!r} can bank at most "
-                           f"{tenant.burst} (its burst); it could never be admitted")
+                           f"the prompt alone is {request.prompt_tokens} tokens but {whose} can bank at most "
+                           f"{burst} (its burst); it could never be admitted")
         try:
             never = self.batching.refuse_reason(request)
         except Exception as exc:
@@ -224,35 +321,67 @@ class Admission:
                            f"the queue holds {self.ledger.queued_tokens} tokens and this request's {cost} would "
                            f"pass its maximum of {self.max_queued_tokens} (queue.max_tokens); retry later",
                            headers={"Retry-After": "1"})
-        if (over_budget := self.budgets.refusal(request.tenant_id, tenant, cost)) is not None:
-            return over_budget
+        reserved, output = self.estimates.reservation(request.tenant_id, tenant, request.prompt_tokens,
+                                                      request.tokens_requested, burst)
+        holds: list[tuple[BudgetLimit, int]] = []
+        for limit in limits_for(request.tenant_id, tenant, key):
+            if limit.unit == TOKENS:
+                amount = reserved
+            else:
+                priced = self.prices.reserve_micro_usd(request, request.prompt_tokens, output)
+                if priced is None:
+                    return Refusal(403, "model_not_priced",
+                                   f"{limit.who} has a dollar budget and the model "
+                                   f"{self.prices.model_name(request.model)!r} has no price ([prices] in the "
+                                   "config: ask the operator, or use a priced model)", field="model")
+                amount = priced
+            if (over_budget := self.budgets.refusal(limit, amount)) is not None:
+                return over_budget
+            holds.append((limit, amount))
         now = request.arrival = self.clock.now()   # (a class's deadline, and engines' estimates, count from it)
         if request.service_class is not None and self.classes is not None \
                 and (unmeetable := self.classes.refuse_unmeetable(request, now)) is not None:
             return unmeetable
+        if key_bucket is not None and key is not None and not key_bucket.try_take(reserved, now):
+            unavailable = self.store.refusal() if self.store is not None else None
+            if unavailable is not None:
+                return unavailable
+            wait = self.clock.wall_seconds(key_bucket.seconds_until(reserved, now))
+            return Refusal(429, "rate_limited",
+                           f"key {key.label!r} of tenant {request.tenant_id!r} has {int(key_bucket.level(now))} of the "
+                           f"{reserved} tokens this request reserves in its own bucket; enough accrue in {wait:.2f} s",
+                           headers={"Retry-After": _retry_after(wait)})
+        cost = reserved
         bucket = self.buckets[request.tenant_id]
         if not bucket.try_take(cost, now):
+            if key_bucket is not None:
+                key_bucket.give_back(cost, now)
             unavailable = self.store.refusal() if self.store is not None else None
             if unavailable is not None:
                 return unavailable
             # what the client waits (a shared bucket: from its last known level, see apsd.store.leasing)
             wait = self.clock.wall_seconds(bucket.seconds_until(cost, now))
             headers = {"Retry-After": _retry_after(wait), **self.rate_limit_headers(request.tenant_id)}
-            has = f"has {int(bucket.level(now))} of the {cost} tokens this request costs"
+            has = f"has {int(bucket.level(now))} of the {cost} tokens this request reserves"
             view = self.store.bucket_view(bucket, now) if self.store is not None else None
             if view is not None and view.shared_tokens is not None:
                 has += f" on this replica ({int(view.tokens)} in its shared bucket, as last known)"
             return Refusal(429, "rate_limited", f"tenant {request.tenant_id!r} {has}; enough accrue in {wait:.2f} s",
                            headers=headers)
-        request.reserved_tokens = cost
-        self.budgets.reserve(request.tenant_id, tenant, cost)
+        request.reserved_tokens, request.reserved_output = reserved, output
+        request.key_reserved = reserved if key_bucket is not None else 0
+        for limit, amount in holds:
+            self.budgets.reserve(limit, amount)
+        request.budget_holds = tuple((limit.account, limit.unit, amount) for limit, amount in holds)
         request.seq = self._next_seq
         self._next_seq += 1
         return None
 
-    def reconfigure(self, tenants: dict[str, TenantConfig], batching: BatchingPolicy,
-                    queue: QueueConfig) -> list[str]:
-        """Take new tenants, batching policy and queue limits (see Pipeline.reconfigure); returns changes."""
+    def reconfigure(self, tenants: dict[str, TenantConfig], batching: BatchingPolicy, queue: QueueConfig, *,
+                    keys: dict[str, KeyConfig] | None = None, admission: AdmissionConfig | None = None,
+                    prices: dict[str, PriceConfig] | None = None) -> list[str]:
+        """Take new tenants, batching policy, queue limits, and (when given) issued keys, ``[admission]``
+        settings and ``[prices]`` (see Pipeline.reconfigure); returns changes."""
         now = self.clock.now()
         changes = []
         for name in sorted(set(self.tenants) - set(tenants)):
@@ -282,20 +411,37 @@ class Admission:
                            f"{queue.max_tokens} tokens")
         self.tenants, self.batching = dict(tenants), batching
         self.max_queued, self.max_queued_per_tenant, self.max_queued_tokens = limits
+        self.estimates.forget(tenants)
+        if admission is not None:
+            self.settings = self.estimates.settings = admission
+        if prices is not None and dict(prices) != dict(self.prices.table):
+            changes.append(f"prices: {len(prices)} models priced" if prices else "prices: none")
+            self.prices.table = dict(prices)
+        changes += self._use_keys(self.keys if keys is None else keys, now)
         return changes
 
     def settle(self, request: InferenceRequest, outcome: Outcome, now: float) -> None:
         """Settle the bucket of an admitted request that ended (step 3 of
         :meth:`apsd.core.ledger.Ledger.finish`):
-        give back what it reserved and did not use, or take what it used beyond (a backend's actual
-        prompt can exceed apsd's estimate; the bucket may then go below zero, and the tenant waits
-        longer for its next request)."""
+        give back what it reserved and did not use, or take what it used beyond (it generated more than
+        the output it reserved, or a backend's actual prompt exceeded apsd's estimate; the bucket may then
+        go below zero, and the tenant waits longer for its next request), in its tenant's bucket, its key's
+        and every budget it reserved from. A completed request's output length teaches the tenant's
+        estimate (:mod:`apsd.core.reservation`)."""
         used = billed_tokens(request, outcome)
+        if isinstance(outcome, Completion) and request.started_at is not None:
+            self.estimates.observe(request.tenant_id, request.tokens_generated)
+        for account, unit, reserved in request.budget_holds:
+            spent = used if unit == TOKENS else round(request.spend_usd * MICRO) if unit == USD else 0
+            self.budgets.settle(account, reserved, spent, self._limits.get(account))
         difference = request.reserved_tokens - used
-        self.budgets.settle(request.tenant_id, self.tenants.get(request.tenant_id), request.reserved_tokens, used)
         bucket = self.buckets.get(request.tenant_id)
         if difference and bucket is not None:
             bucket.give_back(difference, now)
+        if request.key_reserved and request.key_id is not None:
+            key_bucket = self.key_buckets.get(request.key_id)
+            if key_bucket is not None and request.key_reserved != used:
+                key_bucket.give_back(request.key_reserved - used, now)
 
     def handle(self, request: InferenceRequest) -> bool:
         """Decide ``request`` and book it: admitted (True) or answered with its refusal (False)."""

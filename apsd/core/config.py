@@ -22,6 +22,8 @@ from typing import Any
 import attrs
 
 __all__ = [
+    "ANY_MODEL",
+    "AlertsConfig",
     "AuthConfig",
     "Config",
     "ConfigError",
@@ -30,6 +32,9 @@ __all__ = [
     "GatewayConfig",
     "ForwardConfig",
     "GpuConfig",
+    "KeyConfig",
+    "KeyLimits",
+    "PriceConfig",
     "PolicyConfig",
     "QueueConfig",
     "ServerConfig",
@@ -105,6 +110,24 @@ def key_hashes(_inst: object, attribute: attrs.Attribute, value: tuple[str, ...]
 #: them, and say the rule instead.
 SECRET = {"secret": _KEY_HASHES_RULE}
 SECRET_STRING = {"secret": "must be a string"}
+SECRET_NAMED = {"secret": "must be a table of names and 'sha256:<64 hex digits>' strings (alice = \"sha256:...\"), "
+                          "as 'apsd hash-key' prints them"}
+
+
+#: A name a key may have (an admin key's in ``[auth.admin_keys]``; an issued key's, through ``/admin``).
+KEY_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
+
+
+def named_key_hashes(_inst: object, attribute: attrs.Attribute, value: dict[str, str]) -> None:
+    for name, item in value.items():
+        if not KEY_NAME_PATTERN.fullmatch(name):
+            raise ValueError(f"{name[:70]!r}: a key's name is 1-64 letters, digits and '.', '_', '@' or '-', "
+                             "starting with a letter or digit")
+        if not isinstance(item, str) or not KEY_HASH_PATTERN.fullmatch(item):
+            raise ValueError(f"{name}: must be 'sha256:<64 hex digits>', as 'apsd hash-key' prints (the value given "
+                             "is not shown)")
+    if len(set(value.values())) != len(value):
+        raise ValueError("the same key hash is listed twice")
 
 
 def either(first: str, second: str):
@@ -207,8 +230,23 @@ class TenantConfig:
     #: Admission reserves a request's whole cost against it and settles what the request used, as
     #: for the bucket: a request that would pass it is refused 429 ``budget_exhausted``.
     budget_tokens: int = attrs.field(default=0, validator=between(0, 10**15))
+    #: US dollars it may spend per ``budget_period``, across replicas, at the ``[prices]`` of the models it
+    #: uses; 0: no dollar budget. Held like ``budget_tokens`` (both may be set): a request that would pass
+    #: it is refused 429 ``budget_exhausted``, and one for a model without a price 403 ``model_not_priced``.
+    budget_usd: float = attrs.field(default=0.0, validator=between(0, 1e12))
     #: ``day`` or ``month``, in UTC: when the budget starts again.
     budget_period: str = attrs.field(default="day", validator=either("day", "month"))
+    #: Output tokens a request reserves at most in its bucket and budgets (it reserves the smaller of this
+    #: and its ``max_tokens``; what it generates beyond is settled as debt); 0: learned from the tenant's
+    #: recent outputs (``[admission] output_estimate_percentile``).
+    output_estimate_tokens: int = attrs.field(default=0, validator=between(0, 10**9))
+    #: The largest request (prompt estimate + output limit) it may send; a larger one is refused 413
+    #: ``exceeds_max_request_tokens``. 0: no limit of its own (a request whose prompt alone passes its
+    #: ``burst`` is refused all the same).
+    max_request_tokens: int = attrs.field(default=0, validator=between(0, 10**12))
+    #: Its requests in flight at once (queued for dispatch or running); beyond, a request waits in
+    #: arrival order behind the tenant's others until one ends. 0: no limit.
+    max_concurrency: int = attrs.field(default=0, validator=between(0, 10**6))
     #: A disabled tenant's new requests are refused 403 ``tenant_disabled``; those already queued or
     #: running finish. Its keys and counters are kept.
     disabled: bool = False
@@ -256,6 +294,14 @@ class AuthConfig:
     #: everywhere else): what a scraper holds instead of the admin key.
     metrics_key_hashes: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=key_hashes,
                                                       metadata=SECRET)
+    #: Named operator keys (``[auth.admin_keys]``: ``alice = "sha256:..."``): the same rights as
+    #: ``admin_key_hashes``, and the audit log names the change's author ``admin:alice`` rather than by
+    #: the first digits of the hash. A name is 1-64 letters, digits and ``.``, ``_``, ``@`` or ``-``.
+    admin_keys: dict[str, str] = attrs.field(factory=dict, validator=named_key_hashes, metadata=SECRET_NAMED)
+
+    def admin_hashes(self) -> tuple[str, ...]:
+        """Every admin key's hash, named or not."""
+        return (*self.admin_key_hashes, *self.admin_keys.values())
 
 
 @attrs.frozen
@@ -299,6 +345,15 @@ class AdmissionConfig:
     #: token in its prefix cache (a backend's ``usage.prompt_tokens_details.cached_tokens``, or the
     #: continuous engine's own cache): 0 charges cached tokens in full, 0.5 at half, 1 not at all.
     cached_prompt_discount: float = attrs.field(default=0.0, validator=between(0.0, 1.0))
+    #: Output tokens a request reserves (at most its ``max_tokens``) before its tenant has
+    #: ``OUTPUT_ESTIMATE_MIN_SAMPLES`` completed requests to learn from, when the tenant sets no
+    #: ``output_estimate_tokens`` of its own.
+    output_estimate_default: int = attrs.field(default=1024, validator=between(1, 10**9))
+    #: The percentile of a tenant's recent output lengths (completed requests) that its requests
+    #: reserve once learned: a higher one means less debt, a lower one fewer tokens held.
+    output_estimate_percentile: float = attrs.field(default=90.0, validator=between(1.0, 100.0))
+    #: How many of a tenant's latest completed requests the learned estimate reads.
+    output_estimate_window: int = attrs.field(default=200, validator=between(1, 100_000))
 
 
 def redis_url(_inst: object, attribute: attrs.Attribute, value: str) -> None:
@@ -701,6 +756,120 @@ class ServiceClassConfig:
     on_miss: str = attrs.field(default="refuse", validator=either("refuse", "best_effort"))
 
 
+def optional_price(_inst: object, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is not None and not 0 <= value <= 1e6:
+        raise ValueError(f"must be between 0 and 1e+06 (or left out), got {value!r}")
+
+
+@attrs.frozen
+class PriceConfig:
+    """What a model's tokens cost the tenants that use it (``[prices.<model>]``), in US dollars per
+    million tokens: the spend apsd reports per request, key and tenant, and what dollar budgets
+    (``budget_usd``) are held to. Reloadable (SIGHUP); a request is priced at the prices in force when
+    it ends. ``[prices."*"]`` prices every model without a table of its own; a request for a model
+    without a price (and no ``"*"``) is refused 403 ``model_not_priced`` to a tenant or key with a
+    dollar budget, and spends nothing for the others (counted ``unpriced`` in usage)."""
+
+    #: Prompt tokens, but those a backend found in its prefix cache.
+    input_per_1m_usd: float = attrs.field(validator=between(0, 1e6))
+    #: Output (generated) tokens.
+    output_per_1m_usd: float = attrs.field(validator=between(0, 1e6))
+    #: Prompt tokens a backend found in its prefix cache (``usage.prompt_tokens_details.cached_tokens``);
+    #: unset: at ``input_per_1m_usd``.
+    cached_input_per_1m_usd: float | None = attrs.field(default=None, validator=optional_price)
+
+    @property
+    def cached_input(self) -> float:
+        return self.input_per_1m_usd if self.cached_input_per_1m_usd is None else self.cached_input_per_1m_usd
+
+
+#: The ``[prices]`` entry that prices every model without one of its own.
+ANY_MODEL = "*"
+
+
+def alert_thresholds(_inst: object, attribute: attrs.Attribute, value: tuple[float, ...]) -> None:
+    for i, item in enumerate(value):
+        if not 0 < item <= 10:
+            raise ValueError(f"entry [{i}]: a share of the budget above 0 and at most 10, got {item!r}")
+    if len(set(value)) != len(value):
+        raise ValueError("the same threshold is listed twice")
+
+
+def http_url_or_empty(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+    if value:
+        http_url(_inst, attribute, value)
+
+
+@attrs.frozen
+class AlertsConfig:
+    """Budget alerts: when what a tenant or a key spent of a budget (tokens or dollars) reaches a
+    threshold, apsd says so once per threshold and period, across replicas and restarts: a log line
+    (WARNING, ``event=budget_alert``), the gauge ``apsd_budget_alert_threshold``, and, with a
+    ``webhook_url``, a signed JSON POST (:mod:`apsd.serve.alerts`; docs/how-to/manage-tenants.md)."""
+
+    #: Shares of a budget at which to alert (1.0: the budget is spent).
+    thresholds: tuple[float, ...] = attrs.field(default=(0.8, 1.0), converter=tuple, validator=alert_thresholds)
+    #: Where to POST each alert (JSON); empty: log line and gauge only.
+    webhook_url: str = attrs.field(default="", validator=http_url_or_empty)
+    #: The environment variable holding the shared secret the POST is signed with (HMAC-SHA256 of the
+    #: body, in ``X-Apsd-Signature-256: sha256=<hex>``); preferred to ``webhook_secret``.
+    webhook_secret_env: str = ""
+    #: The shared secret itself (the config file may be world-readable: prefer ``webhook_secret_env``).
+    webhook_secret: str = attrs.field(default="", metadata=SECRET_STRING, repr=False)
+    #: Wall seconds one POST may take.
+    webhook_timeout_s: float = attrs.field(default=5.0, validator=between(0.1, 300))
+    #: Attempts per alert: a failed POST (no answer, or 5xx, 408, 429) is retried after 1, 2, 4, ...
+    #: seconds (at most 60 between two), then given up with a WARNING.
+    webhook_attempts: int = attrs.field(default=6, validator=between(1, 100))
+
+
+def _owner_kind(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+    if value not in ("", "person", "agent"):
+        raise ValueError(f"must be \"person\", \"agent\" or empty, got {value!r}")
+
+
+@attrs.frozen
+class KeyLimits:
+    """An issued API key's own limits, each nested under its tenant's: a request with the key is held
+    to both, so a key never gets more than its tenant. 0 (or empty) leaves a limit to the tenant."""
+
+    #: Tokens per second of the key's own bucket (0: none; the tenant's bucket applies alone).
+    rate: float = attrs.field(default=0.0, validator=between(0, 1e12))
+    #: The most its own bucket holds (0: the tenant's ``burst``; never more than it).
+    burst: int = attrs.field(default=0, validator=between(0, 10**12))
+    #: Tokens it may use per ``budget_period``, across replicas (0: none of its own).
+    budget_tokens: int = attrs.field(default=0, validator=between(0, 10**15))
+    #: US dollars it may spend per ``budget_period`` (0: none of its own).
+    budget_usd: float = attrs.field(default=0.0, validator=between(0, 1e12))
+    #: ``day`` or ``month``, in UTC.
+    budget_period: str = attrs.field(default="day", validator=either("day", "month"))
+    #: Its requests in flight at once (0: only the tenant's limit).
+    max_concurrency: int = attrs.field(default=0, validator=between(0, 10**6))
+    #: The models it may use, among its tenant's (empty: every model its tenant may use).
+    models: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=model_names)
+
+
+@attrs.frozen
+class KeyConfig:
+    """An API key issued through ``/admin``, as the running daemon knows it: who it is, and its limits
+    (the state keeps the record: :class:`apsd.state.records.KeyRecord`)."""
+
+    key_id: str
+    tenant: str
+    key_hash: str = attrs.field(repr=False)
+    #: A name for people (``ci``, ``alice-laptop``); the key's id when it was issued without one.
+    name: str = ""
+    #: Who holds it: a person (``alice@example.com``) or an agent (``claude-code/reviewer``).
+    owner: str = ""
+    #: ``person``, ``agent`` or empty.
+    owner_kind: str = ""
+    limits: KeyLimits = KeyLimits()
+
+    @property
+    def label(self) -> str:
+        return self.name or self.key_id
+
+
 def _default_tenants() -> dict[str, TenantConfig]:
     # Three tenants of different sizes, so the embedded defaults show contention.
     return {
@@ -730,6 +899,11 @@ class Config:
     tenants: dict[str, TenantConfig] = attrs.field(factory=_default_tenants)
     #: The service classes, by name (``[classes.<name>]``); tenants name those they may use.
     classes: dict[str, ServiceClassConfig] = attrs.field(factory=dict)
+    #: What models' tokens cost tenants, by model name (``[prices.<model>]``; ``"*"``: every other model).
+    prices: dict[str, PriceConfig] = attrs.field(factory=dict)
+    alerts: AlertsConfig = AlertsConfig()
+    #: The keys issued through ``/admin`` in force, by id (the state's, never the file's).
+    keys: dict[str, KeyConfig] = attrs.field(factory=dict, metadata={"toml": False})
     #: Where this config came from, for error messages ("<defaults>" if embedded).
     source: str = attrs.field(default="<defaults>", metadata={"toml": False})
     #: The file declares ``[tenants]`` (else the embedded default tenants above are in it): a reload
@@ -922,6 +1096,7 @@ def _check_keys_unique(config: Config) -> None:
     places = [(f"tenants.{name}.api_key_hashes", h) for name, t in config.tenants.items()
               for h in t.api_key_hashes]
     places += [("auth.admin_key_hashes", h) for h in config.auth.admin_key_hashes]
+    places += [(f"auth.admin_keys.{name}", h) for name, h in config.auth.admin_keys.items()]
     places += [("auth.metrics_key_hashes", h) for h in config.auth.metrics_key_hashes]
     for place, value in places:
         if value in seen and seen[value] != place:

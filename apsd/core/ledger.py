@@ -24,7 +24,9 @@ index visits every tenant with admitted work (a sum over floats, once per call).
 Usage: a request's tenant is charged what it used (``request.used_tokens``: its prompt
 once it started, and the tokens it generated), whatever its outcome (:func:`billed_tokens`;
 a request that failed before its first token used nothing). The per-tenant token and cost
-counters are those charges.
+counters are those charges, and so is the spend in dollars (``[prices]``, :mod:`apsd.core.prices`),
+set on the request (``spend_usd``) when the books count it; an issued key's counters
+(:attr:`Ledger.keys`) are its requests' part of them.
 
 Fairness: Jain's index ``(sum x)^2 / (n * sum x^2)`` where ``x_i`` is the
 output tokens served to tenant ``i`` divided by its configured rate (its
@@ -46,7 +48,7 @@ from apsd.core.clock import ModelClock
 from apsd.core.events import EventBus
 from apsd.core.models import Completion, Dispatch, InferenceRequest, Outcome, Refusal
 
-__all__ = ["ChangeLog", "Ledger", "LedgerStatistics", "TenantStats", "jain_index"]
+__all__ = ["ChangeLog", "KeyStats", "Ledger", "LedgerStatistics", "TenantStats", "jain_index"]
 
 FAIRNESS_DEFINITION = ("Jain's index (sum x)^2/(n*sum x^2); x_i = output tokens served to tenant i divided by "
                        "its configured rate, over tenants with at least one admitted request")
@@ -83,6 +85,9 @@ class TenantStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     cost_usd: float = 0.0
+    #: What those charges cost the tenant at ``[prices]`` (US dollars), and requests whose model had no price.
+    spend_usd: float = 0.0
+    unpriced: int = 0
     #: (A dict of str -> int: the garbage collector does not track it, a Counter it would.)
     rejected_by_error: dict[str, int] = attrs.field(factory=dict)
 
@@ -118,6 +123,20 @@ class ChangeLog:
                 break
             keys.append(key)
         return keys
+
+
+@attrs.define
+class KeyStats:
+    """Counters for one issued key (its requests admitted, ended, and what they were charged)."""
+
+    tenant: str
+    admitted: int = 0
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    spend_usd: float = 0.0
 
 
 @attrs.frozen
@@ -232,6 +251,11 @@ class Ledger:
     #: Step 4 of :meth:`finish`: tell the policies (the pipeline wires the scheduler's
     #: :meth:`~apsd.core.scheduler.Scheduler.policy_finished`; None: no policies).
     tell_policies: Callable[[InferenceRequest, Outcome, float], None] | None = None
+    #: Part of step 2 of :meth:`finish`: what a request's charges cost its tenant in dollars (None: its
+    #: model has no price; the pipeline wires :meth:`apsd.core.prices.Prices.spend_usd`; None: no prices).
+    price: Callable[[InferenceRequest], float | None] | None = None
+    #: Issued keys' counters, by key id (keys whose requests were admitted since start).
+    keys: dict[str, KeyStats] = attrs.field(factory=dict, init=False)
     _idle: trio.Event = attrs.field(factory=trio.Event)
 
     def __attrs_post_init__(self) -> None:
@@ -279,6 +303,11 @@ class Ledger:
         stats = self._changing(request.tenant_id)
         stats.admitted += 1
         self.totals.admitted += 1
+        if request.key_id is not None:
+            key = self.keys.get(request.key_id)
+            if key is None:
+                key = self.keys[request.key_id] = KeyStats(request.tenant_id)
+            key.admitted += 1
         self._to_queue(request, stats)
         if not self.outstanding:
             self._idle = trio.Event()
@@ -392,27 +421,44 @@ class Ledger:
             stats.running -= 1
             self.running_total -= 1
         totals = self.totals
+        key = self.keys.get(request.key_id) if request.key_id is not None else None
         match outcome:
             case Completion():
                 stats.completed += 1
                 totals.completed += 1
+                if key is not None:
+                    key.completed += 1
                 self.latencies_s.append(now - request.arrival)
                 if outcome.tpot_ms is not None:
                     self.tpots_s.append(outcome.tpot_ms / 1000.0)
             case Refusal(kind="failed"):
                 stats.failed += 1
                 totals.failed += 1
+                if key is not None:
+                    key.failed += 1
             case _:
                 stats.cancelled += 1
                 totals.cancelled += 1
+                if key is not None:
+                    key.cancelled += 1
         if billed_tokens(request, outcome):
             prompt = request.prompt_tokens if request.prompt_used else 0
+            spend = self.price(request) if self.price is not None else 0.0
+            request.spend_usd, request.unpriced = spend or 0.0, spend is None
             stats.prompt_tokens += prompt
             stats.generated_tokens += request.tokens_generated
             stats.cost_usd += request.cost_usd
+            stats.spend_usd += request.spend_usd
+            stats.unpriced += request.unpriced
             totals.prompt_tokens += prompt
             totals.generated_tokens += request.tokens_generated
             totals.cost_usd += request.cost_usd
+            totals.spend_usd += request.spend_usd
+            totals.unpriced += request.unpriced
+            if key is not None:
+                key.prompt_tokens += prompt
+                key.generated_tokens += request.tokens_generated
+                key.spend_usd += request.spend_usd
         del self.outstanding[request]
         if not self.outstanding:
             self._idle.set()

@@ -178,9 +178,28 @@ class InferenceRequest:
     #: generates until it stops, and the tenant is charged what it generated (its bucket may go
     #: into debt, which it repays before its next request is admitted).
     open_ended: bool = False
-    #: Tokens admission took from the tenant's bucket for it (its ``cost_tokens`` then); settlement
-    #: gives back, or takes, the difference with what it used.
+    #: Tokens admission took from the tenant's bucket for it (its reservation: the prompt estimate and
+    #: the output it will probably generate, :mod:`apsd.core.reservation`); settlement gives back, or
+    #: takes, the difference with what it used.
     reserved_tokens: int = 0
+    #: Of ``reserved_tokens``, the output part (at most ``tokens_requested``).
+    reserved_output: int = 0
+    #: The issued API key it came with (its id: ``/admin``), whose limits and usage it counts under;
+    #: None: a key from the config file, or none.
+    key_id: str | None = None
+    #: Tokens admission took from its key's own bucket (0: the key has none).
+    key_reserved: int = 0
+    #: What admission reserved of each budget it is held to: (account, unit, amount) triples
+    #: (:mod:`apsd.core.budget`; amounts in tokens or micro-dollars); settlement settles each.
+    budget_holds: tuple[tuple[str, str, int], ...] = ()
+    #: What it cost its tenant in US dollars at the ``[prices]`` of its model (the ledger sets it when it
+    #: ends), and whether its model had no price (then 0).
+    spend_usd: float = 0.0
+    unpriced: bool = False
+    #: ``max_concurrency`` (:mod:`apsd.core.concurrency`): it counts as in flight for its tenant and key
+    #: (entered the queue), or it waits in its tenant's line for a turn.
+    in_flight: bool = False
+    waiting_in_line: bool = False
     # -- progress (the engine's) -----------------------------------------------------------
     #: The engine it was dispatched to (the last one, after a requeue).
     engine_id: int | None = None
@@ -237,8 +256,8 @@ class InferenceRequest:
 
     @property
     def cost_tokens(self) -> int:
-        """What admission reserves in its tenant's bucket: prompt + requested tokens (the most
-        it can use; the ledger settles against what it really used when it ends)."""
+        """The most it can use: prompt + requested tokens (what a batch's KV cache holds for it, and what
+        ``[queue] max_tokens`` counts). Its bucket reserves less: ``reserved_tokens``."""
         return self.prompt_tokens + self.tokens_requested
 
     @property

@@ -27,6 +27,11 @@ spill); otherwise the cut stops there, as for a request that does not fit, and t
 asked to ask again. The choice is kept until its engine has no room. So queue order is kept and
 routing decides only where. Requests without a key go to whichever engine asks (one pool).
 
+Concurrency: a tenant's (or a key's) ``max_concurrency`` is held before the queue: a request beyond it
+waits in its tenant's line (:class:`~apsd.core.concurrency.ConcurrencyGate`, :attr:`Scheduler.gate`)
+and enters the queue when one of its tenant's requests ends (step 4 of ``Ledger.finish``:
+:meth:`Scheduler.policy_finished`). Its queue deadline runs while it waits.
+
 Requeues: a request whose engine failed before its first token comes back through
 :meth:`Scheduler.requeue`, keeping its arrival and sequence number (so its place in
 queue order) and its deadline.
@@ -66,6 +71,7 @@ import attrs
 import trio
 
 from apsd.core.clock import ModelClock
+from apsd.core.concurrency import ConcurrencyGate
 from apsd.core.engine import Demand, Engine
 from apsd.core.ledger import Ledger
 from apsd.core.models import Capacity, Dispatch, InferenceRequest, Outcome, Refusal
@@ -129,6 +135,8 @@ class Scheduler:
     _engine_load: collections.Counter[int] = attrs.field(factory=collections.Counter, init=False)
     #: (engine name, reason) -> requests routed so.
     route_counts: collections.Counter[tuple[str, str]] = attrs.field(factory=collections.Counter, init=False)
+    #: Tenants' and keys' ``max_concurrency`` (:mod:`apsd.core.concurrency`; the pipeline sets its limits).
+    gate: ConcurrencyGate = attrs.field(factory=ConcurrencyGate, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._use_queue(self.policies.aging)
@@ -280,15 +288,31 @@ class Scheduler:
                 on_finish(request, outcome, now)
             except Exception as exc:  # the outcome is delivered already: log only
                 self._failure(kind, exc)
+        for released in self.gate.leave(request):
+            self._push(released)
+
+    def release_waiting(self) -> None:
+        """Queue the requests waiting in their tenant's line that the limits in force now let in (a
+        reload raised or removed a ``max_concurrency``)."""
+        for released in self.gate.release():
+            self._push(released)
 
     # -- intake ----------------------------------------------------------------------------
     def enqueue(self, request: InferenceRequest) -> None:
-        """Put an admitted request in the queue and tell the governor it arrived."""
+        """Put an admitted request in the queue, or in its tenant's line when its tenant or key has its
+        ``max_concurrency`` in flight (:attr:`gate`), and tell the governor it arrived."""
         try:
             self.policies.governor.observe_arrival(request.arrival)
         except Exception as exc:
             self._fail([request], self._failure("governor", exc))
             return
+        if not self.gate.enter(request):
+            self._set_deadline(request)  # (its queue timeout runs while it waits in line)
+            return
+        self._push(request)
+
+    def _push(self, request: InferenceRequest) -> None:
+        """Put a request that may run (the gate let it in) in the queue."""
         try:
             self.queue.push(request, self.clock.now())
         except Exception as exc:
@@ -296,7 +320,8 @@ class Scheduler:
             return
         if self._backlog_since is None:
             self._backlog_since = request.arrival
-        self._set_deadline(request)
+        if request.deadline is None:
+            self._set_deadline(request)
         if self._answered_empty:
             self._retry_empty(request)
         if self._waiting_until is not None:

@@ -9,8 +9,6 @@ import attrs
 import trio
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from apsd.core.budget import Budgets
     from apsd.core.config import TenantConfig
     from apsd.core.models import Refusal
@@ -23,10 +21,10 @@ def redis_bucket_key(prefix: str, tenant: str) -> str:
     return f"{prefix}:bucket:{tenant}"
 
 
-def redis_budget_key(prefix: str, tenant: str, period: str) -> str:
-    """Where a shared store keeps a tenant's budget account for a period in Redis (a hash: ``spent``,
-    and each replica's lease and settled total)."""
-    return f"{prefix}:budget:{tenant}:{period}"
+def redis_budget_key(prefix: str, account: str, period: str) -> str:
+    """Where a shared store keeps a budget's account (:func:`apsd.core.budget.budget_account`) for a
+    period in Redis (a hash: ``spent``, and each replica's lease and settled total)."""
+    return f"{prefix}:budget:{account}:{period}"
 
 
 @runtime_checkable
@@ -121,9 +119,9 @@ class Store(Protocol):
     def share(self, policy: object) -> None:
         """Share the service counters of ``policy`` if it is a :class:`SharedService` (else nothing)."""
 
-    def share_budgets(self, budgets: Budgets, tenants: Callable[[], Mapping[str, TenantConfig]]) -> None:
-        """Hold the tenants' budgets (``tenants()``: the current ones) as leases of budgets shared by
-        every replica (:meth:`Budgets.share`), if this store is shared (else nothing)."""
+    def share_budgets(self, budgets: Budgets) -> None:
+        """Hold the budgets in force (``budgets.limits()``: tenants' and keys') as leases of budgets
+        shared by every replica (:meth:`Budgets.share`), if this store is shared (else nothing)."""
 
     def statistics(self) -> StoreStatistics: ...
 

@@ -1,7 +1,8 @@
 """API keys: who is calling, decided from ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``).
 
 Ownership: a :class:`KeyRing` is built from a validated :class:`~apsd.core.config.Config`
-(tenants' ``api_key_hashes``, ``[auth] admin_key_hashes`` and ``metrics_key_hashes``) and is immutable;
+(tenants' ``api_key_hashes``, the keys issued through ``/admin`` (``Config.keys``: a tenant's key then
+names its key id), ``[auth] admin_key_hashes``, ``admin_keys`` and ``metrics_key_hashes``) and is immutable;
 the HTTP layer keeps the one built from the pipeline's current config (rebuilt when a
 reload replaces the config: :mod:`apsd.serve.http.common`) and asks :meth:`KeyRing.identify`
 before it reads a request's body.
@@ -66,9 +67,13 @@ class Caller:
     anonymous: bool = False
     #: A metrics key: may read ``/metrics`` and ``/metrics.json``, and nothing else.
     metrics_only: bool = False
-    #: Who this is in the audit log: ``admin:<the first 8 hex digits of its key's hash>`` for an admin
-    #: key (which key, never the key), ``admin:open`` without keys; None for the others.
+    #: Who this is in the audit log: ``admin:<name>`` for a named admin key (``[auth.admin_keys]``),
+    #: ``admin:<the first 8 hex digits of its key's hash>`` for another admin key (which key, never the
+    #: key), ``admin:open`` without keys; None for the others.
     actor: str | None = None
+    #: The issued key a tenant's request came with (``/admin``: its id), which its usage and limits
+    #: are counted under; None: a key from the config file, or no key.
+    key_id: str | None = None
 
     def may_read_tenant(self, tenant_id: str) -> bool:
         return self.admin or self.anonymous or self.tenant == tenant_id
@@ -97,10 +102,13 @@ class KeyRing:
 
     @classmethod
     def from_config(cls, config: Config) -> KeyRing:
-        entries = [(_digest(h), Caller(tenant=name))
+        issued = {key.key_hash: key.key_id for key in config.keys.values()}
+        entries = [(_digest(h), Caller(tenant=name, key_id=issued.get(h)))
                    for name, tenant in sorted(config.tenants.items()) for h in tenant.api_key_hashes]
         entries += [(_digest(h), Caller(tenant=None, admin=True, actor=f"admin:{h[7:15]}"))
                     for h in config.auth.admin_key_hashes]
+        entries += [(_digest(h), Caller(tenant=None, admin=True, actor=f"admin:{name}"))
+                    for name, h in sorted(config.auth.admin_keys.items())]
         metrics = tuple(_digest(h) for h in config.auth.metrics_key_hashes)
         entries += [(digest, METRICS_READER) for digest in metrics]
         return cls(tuple(entries), metrics)

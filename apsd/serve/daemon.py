@@ -45,6 +45,7 @@ from apsd.engines.profiles import ProfileRegistry
 from apsd.pipeline import Pipeline, open_pipeline
 from apsd.plugins import PluginError, load_policy_registry, load_profile_registry, make_plugin_manager
 from apsd.policies.fair import tenant_weights
+from apsd.serve.alerts import BudgetAlerts
 from apsd.serve.auth import KeyRing, check_exposure
 from apsd.serve.http import create_app
 from apsd.serve.http.ui import sampler_for
@@ -179,6 +180,8 @@ class Daemon:
     reload_error: str | None = None
     #: Tenants and keys managed through ``/admin``, and what outlives a restart (:mod:`apsd.state`).
     keeper: StateKeeper | None = None
+    #: Budget alerts (:mod:`apsd.serve.alerts`), once the pipeline runs.
+    alerts: BudgetAlerts | None = None
     _ready: bool = False
     _stop: trio.Event = attrs.field(factory=trio.Event)
     _hurry: trio.Event = attrs.field(factory=trio.Event)
@@ -238,6 +241,8 @@ class Daemon:
         keeper.usage = UsageRecorder(lambda: pipeline.config.tenants, keeper.wall)
         keeper.usage.subscribe(pipeline.ledger.events)
         keeper.apply = self.apply_state
+        self.alerts = BudgetAlerts(pipeline, keeper)
+        await nursery.start(self.alerts.run)
         await nursery.start(functools.partial(keeper.run, buckets=lambda: bucket_levels(pipeline, keeper.wall())))
 
     def apply_state(self, effective: Config, why: str) -> None:
@@ -246,7 +251,7 @@ class Daemon:
         pipeline = self.pipeline
         if pipeline is None:
             return
-        effective = attrs.evolve(pipeline.config, tenants=effective.tenants)
+        effective = attrs.evolve(pipeline.config, tenants=effective.tenants, keys=effective.keys)
         policies = self.policies
         try:
             if tenant_weights(effective) != tenant_weights(pipeline.config):
@@ -351,7 +356,7 @@ class Daemon:
         assert self.pipeline is not None
         if KeyRing.from_config(self.pipeline.config).enabled and not KeyRing.from_config(config).enabled:
             raise ConfigError(f"{config.source}: the file configures no API key ([auth] admin_key_hashes, "
-                              "metrics_key_hashes or any tenant's api_key_hashes) while keys are in force: a "
+                              "admin_keys, metrics_key_hashes or any tenant's api_key_hashes) while keys are in force: a "
                               "reload never turns authentication off (a truncated file?); the keys stay. To run "
                               "without keys, restart apsd")
         if self.config.tenants_declared and not config.tenants_declared:
@@ -377,7 +382,7 @@ class Daemon:
         owners = sorted(set(old.tenants) | set(new.tenants))
         changed = [name for name in owners if name in old.tenants and name in new.tenants
                    and set(old.tenants[name].api_key_hashes) != set(new.tenants[name].api_key_hashes)]
-        if set(old.auth.admin_key_hashes) != set(new.auth.admin_key_hashes):
+        if set(old.auth.admin_hashes()) != set(new.auth.admin_hashes()) or old.auth.admin_keys != new.auth.admin_keys:
             changed.append("the admin")
         if set(old.auth.metrics_key_hashes) != set(new.auth.metrics_key_hashes):
             changed.append("the metrics scrapers")

@@ -35,6 +35,7 @@ Metrics (``tenant`` is a configured tenant's name)::
     apsd_tenant_cost_usd_total{tenant}        counter  cost of what the tenant was charged
     apsd_tenant_queue_depth{tenant}           gauge    the tenant's requests waiting for dispatch (its
                                                        apsd_requests_in_flight{state="queued"}, by itself)
+    apsd_tenant_spend_usd_total{tenant}       counter  what the tenant spent at [prices] (US dollars)
     apsd_cost_usd_total                       counter  cost of every engine's busy time
     apsd_batches_total                        counter  micro-batches that finished running
     apsd_gpu_busy_seconds_total               counter  summed over engines
@@ -97,6 +98,15 @@ Metrics (``tenant`` is a configured tenant's name)::
     apsd_store_sync_failures_total            counter
     apsd_store_replicas                       gauge    replicas seen sharing it in the last second
     apsd_store_leased_tokens                  gauge    tokens this replica holds leased
+    apsd_key_info{tenant,key,name,owner}      gauge    1 per issued key in force (key: its id)
+    apsd_key_requests_total{tenant,key,outcome} counter requests that came with the key, by outcome
+                                                       (admitted, completed, failed, cancelled)
+    apsd_key_tokens_total{tenant,key,phase}   counter  tokens charged to the key's requests (prompt, generated)
+    apsd_key_spend_usd_total{tenant,key}      counter  what they spent at [prices] (US dollars)
+    apsd_budget_used_ratio{tenant,key,unit}   gauge    a budget's spend this period / its limit (key: "" for
+                                                       the tenant's own; unit: tokens or usd)
+    apsd_budget_alert_threshold{tenant,key,unit} gauge the highest [alerts] threshold that spend reached
+                                                       this period (0: none): what the alerts said
     apsd_accepting                            gauge    1 while admitting, 0 once draining
     apsd_policy_info{aging,governor,batching,preset}  gauge 1: the policies in force
     apsd_tenant_service_window_tokens{tenant} gauge    output tokens served to the tenant in the window
@@ -158,6 +168,7 @@ from apsd.core.events import EventBus
 from apsd.core.ledger import ChangeLog
 from apsd.core.models import Completion, Dispatch, InferenceRequest, Outcome
 from apsd.core.service_window import WINDOW_S, WorkingRow, watch_for
+from apsd.serve.alerts import reached
 
 if TYPE_CHECKING:
     from apsd.engines.backends import BackendStatistics
@@ -281,6 +292,8 @@ _TENANT_COST = ("apsd_tenant_cost_usd_total", ("Cost in USD of what the tenant w
                                               "engines' time)"))
 _TENANT_QUEUE = ("apsd_tenant_queue_depth", ("Requests of the tenant waiting for dispatch (its "
                                              "apsd_requests_in_flight with state queued, on its own)"))
+_TENANT_SPEND = ("apsd_tenant_spend_usd_total", ("What the tenant's requests cost it at the [prices] of their "
+                                                "models, in US dollars (what dollar budgets hold)"))
 #: (name, documentation) of the per-tenant gauges of the service window, in exposition order (the last
 #: families): samples only for tenants with work in the window (:mod:`apsd.core.service_window`).
 _WINDOW_FAMILIES = (
@@ -338,8 +351,9 @@ class _TenantHistograms:
 
 
 #: One tenant's counters as a scrape shows them: admitted, rejected, completed, failed, cancelled
-#: (``_OUTCOMES``' order), (error, count) pairs sorted, queued, running, prompt and generated tokens, cost.
-_CounterRow = tuple[int, int, int, int, int, tuple[tuple[str, int], ...], int, int, int, int, float]
+#: (``_OUTCOMES``' order), (error, count) pairs sorted, queued, running, prompt and generated tokens, cost,
+#: spend.
+_CounterRow = tuple[int, int, int, int, int, tuple[tuple[str, int], ...], int, int, int, int, float, float]
 #: One tenant's histograms as a scrape shows them: its bucket counts and sums (``_TenantHistograms``).
 #: Where each of ``_WINDOW_FAMILIES``' values is in a :data:`~apsd.core.service_window.WorkingRow`.
 _WINDOW_FIELDS = (2, 3, 4)
@@ -349,7 +363,7 @@ _HistogramsRow = tuple["array.array[int]", "array.array[float]"]
 def _counter_row(stats: TenantStats) -> _CounterRow:
     return (stats.admitted, stats.rejected, stats.completed, stats.failed, stats.cancelled,
             tuple(sorted(stats.rejected_by_error.items())), stats.queued, stats.running, stats.prompt_tokens,
-            stats.generated_tokens, stats.cost_usd)
+            stats.generated_tokens, stats.cost_usd, stats.spend_usd)
 
 
 class _Families:
@@ -439,7 +453,8 @@ def _header(kind: type[Metric], name: str, documentation: str) -> bytes:
 
 _COUNTER_HEADERS = (_header(CounterMetricFamily, *_REQUESTS), _header(CounterMetricFamily, *_REJECTIONS),
                     _header(GaugeMetricFamily, *_IN_FLIGHT), _header(CounterMetricFamily, *_TOKENS),
-                    _header(CounterMetricFamily, *_TENANT_COST), _header(GaugeMetricFamily, *_TENANT_QUEUE))
+                    _header(CounterMetricFamily, *_TENANT_COST), _header(GaugeMetricFamily, *_TENANT_QUEUE),
+                    _header(CounterMetricFamily, *_TENANT_SPEND))
 _WINDOW_HEADERS = tuple(_header(GaugeMetricFamily, name, documentation) for name, documentation in _WINDOW_FAMILIES)
 _HISTOGRAM_HEADERS = tuple(_header(HistogramMetricFamily, name, documentation)
                            for name, documentation, _ in _TENANT_HISTOGRAMS)
@@ -457,15 +472,16 @@ def _counter_chunks(tenant: str, row: _CounterRow, attributed: bool = True) -> t
     rejections = "".join([f'apsd_rejections_total{{error="{_escape(error)}",{label}}} {_number(count)}\n'
                           for error, count in row[5]])
     if not attributed:
-        return requests.encode(), rejections.encode(), b"", b"", b"", b""
-    _, _, _, _, _, _, queued, running, prompt, generated, cost = row
+        return requests.encode(), rejections.encode(), b"", b"", b"", b"", b""
+    _, _, _, _, _, _, queued, running, prompt, generated, cost, spend = row
     return (requests.encode(), rejections.encode(),
             (f'apsd_requests_in_flight{{state="queued",{label}}} {_number(queued)}\n'
              f'apsd_requests_in_flight{{state="running",{label}}} {_number(running)}\n').encode(),
             (f'apsd_tokens_total{{phase="prompt",{label}}} {_number(prompt)}\n'
              f'apsd_tokens_total{{phase="generated",{label}}} {_number(generated)}\n').encode(),
             f'apsd_tenant_cost_usd_total{{{label}}} {_number(cost)}\n'.encode(),
-            f'apsd_tenant_queue_depth{{{label}}} {_number(queued)}\n'.encode())
+            f'apsd_tenant_queue_depth{{{label}}} {_number(queued)}\n'.encode(),
+            f'apsd_tenant_spend_usd_total{{{label}}} {_number(spend)}\n'.encode())
 
 
 def _window_chunks(rows: Sequence[WorkingRow]) -> list[bytes]:
@@ -660,6 +676,7 @@ class PrometheusExporter:
         tokens = _Samples()
         tenant_cost = _Samples()
         tenant_queue = _Samples()
+        tenant_spend = _Samples()
         for tenant, stats in per_tenant:
             attributed = stats is not ledger.unattributed
             for outcome in _OUTCOMES:
@@ -675,6 +692,7 @@ class PrometheusExporter:
                 tokens.add((tenant, "generated"), stats.generated_tokens)
                 tenant_cost.add((tenant,), stats.cost_usd)
                 tenant_queue.add((tenant,), stats.queued)
+                tenant_spend.add((tenant,), stats.spend_usd)
 
         yield requests.family(CounterMetricFamily, *_REQUESTS, ["tenant", "outcome"])
         yield rejections.family(CounterMetricFamily, *_REJECTIONS, ["tenant", "error"])
@@ -682,6 +700,7 @@ class PrometheusExporter:
         yield tokens.family(CounterMetricFamily, *_TOKENS, ["tenant", "phase"])
         yield tenant_cost.family(CounterMetricFamily, *_TENANT_COST, ["tenant"])
         yield tenant_queue.family(GaugeMetricFamily, *_TENANT_QUEUE, ["tenant"])
+        yield tenant_spend.family(CounterMetricFamily, *_TENANT_SPEND, ["tenant"])
 
     def _tenant_histogram_families(self) -> Iterator[Metric]:
         histograms = sorted(self.observer.tenants.items())
@@ -781,6 +800,8 @@ class PrometheusExporter:
         yield GaugeMetricFamily("apsd_conservation_ok",
                                 "1 when admitted == completed + failed + cancelled + queued + running",
                                 value=1 if books.requests.conservation_ok else 0)
+        yield from self._keys(pipeline)
+        yield from self._budgets(pipeline)
         yield GaugeMetricFamily("apsd_accepting", "1 while admitting requests, 0 once shutting down",
                                 value=1 if pipeline.accepting else 0)
         yield from self._store(pipeline.store.statistics())
@@ -790,6 +811,51 @@ class PrometheusExporter:
                                  labels=list(policy))
         info.add_metric(list(policy.values()), 1)
         yield info
+
+    @staticmethod
+    def _keys(pipeline: Pipeline) -> Iterator[Metric]:
+        """Issued keys: who they are (in force), and their requests' counters (since start, keys with
+        requests; :attr:`apsd.core.ledger.Ledger.keys`)."""
+        info = GaugeMetricFamily("apsd_key_info", "An issued API key in force (value always 1): its tenant, id, "
+                                 "name and owner", labels=["tenant", "key", "name", "owner"])
+        for key in sorted(pipeline.config.keys.values(), key=lambda k: (k.tenant, k.key_id)):
+            info.add_metric([key.tenant, key.key_id, key.label, key.owner], 1)
+        yield info
+        requests = CounterMetricFamily("apsd_key_requests", "Requests that came with an issued key, by outcome "
+                                       "(admitted, then completed, failed or cancelled)",
+                                       labels=["tenant", "key", "outcome"])
+        tokens = CounterMetricFamily("apsd_key_tokens", "Tokens charged to the requests of an issued key, by phase",
+                                     labels=["tenant", "key", "phase"])
+        spend = CounterMetricFamily("apsd_key_spend_usd", "What the requests of an issued key cost at [prices], "
+                                    "in US dollars", labels=["tenant", "key"])
+        for key_id, stats in sorted(pipeline.ledger.keys.items()):
+            for outcome in ("admitted", "completed", "failed", "cancelled"):
+                requests.add_metric([stats.tenant, key_id, outcome], getattr(stats, outcome))
+            tokens.add_metric([stats.tenant, key_id, "prompt"], stats.prompt_tokens)
+            tokens.add_metric([stats.tenant, key_id, "generated"], stats.generated_tokens)
+            spend.add_metric([stats.tenant, key_id], stats.spend_usd)
+        yield requests
+        yield tokens
+        yield spend
+
+    @staticmethod
+    def _budgets(pipeline: Pipeline) -> Iterator[Metric]:
+        """Every budget in force: its spend this period as a share of its limit, and the highest
+        ``[alerts]`` threshold that spend reached (what :mod:`apsd.serve.alerts` said)."""
+        labels = ["tenant", "key", "unit"]
+        used = GaugeMetricFamily("apsd_budget_used_ratio", "A budget's spend this period (every replica's, as last "
+                                 "known) / its limit; key is empty for the tenant's own", labels=labels)
+        alerted = GaugeMetricFamily("apsd_budget_alert_threshold", "The highest [alerts] threshold a budget's spend "
+                                    "reached this period (0: none)", labels=labels)
+        budgets = pipeline.admission.budgets
+        thresholds = sorted(pipeline.config.alerts.thresholds)
+        for account, limit in sorted(budgets.limits().items()):
+            view = budgets.view(limit)
+            values = [limit.tenant, limit.key_id or "", limit.unit]
+            used.add_metric(values, view.used_ratio)
+            alerted.add_metric(values, max((t for t in thresholds if reached(view.spent, limit.limit, t)), default=0.0))
+        yield used
+        yield alerted
 
     @staticmethod
     def _store(store: StoreStatistics) -> Iterator[Metric]:

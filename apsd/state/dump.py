@@ -2,8 +2,9 @@
 reads, and what a replica keeps a copy of to write back into a Redis that lost its data.
 
 A :class:`StateDump` holds every tenant record (those ``/admin`` deleted but the config file still
-declares included), every issued key's record (its hash, never the key), the audit log with its
-entry ids, usage per hour, tenant, model and backend, budgets' spend per period, and (from SQLite)
+declares included), every issued key's record (its hash, never the key; its name, owner and limits), the audit log with
+its entry ids, usage per hour, tenant, model, backend and issued key (``"key"``, absent for requests
+with none), budgets' spend per account and period (tokens, or micro-dollars for ``:usd`` accounts), and (from SQLite)
 each tenant's bucket level with its time. :func:`dump_to_json` and :func:`dump_from_json` are the
 document's format (``"format": "apsd-state"``, ``"version": 1``); a document of another format or a
 newer version is refused with a :class:`DumpError` naming what is wrong.
@@ -62,7 +63,8 @@ def dump_to_json(dump: StateDump) -> dict[str, Any]:
         "tenants": [tenant_to_json(r) for r in dump.tenants],
         "keys": [key_to_json(k) for k in dump.keys],
         "audit": [audit_to_json(e) for e in dump.audit],
-        "usage": [{"hour": k.hour, "tenant": k.tenant, "model": k.model, "backend": k.backend, "fields": fields}
+        "usage": [{"hour": k.hour, "tenant": k.tenant, "model": k.model, "backend": k.backend,
+                   **({"key": k.key} if k.key else {}), "fields": fields}
                   for k, fields in sorted(dump.usage.items(), key=lambda item: attrs.astuple(item[0]))],
         "spend": [{"tenant": t, "period": p, "tokens": n} for (t, p), n in sorted(dump.spend.items())],
         "buckets": [{"tenant": t, "tokens": tokens, "at": at} for t, (tokens, at) in sorted(dump.buckets.items())],
@@ -83,7 +85,7 @@ def dump_from_json(data: Any) -> StateDump:
         part = "audit"
         audit = tuple(sorted((audit_from_json(e) for e in data.get("audit", [])), key=lambda e: e.entry_id))
         part = "usage"
-        usage = {UsageKey(int(r["hour"]), str(r["tenant"]), str(r["model"]), str(r["backend"])):
+        usage = {UsageKey(int(r["hour"]), str(r["tenant"]), str(r["model"]), str(r["backend"]), str(r.get("key", ""))):
                  {str(f): float(v) for f, v in r["fields"].items()} for r in data.get("usage", [])}
         part = "spend"
         spend = {(str(s["tenant"]), str(s["period"])): int(s["tokens"]) for s in data.get("spend", [])}

@@ -56,10 +56,10 @@ import trio
 
 from apsd.core.budget import Budgets
 from apsd.core.clock import calendar_time
-from apsd.core.config import Config, ConfigError, TenantConfig, check_tenant_classes
+from apsd.core.config import Config, ConfigError, KeyLimits, TenantConfig, check_tenant_classes, parse_section
 from apsd.core.keys import hash_key, new_key
 from apsd.state.records import (KEY_PREFIX_CHARS, AuditEntry, KeyRecord, TenantRecord, UsageKey, file_digest, key_view,
-                                settings_dict, tenant_from_settings)
+                                limits_dict, settings_dict, tenant_from_settings)
 from apsd.state.sqlite import SqliteState
 from apsd.state.store import Change, DeleteTenant, PutKey, PutTenant, Snapshot, StateStore
 from apsd.state.usage import HOUR_S, UsageRecorder
@@ -70,7 +70,7 @@ log = logging.getLogger("apsd.state")
 
 #: What a tenant created through ``/admin`` may be called (it appears in URLs, logs and labels).
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-#: The longest label a key may have.
+#: The longest name (or owner) a key may have.
 MAX_LABEL_CHARS = 200
 #: Seconds between two deletions of usage and audit entries past their retention.
 PRUNE_INTERVAL_S = 3600.0
@@ -215,15 +215,17 @@ class StateKeeper:
         if self.store is None or not self.seeded:
             return self.file_config
         issued: dict[str, list[str]] = {}
+        keys = {}
         for key in self.snapshot.keys:
-            if key.active(now):
+            if key.active(now) and key.tenant in self.snapshot.in_force:
                 issued.setdefault(key.tenant, []).append(key.key_hash)
+                keys[key.key_id] = key.config()
         tenants = {}
         for name, record in sorted(self.snapshot.in_force.items()):
             declared = self.file_config.tenants.get(name)
             hashes = (declared.api_key_hashes if declared is not None else ()) + tuple(issued.get(name, ()))
             tenants[name] = attrs.evolve(record.settings, api_key_hashes=tuple(dict.fromkeys(hashes)))
-        return attrs.evolve(self.file_config, tenants=tenants)
+        return attrs.evolve(self.file_config, tenants=tenants, keys=keys)
 
     def _next_expiry(self) -> float | None:
         """When the first key that worked at the last :meth:`effective` expires (None: none will)."""
@@ -373,32 +375,106 @@ class StateKeeper:
                                [AuditEntry(now, actor, "tenant.delete", name, settings_dict(record.settings))],
                                f"tenant {name} deleted by {actor}")
 
+    @staticmethod
+    def _key_fields(body: Mapping[str, Any], allowed: tuple[str, ...]) -> dict[str, Any]:
+        """A key's identity fields from an admin body (``name``, or its old spelling ``label``;
+        ``owner``; ``owner_kind``), checked; 422 naming the field."""
+        unknown = sorted(set(body) - set(allowed))
+        if unknown:
+            raise _bad(f"{unknown[0]}: unknown field (fields: {', '.join(allowed)})", unknown[0])
+        if "name" in body and "label" in body and body["name"] != body["label"]:
+            raise _bad("label: the old name of name: give one of them", "label")
+        fields: dict[str, Any] = {}
+        for field, source in (("name", "name"), ("name", "label"), ("owner", "owner")):
+            if source not in body:
+                continue
+            value = body[source]
+            if not isinstance(value, str) or len(value) > MAX_LABEL_CHARS or any(ord(c) < 32 or 127 <= ord(c) < 160
+                                                                                for c in value):
+                raise _bad(f"{source}: must be a string of at most {MAX_LABEL_CHARS} printable characters", source)
+            fields[field] = value.strip()
+        if "owner_kind" in body:
+            if body["owner_kind"] not in ("", "person", "agent"):
+                raise _bad('owner_kind: must be "person", "agent" or empty', "owner_kind")
+            fields["owner_kind"] = body["owner_kind"]
+        return fields
+
+    def _key_limits(self, tenant: str, values: Mapping[str, Any]) -> KeyLimits:
+        """A key's limits, validated as the config file validates a tenant's (422 naming the field); its
+        models must be among its tenant's."""
+        try:
+            limits = parse_section(KeyLimits, dict(values))
+        except ConfigError as exc:
+            raise _config_error(exc) from None
+        allowed = self._record(tenant).settings.models
+        outside = [m for m in limits.models if allowed and m not in allowed]
+        if outside:
+            raise _bad(f"models: {outside[0]!r} is not among tenant {tenant!r}'s models ({', '.join(allowed)}): "
+                       "a key never gets more than its tenant", "models")
+        return limits
+
+    def _check_name_free(self, tenant: str, name: str, key_id: str | None, now: float) -> None:
+        if name and any(k.tenant == tenant and k.name == name and k.key_id != key_id and k.active(now)
+                        for k in self.snapshot.keys):
+            raise AdminError(409, "key_name_exists", f"tenant {tenant!r} has a key named {name!r} already; "
+                             "names tell a tenant's keys apart", "name")
+
     async def issue_key(self, actor: str, tenant: str, body: Mapping[str, Any]) -> tuple[KeyRecord, str]:
-        """A new key for ``tenant`` (body: optional ``label``, and ``expires_in_s`` or ``expires_at``);
+        """A new key for ``tenant`` (body, every field optional: ``name``, ``owner``, ``owner_kind``, its
+        limits (:class:`~apsd.core.config.KeyLimits`' fields), and ``expires_in_s`` or ``expires_at``);
         returns its record and the key, which is never stored nor shown again."""
         self._writable()
-        unknown = sorted(set(body) - {"label", "expires_in_s", "expires_at"})
-        if unknown:
-            raise _bad(f"{unknown[0]}: unknown field (fields: label, expires_in_s, expires_at)", unknown[0])
-        label = body.get("label", "")
-        if not isinstance(label, str) or len(label) > MAX_LABEL_CHARS or any(ord(c) < 32 for c in label):
-            raise _bad(f"label: must be a string of at most {MAX_LABEL_CHARS} printable characters", "label")
+        limit_fields = tuple(f.name for f in attrs.fields(KeyLimits))
+        identity = self._key_fields({k: v for k, v in body.items() if k not in limit_fields},
+                                    ("name", "label", "owner", "owner_kind", "expires_in_s", "expires_at"))
         now = self.wall()
         expires_at = self._expiry(body, now)
-        if not (self.file_config.auth.admin_key_hashes):
+        if not self.file_config.auth.admin_hashes():
             raise AdminError(409, "admin_key_required", "issuing a key turns authentication on, and no admin key "
                              "is configured, so /admin would lock you out: add [auth] admin_key_hashes "
                              "('apsd hash-key --new') to the config file and reload first")
         async with self._lock:
             self._record(tenant)
+            limits = self._key_limits(tenant, {k: v for k, v in body.items() if k in limit_fields})
+            self._check_name_free(tenant, identity.get("name", ""), None, now)
             key = new_key()
             record = KeyRecord(key_id="key_" + secrets.token_hex(6), tenant=tenant, prefix=key[:KEY_PREFIX_CHARS],
-                               key_hash=hash_key(key), label=label, created_at=now, expires_at=expires_at)
+                               key_hash=hash_key(key), name=identity.get("name", ""), created_at=now,
+                               expires_at=expires_at, owner=identity.get("owner", ""),
+                               owner_kind=identity.get("owner_kind", ""), limits=limits)
             await self._commit([PutKey(record)],
                                [AuditEntry(now, actor, "key.issue", f"key:{record.key_id}", None,
                                            key_view(record, now))],
-                               f"key {record.key_id} issued to tenant {tenant} by {actor}")
+                               f"key {_named(record)} issued to tenant {tenant} by {actor}")
             return record, key
+
+    async def update_key(self, actor: str, key_id: str, patch: Mapping[str, Any]) -> KeyRecord:
+        """Change a key's name, owner, owner kind or limits (a limit left out keeps its value; ``null``
+        or 0 sets it back to its tenant's)."""
+        self._writable()
+        limit_fields = tuple(f.name for f in attrs.fields(KeyLimits))
+        identity = self._key_fields({k: v for k, v in patch.items() if k not in limit_fields},
+                                    ("name", "label", "owner", "owner_kind"))
+        async with self._lock:
+            record = next((k for k in self.snapshot.keys if k.key_id == key_id), None)
+            if record is None:
+                raise AdminError(404, "unknown_key", f"no key with id {key_id!r}")
+            now = self.wall()
+            if not record.active(now):
+                raise AdminError(409, "key_inactive", f"key {key_id!r} is revoked or expired: issue another")
+            merged = limits_dict(record.limits) | {k: v for k, v in patch.items() if k in limit_fields and v is not None}
+            for field in (k for k in limit_fields if k in patch and patch[k] is None):
+                merged.pop(field, None)
+            limits = self._key_limits(record.tenant, merged)
+            self._check_name_free(record.tenant, identity.get("name", record.name), key_id, now)
+            new = attrs.evolve(record, limits=limits, **identity)
+            if new == record:
+                return record
+            await self._commit([PutKey(new)],
+                               [AuditEntry(now, actor, "key.update", f"key:{key_id}", key_view(record, now),
+                                           key_view(new, now))],
+                               f"key {_named(new)} of tenant {record.tenant} updated by {actor}")
+            return new
 
     @staticmethod
     def _expiry(body: Mapping[str, Any], now: float) -> float | None:
@@ -429,7 +505,7 @@ class StateKeeper:
             await self._commit([PutKey(revoked)],
                                [AuditEntry(now, actor, "key.revoke", f"key:{key_id}", key_view(record, now),
                                            key_view(revoked, now))],
-                               f"key {key_id} of tenant {record.tenant} revoked by {actor}")
+                               f"key {_named(record)} of tenant {record.tenant} revoked by {actor}")
             return revoked
 
     # -- reads --------------------------------------------------------------------------------
@@ -458,6 +534,14 @@ class StateKeeper:
                 for field, amount in fields.items():
                     merged[field] = merged.get(field, 0) + amount
         return rows
+
+    async def claim_alert(self, account: str, period: str, threshold: float, at: float) -> bool:
+        """Whether this replica is the first to claim the budget alert of ``account`` at ``threshold`` in
+        ``period`` (:mod:`apsd.serve.alerts`: it is sent once, across replicas and restarts). Raises
+        when the state cannot be reached (the alert is claimed at a later try)."""
+        if self.store is None:
+            return True
+        return await self.store.claim_alert(account, period, threshold, at)
 
     async def audit(self, *, target: str | None, limit: int, before_id: int | None) -> list[AuditEntry]:
         """The audit log, newest first (:meth:`StateStore.audit`); 503 ``state_unavailable`` when the
@@ -602,12 +686,12 @@ class StateKeeper:
         except BaseException:
             budgets.untake(settled)  # (kept for the next flush)
             raise
-        tenants = self.effective_tenants()
-        wanted = [(tenant, key) for tenant, key in budgets.periods().items() if (tenant, key) not in totals]
+        limits = budgets.limits()
+        wanted = [(account, key) for account, key in budgets.periods().items() if (account, key) not in totals]
         totals |= await store.spend(wanted)
-        for (tenant, key), spent in totals.items():
-            if tenant in tenants:
-                budgets.set_spent(tenant, tenants[tenant], key, spent)
+        for (account, key), spent in totals.items():
+            if account in limits:
+                budgets.set_spent(limits[account], key, spent)
 
     def effective_tenants(self) -> dict[str, TenantConfig]:
         if self.store is None or not self.seeded:
@@ -615,17 +699,18 @@ class StateKeeper:
         return {name: record.settings for name, record in self.snapshot.in_force.items()}
 
     async def restore(self, budgets: Budgets) -> dict[str, tuple[float, float]]:
-        """At start: the budgets' spend of the current periods, and the saved bucket levels."""
+        """At start: the spend of the current periods of the budgets in force (``budgets.limits()``:
+        tenants' and keys', tokens and dollars), and the saved bucket levels."""
         self.budgets = budgets
         if self.store is None or not self.seeded:
             return {}
-        tenants = {name: t for name, t in self.effective_tenants().items() if t.budget_tokens}
         from apsd.core.budget import period_key
 
         now = self.wall()
-        keys = [(name, period_key(t.budget_period, now)) for name, t in tenants.items()]
-        for (name, key), spent in (await self.store.spend(keys)).items():
-            budgets.set_spent(name, tenants[name], key, spent)
+        limits = budgets.limits()
+        keys = [(account, period_key(limit.period, now)) for account, limit in limits.items()]
+        for (account, key), spent in (await self.store.spend(keys)).items():
+            budgets.set_spent(limits[account], key, spent)
         return await self.store.load_buckets()
 
     async def close(self) -> None:
@@ -635,6 +720,11 @@ class StateKeeper:
                 if self.copy is not None:
                     await self.copy.close()
 
+
+
+def _named(record: KeyRecord) -> str:
+    """A key in a log line: its id, and its name when it has one (never the key)."""
+    return f"{record.key_id} {record.name!r}" if record.name else record.key_id
 
 
 def _applied(snapshot: Snapshot, changes: list[Change]) -> Snapshot:

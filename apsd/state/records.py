@@ -15,10 +15,10 @@ from typing import Any
 
 import attrs
 
-from apsd.core.config import ConfigError, TenantConfig, parse_section
+from apsd.core.config import ConfigError, KeyConfig, KeyLimits, TenantConfig, parse_section
 
 __all__ = ["LATENCY_BOUNDS_MS", "AuditEntry", "KeyRecord", "TenantRecord", "UsageKey", "audit_from_json",
-           "audit_to_json", "file_digest", "histogram_bucket", "key_from_json", "key_to_json", "key_view",
+           "audit_to_json", "file_digest", "histogram_bucket", "key_from_json", "key_to_json", "key_view", "limits_dict",
            "percentile", "settings_dict", "tenant_from_json", "tenant_from_settings", "tenant_to_json"]
 
 #: Characters of a key shown in lists (``apsd_`` and 7 of its random ones): tells keys apart, and
@@ -73,7 +73,8 @@ class TenantRecord:
 
 @attrs.frozen
 class KeyRecord:
-    """An API key issued through ``/admin`` (the key itself is shown once, when issued)."""
+    """An API key issued through ``/admin`` (the key itself is shown once, when issued): who holds it,
+    and its own limits inside its tenant's."""
 
     key_id: str
     tenant: str
@@ -81,20 +82,44 @@ class KeyRecord:
     prefix: str
     #: ``sha256:<hex>`` of the key (never leaves the process).
     key_hash: str = attrs.field(repr=False)
-    label: str
+    #: A name for people, unique among its tenant's keys in force (a key issued before keys had names:
+    #: its old label, possibly empty; :attr:`label` is then its id).
+    name: str
     created_at: float
     #: Unix seconds after which it no longer works (None: never).
     expires_at: float | None = None
     #: When it was revoked (None: it was not).
     revoked_at: float | None = None
+    #: Who holds it (a person's or an agent's name) and which (``person``, ``agent`` or empty).
+    owner: str = ""
+    owner_kind: str = ""
+    limits: KeyLimits = KeyLimits()
+
+    @property
+    def label(self) -> str:
+        """Its name, or its id when it has none."""
+        return self.name or self.key_id
 
     def active(self, now: float) -> bool:
         return self.revoked_at is None and (self.expires_at is None or now < self.expires_at)
 
+    def config(self) -> KeyConfig:
+        """The key as the running daemon holds it (:attr:`apsd.core.config.Config.keys`)."""
+        return KeyConfig(key_id=self.key_id, tenant=self.tenant, key_hash=self.key_hash, name=self.name,
+                         owner=self.owner, owner_kind=self.owner_kind, limits=self.limits)
+
+
+def limits_dict(limits: KeyLimits) -> dict[str, Any]:
+    """A key's limits as JSON-able values."""
+    values = attrs.asdict(limits)
+    values["models"] = list(limits.models)
+    return values
+
 
 def key_view(key: KeyRecord, now: float) -> dict[str, Any]:
     """What the admin API and the audit log say of a key: everything but its hash."""
-    return {"id": key.key_id, "tenant": key.tenant, "prefix": key.prefix, "label": key.label,
+    return {"id": key.key_id, "tenant": key.tenant, "prefix": key.prefix, "name": key.label, "label": key.label,
+            "owner": key.owner, "owner_kind": key.owner_kind, "limits": limits_dict(key.limits),
             "created_at": key.created_at, "expires_at": key.expires_at, "revoked_at": key.revoked_at,
             "active": key.active(now)}
 
@@ -104,10 +129,11 @@ class AuditEntry:
     """One change: who made it, when, to what, and the values before and after (never a key)."""
 
     at: float
-    #: ``admin:<8 hex>`` (the first hex digits of the admin key's hash: which admin key, not the key),
-    #: ``admin:open`` (no keys configured, loopback), ``file`` (the config file, at start or reload).
+    #: ``admin:<name>`` (a named admin key, ``[auth.admin_keys]``), ``admin:<8 hex>`` (another admin key:
+    #: the first hex digits of its hash, which key, not the key), ``admin:open`` (no keys configured,
+    #: loopback), ``file`` (the config file, at start or reload).
     actor: str
-    #: ``tenant.create``, ``tenant.update``, ``tenant.delete``, ``key.issue``, ``key.revoke``.
+    #: ``tenant.create``, ``tenant.update``, ``tenant.delete``, ``key.issue``, ``key.update``, ``key.revoke``.
     action: str
     #: The tenant's name, or ``key:<id>``.
     target: str
@@ -125,7 +151,8 @@ class AuditEntry:
 
 @attrs.frozen
 class UsageKey:
-    """The row usage is added to: an hour (Unix seconds at its start), a tenant, a model, a backend."""
+    """The row usage is added to: an hour (Unix seconds at its start), a tenant, a model, a backend,
+    an issued key."""
 
     hour: int
     tenant: str
@@ -133,6 +160,8 @@ class UsageKey:
     model: str
     #: The backend that served it ("" for a simulated engine, or a request that never reached one).
     backend: str
+    #: The issued key it came with (its id; "" for a key from the config file, or none).
+    key: str = ""
 
 
 #: Upper bounds (ms) of the latency histograms kept per usage row: 25% apart from 1 ms to about 20
@@ -178,11 +207,20 @@ def tenant_from_json(data: dict[str, Any]) -> TenantRecord:
 
 
 def key_to_json(record: KeyRecord) -> dict[str, Any]:
-    return attrs.asdict(record)
+    values = attrs.asdict(record, recurse=False)
+    values["limits"] = limits_dict(record.limits)
+    return values
 
 
 def key_from_json(data: dict[str, Any]) -> KeyRecord:
-    return KeyRecord(**data)
+    """A key record as stored; one stored before keys had names, owners and limits (``label``, no
+    ``limits``) reads as a key named by its old label, held by nobody in particular, with no limits of
+    its own."""
+    values = dict(data)
+    if "label" in values:
+        values.setdefault("name", values.pop("label"))
+    values["limits"] = parse_section(KeyLimits, dict(values.get("limits") or {}), f"keys.{values.get('key_id')}")
+    return KeyRecord(**values)
 
 
 def audit_to_json(entry: AuditEntry) -> dict[str, Any]:

@@ -8,7 +8,10 @@ already outlive a replica's restart there (so no bucket levels are saved here). 
 * ``audit``: a sorted set of JSON entries scored by their id, ``audit:seq`` the last id;
 * ``version``: moved by every change to tenants or keys, which each replica polls;
 * ``spend:<tenant>:<period>``: budget spend (expires 40 days after its last change);
-* ``usage:<hour>:<row>``: a hash of usage fields per row, indexed by hour in ``usage:index``;
+* ``usage:<hour>:<row>``: a hash of usage fields per row (``<row>``: the JSON list of tenant, model,
+  backend and, for requests with an issued key, its id), indexed by hour in ``usage:index``;
+* ``alert:<account>:<period>:<threshold>``: a budget alert sent (set once by the first replica that
+  sends it; expires after 40 days);
 * ``restored``: set by the first replica that writes back what a Redis restarted without its data
   lost (the audit log and usage, from its copy: :mod:`apsd.state.keeper`).
 
@@ -183,7 +186,8 @@ class RedisStateStore:
                     for tenant, period in keys}
 
     def _row_key(self, key: UsageKey) -> str:
-        return f"{self._p}:usage:{key.hour}:{json.dumps([key.tenant, key.model, key.backend])}"
+        names = [key.tenant, key.model, key.backend] + ([key.key] if key.key else [])
+        return f"{self._p}:usage:{key.hour}:{json.dumps(names)}"
 
     async def add_usage(self, rows: UsageRows) -> None:
         if not rows:
@@ -202,11 +206,12 @@ class RedisStateStore:
             rows = await redis.zrange(f"{self._p}:usage:index", start, f"({end}", sortby=PureToken.BYSCORE)
             for row in rows:
                 hour, names = row[len(prefix):].split(":", 1)
-                name, model, backend = json.loads(names)
+                name, model, backend, *key = json.loads(names)   # (a row of no issued key has three names)
                 if tenant is not None and name != tenant:
                     continue
                 fields = await redis.hgetall(row)
-                found[UsageKey(int(hour), name, model, backend)] = {f: float(v) for f, v in fields.items()}
+                found[UsageKey(int(hour), name, model, backend, key[0] if key else "")] = {
+                    f: float(v) for f, v in fields.items()}
         return found
 
     async def prune(self, *, usage_before: int | None, audit_before: float | None) -> None:
@@ -285,6 +290,13 @@ class RedisStateStore:
             for start in range(0, len(entries), 500):
                 chunk = entries[start:start + 500]
                 await redis.zadd(f"{self._p}:audit", {audit_member(e): e.entry_id for e in chunk})
+
+    async def claim_alert(self, account: str, period: str, threshold: float, at: float) -> bool:
+        """Whether this call is the first, of every replica's, to claim the alert of ``account`` at
+        ``threshold`` in ``period`` (a key set once, kept 40 days)."""
+        async with self._redis() as redis:
+            return bool(await redis.set(f"{self._p}:alert:{account}:{period}:{threshold!r}", repr(at),
+                                        condition=PureToken.NX, ex=SPEND_TTL_S))
 
     async def claim_restore(self) -> bool:
         """Whether this call is the first to write back into this Redis's data since it lost them (a

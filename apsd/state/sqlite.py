@@ -8,8 +8,10 @@ committed before they are answered.
 
 Python's :mod:`sqlite3` does the work, on one connection that a lock guards, in a worker thread
 (:func:`trio.to_thread.run_sync`): a slow disk never stalls the event loop. The schema is created
-on first open and carries a version (``PRAGMA user_version``); a file written by a newer apsd is
-refused rather than misread. The file is the owner's only (0600): one found readable by others is
+on first open and carries a version (``PRAGMA user_version``); a file of an older schema is migrated
+when opened (1 to 2: usage rows gain the issued key they were used with, ``""`` for the old ones; a
+table of budget alerts sent), in one transaction; a file written by a newer apsd is refused rather
+than misread. The file is the owner's only (0600): one found readable by others is
 tightened at open, with a WARNING naming it.
 """
 
@@ -33,7 +35,7 @@ from apsd.state.store import Change, DeleteTenant, PutKey, PutTenant, Snapshot, 
 
 __all__ = ["SCHEMA_VERSION", "SqliteState", "StateFileError"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -43,14 +45,33 @@ CREATE TABLE IF NOT EXISTS audit (
     entry_id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, target TEXT NOT NULL, entry TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS audit_target ON audit (target, entry_id);
 CREATE TABLE IF NOT EXISTS buckets (tenant TEXT PRIMARY KEY, tokens REAL NOT NULL, at REAL NOT NULL);
+-- spend: a budget's account (apsd.core.budget.budget_account: a tenant's name for its tokens, and
+-- "<tenant>:usd", "<tenant>:key:<id>", ... for the others) and its amount (tokens, or micro-dollars)
 CREATE TABLE IF NOT EXISTS spend (
     tenant TEXT NOT NULL, period TEXT NOT NULL, tokens INTEGER NOT NULL, PRIMARY KEY (tenant, period));
 CREATE TABLE IF NOT EXISTS usage (
     hour INTEGER NOT NULL, tenant TEXT NOT NULL, model TEXT NOT NULL, backend TEXT NOT NULL,
-    field TEXT NOT NULL, value REAL NOT NULL,
-    PRIMARY KEY (hour, tenant, model, backend, field)) WITHOUT ROWID;
+    key TEXT NOT NULL DEFAULT '', field TEXT NOT NULL, value REAL NOT NULL,
+    PRIMARY KEY (hour, tenant, model, backend, key, field)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS usage_tenant ON usage (tenant, hour);
+CREATE TABLE IF NOT EXISTS alerts (
+    account TEXT NOT NULL, period TEXT NOT NULL, threshold REAL NOT NULL, at REAL NOT NULL,
+    PRIMARY KEY (account, period, threshold));
 INSERT OR IGNORE INTO meta VALUES ('version', 0);
+"""
+
+#: Schema 1 to 2: usage rows gain the issued key they were used with (those of schema 1 had none).
+_MIGRATE_1_TO_2 = """
+BEGIN IMMEDIATE;
+CREATE TABLE usage_v2 (
+    hour INTEGER NOT NULL, tenant TEXT NOT NULL, model TEXT NOT NULL, backend TEXT NOT NULL,
+    key TEXT NOT NULL DEFAULT '', field TEXT NOT NULL, value REAL NOT NULL,
+    PRIMARY KEY (hour, tenant, model, backend, key, field)) WITHOUT ROWID;
+INSERT INTO usage_v2 SELECT hour, tenant, model, backend, '', field, value FROM usage;
+DROP TABLE usage;
+ALTER TABLE usage_v2 RENAME TO usage;
+PRAGMA user_version = 2;
+COMMIT;
 """
 
 T = TypeVar("T")
@@ -86,6 +107,10 @@ class SqliteState:
             if found > SCHEMA_VERSION:
                 raise StateFileError(f"{path}: written by a newer apsd (schema {found}; this one knows "
                                      f"{SCHEMA_VERSION}); use that apsd, or another [state] path")
+            if found == 1:
+                self._db.executescript(_MIGRATE_1_TO_2)
+                log.info("state: %s migrated from schema 1 to 2 (usage per issued key; budget alerts)", path,
+                         extra={"event": "state"})
             self._db.executescript(_SCHEMA)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except (sqlite3.Error, OSError) as exc:
@@ -194,10 +219,10 @@ class SqliteState:
 
     @staticmethod
     def _add_usage(db: sqlite3.Connection, rows: UsageRows) -> None:
-        values = [(key.hour, key.tenant, key.model, key.backend, field, amount)
+        values = [(key.hour, key.tenant, key.model, key.backend, key.key, field, amount)
                   for key, fields in rows.items() for field, amount in fields.items()]
-        db.executemany("INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (hour, tenant, model, backend, field) "
-                       "DO UPDATE SET value = value + excluded.value", values)
+        db.executemany("INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT "
+                       "(hour, tenant, model, backend, key, field) DO UPDATE SET value = value + excluded.value", values)
 
     async def add_usage(self, rows: UsageRows) -> None:
         def add(db: sqlite3.Connection) -> None:
@@ -207,14 +232,14 @@ class SqliteState:
 
     async def usage(self, *, tenant: str | None, start: int, end: int) -> dict[UsageKey, dict[str, float]]:
         def read(db: sqlite3.Connection) -> dict[UsageKey, dict[str, float]]:
-            query = "SELECT hour, tenant, model, backend, field, value FROM usage WHERE hour >= ? AND hour < ?"
+            query = "SELECT hour, tenant, model, backend, key, field, value FROM usage WHERE hour >= ? AND hour < ?"
             args: list[Any] = [start, end]
             if tenant is not None:
                 query += " AND tenant = ?"
                 args.append(tenant)
             found: dict[UsageKey, dict[str, float]] = {}
-            for hour, name, model, backend, field, value in db.execute(query, args):
-                found.setdefault(UsageKey(hour, name, model, backend), {})[field] = value
+            for hour, name, model, backend, key, field, value in db.execute(query, args):
+                found.setdefault(UsageKey(hour, name, model, backend, key), {})[field] = value
             return found
         return await self._run(read)
 
@@ -238,9 +263,9 @@ class SqliteState:
             audit = tuple(AuditEntry(**json.loads(e)) for (e,) in db.execute("SELECT entry FROM audit "
                                                                             "ORDER BY entry_id"))
             usage: dict[UsageKey, dict[str, float]] = {}
-            for hour, name, model, backend, field, value in db.execute(
-                    "SELECT hour, tenant, model, backend, field, value FROM usage"):
-                usage.setdefault(UsageKey(hour, name, model, backend), {})[field] = value
+            for hour, name, model, backend, key, field, value in db.execute(
+                    "SELECT hour, tenant, model, backend, key, field, value FROM usage"):
+                usage.setdefault(UsageKey(hour, name, model, backend, key), {})[field] = value
             spend = {(t, p): n for t, p, n in db.execute("SELECT tenant, period, tokens FROM spend")}
             buckets = {t: (tokens, at) for t, tokens, at in db.execute("SELECT tenant, tokens, at FROM buckets")}
             return StateDump(tenants, keys, audit, usage, spend, buckets)
@@ -286,11 +311,19 @@ class SqliteState:
         """Set ``rows`` as they are (a copy of another state's rows: values replaced, not added)."""
         def write(db: sqlite3.Connection) -> None:
             self._transaction(db, lambda: db.executemany(
-                "INSERT OR REPLACE INTO usage VALUES (?, ?, ?, ?, ?, ?)",
-                [(k.hour, k.tenant, k.model, k.backend, field, value)
+                "INSERT OR REPLACE INTO usage VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(k.hour, k.tenant, k.model, k.backend, k.key, field, value)
                  for k, fields in rows.items() for field, value in fields.items()]))
         if rows:
             await self._run(write)
+
+    async def claim_alert(self, account: str, period: str, threshold: float, at: float) -> bool:
+        """Whether this call is the first to claim the alert of ``account`` at ``threshold`` in
+        ``period`` (then it is recorded: it is sent once, whoever asks after)."""
+        def claim(db: sqlite3.Connection) -> bool:
+            return self._transaction(db, lambda: db.execute(
+                "INSERT OR IGNORE INTO alerts VALUES (?, ?, ?, ?)", (account, period, threshold, at)).rowcount == 1)
+        return await self._run(claim)
 
     async def last_audit_id(self) -> int:
         return await self._run(lambda db: int(db.execute("SELECT COALESCE(MAX(entry_id), 0) FROM audit")

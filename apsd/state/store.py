@@ -89,6 +89,10 @@ class StateStore(Protocol):
     async def prune(self, *, usage_before: int | None, audit_before: float | None) -> None:
         """Delete usage of hours before ``usage_before`` and audit entries before ``audit_before``."""
 
+    async def claim_alert(self, account: str, period: str, threshold: float, at: float) -> bool:
+        """Record that the budget alert of ``account`` at ``threshold`` in ``period`` is sent; whether
+        this call recorded it (False: another replica, or an earlier run, did)."""
+
     async def dump(self) -> StateDump:
         """Everything it holds (``apsd state export``)."""
 

@@ -2,7 +2,7 @@
 
 :class:`UsageRecorder` listens to the ledger's ``request_finished`` and ``request_rejected``
 events and adds each request to its row (:class:`~apsd.state.records.UsageKey`: the UTC hour it
-ended in, its tenant, model and backend) as counts of named fields; the keeper takes what was
+ended in, its tenant, model, backend and issued key) as counts of named fields; the keeper takes what was
 gathered every ``[state] flush_interval_s`` and adds it to the store, where rows of several
 flushes and several replicas add up. The fields:
 
@@ -10,11 +10,14 @@ flushes and several replicas add up. The fields:
 * ``refused.<error>``: requests admission refused, by its error code (a fixed set: no client text);
 * ``prompt_tokens``, ``output_tokens``: what the tenant was charged (what the backend reported);
 * ``cost_usd``: what its requests cost (the engine's or backend's price);
+* ``spend_usd``: what its requests cost the tenant at ``[prices]`` (:mod:`apsd.core.prices`), and
+  ``unpriced``: requests charged tokens whose model had no price (they spent nothing);
 * ``ttft.<i>``, ``latency.<i>``: histograms of time to first token and of latency (completed
   requests, model milliseconds), bucket ``i`` of :data:`~apsd.state.records.LATENCY_BOUNDS_MS`.
 
 :func:`summarize` turns rows into the answer of ``GET /admin/usage``: grouped by hour or day, per
-tenant (and per model and backend if asked), with percentiles read from the merged histograms.
+tenant (and per model and backend, and per key, if asked), with percentiles read from the merged
+histograms.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class UsageRecorder:
 
     def _row(self, request: InferenceRequest) -> dict[str, float]:
         hour = int(self._wall()) // HOUR_S * HOUR_S
-        key = UsageKey(hour, request.tenant_id, request.model or "", request.backend or "")
+        key = UsageKey(hour, request.tenant_id, request.model or "", request.backend or "", request.key_id or "")
         row = self._rows.get(key)
         if row is None:
             row = self._rows[key] = {}
@@ -82,6 +85,10 @@ class UsageRecorder:
             add(row, "output_tokens", request.tokens_generated)
         if request.cost_usd:
             add(row, "cost_usd", request.cost_usd)
+        if request.spend_usd:
+            add(row, "spend_usd", request.spend_usd)
+        if request.unpriced:
+            add(row, "unpriced", 1)
 
     def request_rejected(self, request: InferenceRequest, refusal: Refusal) -> None:
         if request.tenant_id in self._tenants():
@@ -104,10 +111,10 @@ class UsageRecorder:
                 self._add(row, field, amount)
 
 
-#: The columns of the CSV answer, in order.
+#: The columns of the CSV answer, in order (those added since the first release at the end).
 CSV_COLUMNS = ("period", "tenant", "model", "backend", "requests", "completed", "failed", "cancelled",
                "refused", "prompt_tokens", "output_tokens", "cost_usd", "ttft_p50_ms", "ttft_p99_ms",
-               "latency_p50_ms", "latency_p99_ms", "refused_by_error")
+               "latency_p50_ms", "latency_p99_ms", "refused_by_error", "key", "key_name", "spend_usd", "unpriced")
 
 
 def _period(hour: int, group_by: str) -> str:
@@ -115,18 +122,20 @@ def _period(hour: int, group_by: str) -> str:
     return time.strftime("%Y-%m-%dT%H:00:00Z" if group_by == "hour" else "%Y-%m-%d", moment)
 
 
-def summarize(rows: Mapping[UsageKey, Mapping[str, float]], *, group_by: str,
-              by_model: bool = False) -> list[dict[str, Any]]:
+def summarize(rows: Mapping[UsageKey, Mapping[str, float]], *, group_by: str, by_model: bool = False,
+              by_key: bool = False, key_names: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """Rows grouped by period (``hour`` or ``day``, UTC) and tenant (and model and backend if
-    ``by_model``), oldest first, each with its counts and percentiles."""
-    groups: dict[tuple[str, str, str, str], dict[str, float]] = {}
-    for key, fields in sorted(rows.items(), key=lambda item: (item[0].hour, item[0].tenant)):
+    ``by_model``, and issued key if ``by_key``: ``""`` for requests with no issued key), oldest first,
+    each with its counts and percentiles; ``key_names`` (id -> name) names the keys."""
+    groups: dict[tuple[str, str, str, str, str], dict[str, float]] = {}
+    for key, fields in sorted(rows.items(), key=lambda item: (item[0].hour, item[0].tenant, item[0].key)):
         group = (_period(key.hour, group_by), key.tenant, key.model if by_model else "*",
-                 key.backend if by_model else "*")
+                 key.backend if by_model else "*", key.key if by_key else "*")
         merged = groups.setdefault(group, {})
         for field, amount in fields.items():
             merged[field] = merged.get(field, 0) + amount
-    return [_summary(group, fields) for group, fields in groups.items()]
+    names = key_names or {}
+    return [_summary(group, fields, names) for group, fields in groups.items()]
 
 
 def _histogram(fields: Mapping[str, float], name: str) -> dict[int, float]:
@@ -134,8 +143,9 @@ def _histogram(fields: Mapping[str, float], name: str) -> dict[int, float]:
     return {int(field[len(prefix):]): amount for field, amount in fields.items() if field.startswith(prefix)}
 
 
-def _summary(group: tuple[str, str, str, str], fields: Mapping[str, float]) -> dict[str, Any]:
-    period, tenant, model, backend = group
+def _summary(group: tuple[str, str, str, str, str], fields: Mapping[str, float],
+             key_names: Mapping[str, str]) -> dict[str, Any]:
+    period, tenant, model, backend, key = group
     refused = {field.removeprefix("refused."): int(amount) for field, amount in sorted(fields.items())
                if field.startswith("refused.")}
     ttft, latency = _histogram(fields, "ttft"), _histogram(fields, "latency")
@@ -146,6 +156,8 @@ def _summary(group: tuple[str, str, str, str], fields: Mapping[str, float]) -> d
         "refused": sum(refused.values()), "refused_by_error": refused,
         "prompt_tokens": int(fields.get("prompt_tokens", 0)), "output_tokens": int(fields.get("output_tokens", 0)),
         "cost_usd": round(fields.get("cost_usd", 0.0), 6),
+        "key": key, "key_name": key_names.get(key, key) if key not in ("", "*") else key,
+        "spend_usd": round(fields.get("spend_usd", 0.0), 6), "unpriced": int(fields.get("unpriced", 0)),
         "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p99_ms": percentile(ttft, 0.99),
         "latency_p50_ms": percentile(latency, 0.5), "latency_p99_ms": percentile(latency, 0.99),
     }

@@ -46,8 +46,8 @@ is read at every exchange that leases for the tenant; an idle tenant's level is 
 writes nothing to a bucket that exists), so a replica that serves a tenant no traffic still sees
 what the others took, and its optimistic share is taken from a recent level.
 
-Budgets. A tenant's ``budget_tokens`` is a hard cap across replicas: the same exchange leases slices
-of each budgeted tenant's budget for the period and reports what this replica settled (its running
+Budgets. A budget (a tenant's or a key's, in tokens or dollars) is a hard cap across replicas: the
+same exchange leases slices of each budget for the period and reports what this replica settled (its running
 total, so a repeated report never counts twice); admission admits only from the lease, without
 optimism (:mod:`apsd.core.budget` states the rule and the lease sizes). A replica not seen for
 ``LEASE_TTL_S`` loses its lease to the others. During an outage a replica admits from the lease it
@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
@@ -322,7 +322,6 @@ class LeasingStore:
         self._policy: SharedService | None = None
         self._service_seen: dict[str, float] | None = None
         self._budgets: Budgets | None = None
-        self._tenants: Callable[[], Mapping[str, TenantConfig]] = dict
         self._outages = 0
         self._syncs = 0
         self._failures = 0
@@ -361,9 +360,9 @@ class LeasingStore:
         else:
             self._policy = None
 
-    def share_budgets(self, budgets: Budgets, tenants: Callable[[], Mapping[str, TenantConfig]]) -> None:
+    def share_budgets(self, budgets: Budgets) -> None:
         budgets.share(self.sync_interval_s)
-        self._budgets, self._tenants = budgets, tenants
+        self._budgets = budgets
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(kind=self.kind, available=self.available, outages=self._outages, syncs=self._syncs,
@@ -447,7 +446,7 @@ class LeasingStore:
         if budgets is None:
             return
         budgets.replicas = self.replicas
-        asks = budgets.asks(self._tenants(), READS_PER_EXCHANGE)
+        asks = budgets.asks(budgets.limits(), READS_PER_EXCHANGE)
         if asks:
             for ask, (granted, spent, unleased) in zip(asks, await session.budget(self.replica_id, asks)):
                 budgets.exchanged(ask, granted, spent, unleased)
@@ -472,7 +471,7 @@ class LeasingStore:
             return
         asks = [LeaseAsk(name, b.rate, b.burst, 0.0, b.tokens - b.optimistic - b.outage_spent)
                 for name, b in self._buckets.items() if b.tokens - b.optimistic - b.outage_spent]
-        budget_asks = self._budgets.releases(self._tenants()) if self._budgets is not None else []
+        budget_asks = self._budgets.releases(self._budgets.limits()) if self._budgets is not None else []
         if not asks and not budget_asks:
             return
         with trio.move_on_after(1.0):

@@ -30,7 +30,7 @@ class MemoryStore:
     def share(self, policy: object) -> None:
         pass
 
-    def share_budgets(self, budgets: object, tenants: object) -> None:
+    def share_budgets(self, budgets: object) -> None:
         pass  # (this process's budgets are its own: the state keeper keeps their spend)
 
     def statistics(self) -> StoreStatistics:

@@ -16,7 +16,7 @@ dropped.
 Keys, under ``[store] key_prefix``: ``<prefix>:bucket:<tenant>`` (a hash: ``tokens`` and
 ``updated``, Redis's ``TIME``; it expires a day after its last exchange, and a tenant idle for
 longer starts full), ``<prefix>:service`` (a hash: tenant -> weighted service given by every
-replica), ``<prefix>:replicas`` (a sorted set: replica -> last seen), ``<prefix>:budget:<tenant>:<period>``
+replica), ``<prefix>:replicas`` (a sorted set: replica -> last seen), ``<prefix>:budget:<account>:<period>``
 (a hash: a budget's spend in the period, and each replica's lease and settled total: ``BUDGET_SCRIPT``).
 """
 
@@ -93,7 +93,8 @@ return out
 #: account budget, settled, acknowledged, known_spent, holding, want (the fields of BudgetAsk).
 #: Returns per account: granted, the period's spend, what is left unleased (as strings).
 #: The account is a hash: ``spent``; per replica ``settled:<id>`` (its settled total last counted),
-#: ``lease:<id>`` (what it holds) and ``seen:<id>`` (Redis's TIME at its last exchange).
+#: ``lease:<id>`` (what it holds) and ``seen:<id>`` (Redis's TIME at its last exchange); a replica not seen
+#: for the lease TTL loses its lease, counted as spent (``presumed:<id>``) until it reports what it spent.
 BUDGET_SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -108,6 +109,11 @@ for i, key in ipairs(KEYS) do
   for j = 1, #all, 2 do fields[all[j]] = all[j + 1] end
   local spent = math.max(tonumber(fields['spent'] or '0'), known)  -- (a Redis that lost it: written back)
   local base = tonumber(fields['settled:' .. replica] or acked)
+  local presumed = tonumber(fields['presumed:' .. replica] or '0')
+  if presumed > 0 then  -- back after its lease was presumed spent: what it reports replaces the presumption
+    spent = math.max(0, spent - presumed)
+    redis.call('HDEL', key, 'presumed:' .. replica)
+  end
   if settled > base then spent = spent + (settled - base) end
   local others = 0
   for name, value in pairs(fields) do
@@ -115,7 +121,11 @@ for i, key in ipairs(KEYS) do
       local other = string.sub(name, 6)
       if other ~= replica then
         if now - tonumber(value) > lease_ttl then
+          -- (a replica not seen may have spent its lease unreported: presumed spent until it reports)
+          local lease = tonumber(fields['lease:' .. other] or '0')
+          spent = spent + lease
           redis.call('HDEL', key, name, 'lease:' .. other)
+          redis.call('HSET', key, 'presumed:' .. other, tostring(tonumber(fields['presumed:' .. other] or '0') + lease))
         else
           others = others + tonumber(fields['lease:' .. other] or '0')
         end
@@ -204,7 +214,7 @@ class _RedisSession:
         for ask in asks:
             args += [str(ask.budget), str(ask.settled), str(ask.acknowledged), str(ask.known_spent),
                      repr(ask.holding), repr(ask.want)]
-        result = await self._budget(keys=[redis_budget_key(self._prefix, ask.tenant, ask.period) for ask in asks],
+        result = await self._budget(keys=[redis_budget_key(self._prefix, ask.account, ask.period) for ask in asks],
                                     args=args)
         return [(float(result[3 * i]), int(float(result[3 * i + 1])), float(result[3 * i + 2]))
                 for i in range(len(asks))]

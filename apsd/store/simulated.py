@@ -31,7 +31,7 @@ class SimulatedSharedState:
         self.buckets: dict[str, list[float]] = {}
         self.totals: dict[str, float] = {}
         self.seen: dict[str, float] = {}
-        #: (tenant, period) -> the budget account's fields, named as in Redis's hash.
+        #: (account, period) -> the budget account's fields, named as in Redis's hash.
         self.budgets: dict[tuple[str, str], dict[str, float]] = {}
 
     @asynccontextmanager
@@ -60,15 +60,21 @@ class SimulatedSharedState:
         now = trio.current_time()
         out = []
         for ask in asks:
-            account = self.budgets.setdefault((ask.tenant, ask.period), {})
+            account = self.budgets.setdefault((ask.account, ask.period), {})
             spent = max(account.get("spent", 0), ask.known_spent)
             base = account.get(f"settled:{replica}", ask.acknowledged)
+            presumed = account.pop(f"presumed:{replica}", 0)
+            if presumed > 0:   # (back: what it reports replaces the presumption)
+                spent = max(0, spent - presumed)
             if ask.settled > base:
                 spent += ask.settled - base
             others = 0.0
             for name in [f[5:] for f in account if f.startswith("seen:") and f[5:] != replica]:
-                if now - account[f"seen:{name}"] > LEASE_TTL_S:
-                    del account[f"seen:{name}"], account[f"lease:{name}"]
+                if now - account[f"seen:{name}"] > LEASE_TTL_S:   # (its lease presumed spent, unreported)
+                    lease = account.pop(f"lease:{name}")
+                    spent += lease
+                    account[f"presumed:{name}"] = account.get(f"presumed:{name}", 0) + lease
+                    del account[f"seen:{name}"]
                 else:
                     others += account[f"lease:{name}"]
             unleased = ask.budget - spent - others - ask.holding

@@ -126,7 +126,11 @@ def test_only_a_metrics_key_is_a_metrics_key():
     ({"auth": {"metrics_key_hashes": [hash_key(KEY_A)]},
       "tenants": {"a": {"rate": 1.0, "burst": 1, "api_key_hashes": [hash_key(KEY_A)]}}},
      "auth.metrics_key_hashes: the same key hash is also in tenants.a"),
-    ({"auth": {"admin_keys": []}}, "auth.admin_keys: unknown key"),
+    ({"auth": {"admin_keys": []}}, "auth.admin_keys: must be a table of names and 'sha256:<64 hex digits>'"),
+    ({"auth": {"admin_keys": {"alice": KEY_A}}}, "auth.admin_keys: alice: must be 'sha256:<64 hex digits>'"),
+    ({"auth": {"admin_keys": {"al ice": hash_key(KEY_A)}}}, "auth.admin_keys: 'al ice': a key's name is 1-64"),
+    ({"auth": {"admin_key_hashes": [hash_key(KEY_A)], "admin_keys": {"alice": hash_key(KEY_A)}}},
+     "auth.admin_keys.alice: the same key hash is also in auth.admin_key_hashes"),
 ])
 def test_bad_key_config_names_the_key(data, fragment):
     with pytest.raises(ConfigError) as error:

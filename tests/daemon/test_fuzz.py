@@ -314,8 +314,9 @@ def expected_infer(raw: bytes) -> tuple[set[int], dict[str, str] | None]:
     tenant = data["tenant_id"]
     if tenant not in TENANTS:
         return {404}, {"tenant_id": "unknown_tenant"}
-    cost = math.ceil(expected_prompt_tokens(data["prompt"])) + data["tokens_requested"]
-    if cost > TENANTS[tenant]:
+    prompt = math.ceil(expected_prompt_tokens(data["prompt"]))
+    cost = prompt + data["tokens_requested"]
+    if prompt > TENANTS[tenant]:   # (a larger output limit is admitted: it reserves what it will probably use)
         return {413}, {"": "exceeds_tenant_burst"}
     if cost > KV_CAP:
         return {413}, {"": "exceeds_batch_capacity"}

@@ -65,7 +65,7 @@ async def test_rate_limited_gets_429_with_retry_after(live):
 @pytest.mark.parametrize(
     ("payload", "error", "fragment"),
     [
-        (infer_body("tenant_b", prompt="", tokens=3001), "exceeds_tenant_burst", "burst"),
+        (infer_body("tenant_b", prompt="1" * 3001, tokens=1), "exceeds_tenant_burst", "burst"),
         (infer_body("big", prompt="", tokens=40_000), "exceeds_batch_capacity", "kv_cap_tokens"),
     ],
 )

@@ -70,7 +70,7 @@ async def apsd(nursery: trio.Nursery, recorder: Recorder) -> Any:
     live = await start(nursery, preset="static", plugins=(recorder,), tenants=tenants(
         capped=TenantConfig(rate=1e6, burst=100_000, max_bid=3, default_bid=2),
         # 1 token per model second: 1000 per wall second at time_scale 0.001
-        trickle=TenantConfig(rate=1.0, burst=2000)))
+        trickle=TenantConfig(rate=1.0, burst=2000, output_estimate_tokens=2000)))  # (reserves its worst case)
     async with live.client:
         yield live
     live.daemon.request_shutdown()

@@ -24,7 +24,7 @@ from apsd.core.config import AuthConfig, ServerConfig, StateConfig, TenantConfig
 from apsd.serve.auth import hash_key
 from apsd.serve.http import ui
 
-from tests.helpers import infer_body, make_config, start_daemon, wait_until
+from tests.helpers import FAST_GPU, infer_body, make_config, start_daemon, wait_until
 from tests.llama_server import REQUIRE_ENV
 
 ADMIN = "status-admin-key-" + "a" * 30
@@ -126,7 +126,7 @@ async def test_admin_status_reports_tenants_engine_fairness_and_usage(daemon):
     alpha, beta = tenants["alpha"], tenants["beta"]
     assert (alpha["rate"], alpha["burst"], alpha["weight"], alpha["disabled"]) == (1e4, 10_000, 2.0, False)
     assert alpha["completed"] == 2 and beta["completed"] == 1 and alpha["queued"] == alpha["running"] == 0
-    assert beta["rejected"] == 1 and list(beta["rejected_by_error"]) == ["exceeds_tenant_burst"]
+    assert beta["rejected"] == 1 and list(beta["rejected_by_error"]) == ["exceeds_batch_capacity"]
     assert alpha["window_tokens"] == 40 and beta["window_tokens"] == 20
     assert alpha["service_share"] == pytest.approx(2 / 3, abs=1e-4)
     assert alpha["weight_share"] == pytest.approx(2 / 3, abs=1e-4)
@@ -303,6 +303,127 @@ def browse(chromium: str, url: str, shots: Path) -> None:
 async def test_an_operator_uses_the_status_page_in_chromium(chromium, daemon, tmp_path):
     await trio.to_thread.run_sync(functools.partial(browse, chromium, daemon.url, tmp_path))
     assert (tmp_path / "status-page.png").stat().st_size > 10_000
+
+
+# -- money and named keys, in a real browser ------------------------------------------------------------
+
+ALICE = "alice-admin-key-" + "e" * 30
+
+
+def money_config(tmp_path: Path) -> Any:
+    """A named admin key (alice), the batch model priced so that a request of 4 prompt and 10 output
+    tokens costs $0.0104, and a tenant with a dollar budget; state kept in ``tmp_path``."""
+    return make_config(
+        {"auth": {"admin_keys": {"alice": hash_key(ALICE)}},
+         "prices": {"apsd-batch": {"input_per_1m_usd": 100.0, "output_per_1m_usd": 1000.0}}},
+        server=ServerConfig(host="127.0.0.1", port=0, shutdown_grace_s=2.0), gpu=FAST_GPU,
+        state=StateConfig(path=str(tmp_path / "apsd.db"), flush_interval_s=0.2, poll_interval_s=0.2),
+        tenants={"team": TenantConfig(rate=1e6, burst=10**6, budget_usd=1.0)})
+
+
+def issue_and_watch_keys(chromium: str, url: str, shots: Path) -> str:
+    """Alice issues a named agent's key with limits of its own through the page's form, spends its
+    budget, and watches the page show the key's name, owner, limits, budget and spend, and the tenant's
+    spend. Returns the issued key."""
+    from playwright.sync_api import expect, sync_playwright
+
+    http = httpx.Client(base_url=url, timeout=30)
+    problems: list[str] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, headless=True,
+                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1200})
+            page.set_default_timeout(STEP_MS)
+            expect.set_options(timeout=STEP_MS)
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            # (the page asks /admin/status before it has a key: that 401 is expected)
+            page.on("response", lambda r: problems.append(f"{r.status} {r.url}") if r.status >= 400
+                    and not (r.url == url + "/admin/status" and r.status == 401) else None)
+            page.goto(url + "/ui")
+            page.fill("#key-input", ALICE)
+            page.click("#key-form button[type=submit]")
+            expect(page.locator("#dashboard")).to_be_visible()
+
+            form = page.locator("#issue-key")
+            expect(form.locator("select[name=tenant] option")).to_have_text(["team"])
+            form.locator("input[name=name]").fill("reviewer")
+            form.locator("input[name=owner]").fill("claude-code/reviewer")
+            form.locator("select[name=owner_kind]").select_option("agent")
+            form.locator("input[name=max_concurrency]").fill("1")
+            form.locator("input[name=budget_usd]").fill("0.0208")
+            form.locator("button[type=submit]").click()
+            expect(page.locator("#notice")).to_have_text("Issued key reviewer for team")
+            key = page.locator("#issued-key").text_content()
+            assert key and len(key) > 20
+            page.click("#issued-dismiss")
+
+            # its own dollar budget holds it (two requests), not its tenant's other key
+            body = infer_body(None, "x" * 16, 10)
+            answers = [http.post("/infer", json=body, headers=bearer(key)) for _ in range(3)]
+            assert [a.status_code for a in answers] == [200, 200, 429], answers[-1].text
+            assert answers[2].json()["error"] == "budget_exhausted" and "key 'reviewer'" in answers[2].json()["message"]
+            other = http.post("/admin/tenants/team/keys", headers=bearer(ALICE), json={"name": "alice-laptop",
+                              "owner": "alice@example.com", "owner_kind": "person"}).json()["key"]
+            assert http.post("/infer", json=body, headers=bearer(other)).status_code == 200
+
+            row = page.locator("#keys tr", has_text="reviewer")
+            expect(row.locator(".key-name")).to_have_text("reviewer")
+            expect(row.locator(".key-owner")).to_have_text("claude-code/reviewer (agent)")
+            expect(row.locator(".key-limits")).to_have_text("1 at once; $0.0208/day")
+            expect(row.locator(".key-budget")).to_have_text("$0.0208 / $0.0208")
+            expect(row.locator(".key-spend")).to_have_text("$0.0208")
+            laptop = page.locator("#keys tr", has_text="alice-laptop")
+            expect(laptop.locator(".key-owner")).to_have_text("alice@example.com (person)")
+            expect(laptop.locator(".key-limits")).to_have_text("none")
+            expect(laptop.locator(".key-spend")).to_have_text("$0.0104")
+            team = page.locator('#tenants tr[data-tenant="team"]')
+            expect(team.locator(".spend")).to_have_text("$0.0312")
+            expect(team.locator(".budget")).to_have_text("$0.0312 / $1.00")
+            page.screenshot(path=str(shots / "keys-and-spend.png"), full_page=True)
+            assert not problems, problems
+            return key
+        finally:
+            browser.close()
+            http.close()
+
+
+@pytest.mark.timeout(240)
+async def test_named_keys_with_limits_are_issued_shown_and_kept_across_a_restart(chromium, nursery, tmp_path):
+    """Through /admin and /ui (Chromium): a named key with an owner and limits of its own; its usage per
+    key in /admin/usage (JSON and CSV, with its name and spend); the audit log names alice, the admin
+    key that did it; and after a restart on the same state the key, its limits and its spend are there."""
+    async with trio.open_nursery() as first:
+        running = await start_daemon(first, money_config(tmp_path))
+        key = await trio.to_thread.run_sync(functools.partial(issue_and_watch_keys, chromium, running.url, tmp_path))
+        await trio.sleep(0.5)   # (the usage flush: every 0.2 s)
+        await running.client.aclose()
+        running.daemon.request_shutdown()
+    assert (tmp_path / "keys-and-spend.png").stat().st_size > 10_000
+
+    again = await start_daemon(nursery, money_config(tmp_path))
+    admin = bearer(ALICE)
+    rows = (await again.client.get("/admin/usage", headers=admin, params={"tenant": "team", "by": "key"})).json()["rows"]
+    by_name = {r["key_name"]: r for r in rows}
+    assert set(by_name) == {"reviewer", "alice-laptop"}
+    assert by_name["reviewer"]["completed"] == 2 and by_name["reviewer"]["spend_usd"] == pytest.approx(0.0208)
+    assert by_name["alice-laptop"]["completed"] == 1 and by_name["alice-laptop"]["spend_usd"] == pytest.approx(0.0104)
+    csv_lines = (await again.client.get("/admin/usage", headers=admin, params={"tenant": "team", "by": "key",
+                                                                                  "format": "csv"})).text.splitlines()
+    header = csv_lines[0].split(",")
+    cells = {line.split(",")[header.index("key_name")]: line.split(",") for line in csv_lines[1:]}
+    assert float(cells["reviewer"][header.index("spend_usd")]) == pytest.approx(0.0208)
+    audit = (await again.client.get("/admin/audit", headers=admin)).json()["entries"]
+    issued = [e for e in audit if e["action"] == "key.issue"]
+    assert [(e["actor"], e["after"]["name"]) for e in issued] == [("admin:alice", "alice-laptop"),
+                                                                 ("admin:alice", "reviewer")]
+    keys = (await again.client.get("/admin/tenants/team/keys", headers=admin)).json()["keys"]
+    reviewer = next(k for k in keys if k["name"] == "reviewer")
+    assert (reviewer["owner"], reviewer["owner_kind"], reviewer["limits"]["max_concurrency"],
+            reviewer["limits"]["budget_usd"]) == ("claude-code/reviewer", "agent", 1, 0.0208)
+    refused = await again.client.post("/infer", json=infer_body(None, "x" * 16, 10), headers=bearer(key))
+    assert refused.status_code == 429 and refused.json()["error"] == "budget_exhausted"   # (its spend was kept)
+    again.daemon.request_shutdown()
 
 
 # -- no keys: a page of another origin cannot act through the operator's browser ---------------------
@@ -517,7 +638,7 @@ async def test_the_tenants_table_fits_its_card_and_shows_budgets_and_refusals_no
         body = infer_body(None, "x" * 16, 26)  # 30 tokens: 3 fit the bucket of 100
         answers = [await client.post("/infer", json=body, headers=bearer(KEY_GAMMA)) for _ in range(5)]
         assert [a.status_code for a in answers] == [200, 200, 200, 429, 429]
-        too_big = await client.post("/infer", json=infer_body(None, "x" * 16, 5000), headers=bearer(KEY_GAMMA))
+        too_big = await client.post("/infer", json=infer_body(None, "1" * 101, 5), headers=bearer(KEY_GAMMA))
         assert too_big.status_code == 413
         sampler = ui.sampler_for(running.daemon.pipeline)
         widths = (1280, 1440, 1600, 1920)

@@ -89,9 +89,9 @@ async def test_refusal_order(autojump_clock):
     clock = ModelClock()
     admission = make_admission(clock, max_queued=1)
     assert admission.decide(request(tenant="nobody")).status == 404
-    too_big = admission.decide(request(prompt=500, tokens=600))
+    too_big = admission.decide(request(prompt=1001, tokens=10))
     assert (too_big.status, too_big.error) == (413, "exceeds_tenant_burst")
-    assert "1100 tokens" in too_big.message and "burst" in too_big.message
+    assert "prompt alone is 1001 tokens" in too_big.message and "burst" in too_big.message
     over_kv = admission.decide(request(prompt=500, tokens=400))
     assert (over_kv.status, over_kv.error) == (413, "exceeds_batch_capacity")
     assert "kv_cap_tokens" in over_kv.message

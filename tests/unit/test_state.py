@@ -8,8 +8,8 @@ import sqlite3
 import attrs
 import pytest
 
-from apsd.core.budget import Budgets, period_end, period_key
-from apsd.core.config import AuthConfig, ConfigError, StateConfig, TenantConfig
+from apsd.core.budget import Budgets, limits_for, period_end, period_key, tenant_limits
+from apsd.core.config import AuthConfig, ConfigError, KeyConfig, KeyLimits, StateConfig, TenantConfig
 from apsd.core.models import Completion, InferenceRequest, Refusal
 from apsd.serve.auth import hash_key
 from apsd.state.keeper import AdminError, open_keeper
@@ -221,20 +221,38 @@ def test_a_budget_reserves_whole_costs_and_settles_what_was_used():
     wall = Wall()
     budgets = Budgets(wall=wall)
     tenant = TenantConfig(rate=1, burst=1000, budget_tokens=100)
-    assert budgets.refusal("a", tenant, 60) is None
-    budgets.reserve("a", tenant, 60)
-    refused = budgets.refusal("a", tenant, 60)  # 60 reserved + 60 > 100, though nothing is spent yet
+    (limit,) = tenant_limits("a", tenant)
+    assert budgets.refusal(limit, 60) is None
+    budgets.reserve(limit, 60)
+    refused = budgets.refusal(limit, 60)  # 60 reserved + 60 > 100, though nothing is spent yet
     assert refused is not None and refused.status == 429 and refused.error == "budget_exhausted"
     assert int(refused.headers["Retry-After"]) == int(period_end("day", wall.now) - wall.now) + 1
-    budgets.settle("a", tenant, 60, 20)  # it used 20: 80 left
-    assert budgets.used("a", tenant) == 20 and budgets.refusal("a", tenant, 80) is None
+    budgets.settle("a", 60, 20, limit)  # it used 20: 80 left
+    assert budgets.used(limit) == 20 and budgets.refusal(limit, 80) is None
     assert budgets.take_settled() == {("a", period_key("day", wall.now)): 20}
-    assert budgets.used("a", tenant) == 20
-    budgets.set_spent("a", tenant, period_key("day", wall.now), 95)  # the other replicas spent too
-    assert budgets.refusal("a", tenant, 10) is not None and budgets.refusal("a", tenant, 5) is None
+    assert budgets.used(limit) == 20
+    budgets.set_spent(limit, period_key("day", wall.now), 95)  # the other replicas spent too
+    assert budgets.refusal(limit, 10) is not None and budgets.refusal(limit, 5) is None
     wall.now = period_end("day", wall.now) + 1  # a new day: a new budget
-    assert budgets.used("a", tenant) == 0 and budgets.refusal("a", tenant, 100) is None
-    assert budgets.refusal("a", TenantConfig(rate=1, burst=1), 10**9) is None  # (no budget)
+    assert budgets.used(limit) == 0 and budgets.refusal(limit, 100) is None
+    assert tenant_limits("a", TenantConfig(rate=1, burst=1)) == []  # (no budget)
+
+
+def test_a_tenant_and_its_key_have_a_budget_each_in_tokens_and_in_dollars():
+    """A tenant's budgets and a key's own are separate accounts, named so; dollars are micro-dollars."""
+    tenant = TenantConfig(rate=1, burst=1000, budget_tokens=100, budget_usd=2.5, budget_period="month")
+    key = KeyConfig("key_1", "a", "sha256:" + "0" * 64, name="ci",
+                    limits=KeyLimits(budget_usd=0.25))
+    limits = {limit.account: limit for limit in limits_for("a", tenant, key)}
+    assert limits.keys() == {"a", "a:usd", "a:key:key_1:usd"}
+    assert (limits["a:usd"].limit, limits["a:usd"].unit, limits["a:usd"].period) == (2_500_000, "usd", "month")
+    assert (limits["a:key:key_1:usd"].limit, limits["a:key:key_1:usd"].period) == (250_000, "day")
+    budgets = Budgets(wall=Wall())
+    budgets.reserve(limits["a:key:key_1:usd"], 200_000)
+    refused = budgets.refusal(limits["a:key:key_1:usd"], 60_000)
+    assert refused is not None and "key 'ci' of tenant 'a'" in refused.message and "$0.2000" in refused.message
+    assert budgets.refusal(limits["a:usd"], 2_000_000) is None   # (the tenant's own budget is untouched)
+    assert [l.account for l in limits_for("b", tenant, key)] == ["b", "b:usd"]  # (another tenant's key: ignored)
 
 
 def test_periods_are_utc_days_and_months():

@@ -1,5 +1,6 @@
-"""Issue 19, "Tokens counted by the backend": no sequence of requests gets a tenant more than
-``burst + rate·T`` of backend work, counted by the backend (a hypothesis property test).
+"""No sequence of requests gets a tenant more than ``burst + rate·T`` of backend work, counted by the
+backend, beyond what its requests in flight when its bucket was last non-negative used past their
+reservations (a hypothesis property test; docs/reference/accounting.md states the bound).
 
 Each example runs a pipeline with the ``forward`` engine in virtual time (a fresh
 ``MockClock(autojump_threshold=0)``, what pytest-trio's ``autojump_clock`` is: :func:`run_virtual`)
@@ -23,15 +24,26 @@ the first token, a non-streamed answer abandoned midway) is not work here: by ap
 that never got a token costs nothing, but one whose client left after it was sent (the server took
 its prompt in), which is charged its prompt (the server's count): that prompt is work.
 
+**Reservations.** A request reserves its prompt estimate and the smaller of its output limit and its
+tenant's output estimate (a fixed ``output_estimate_tokens``, drawn per tenant: small, or large
+enough to reserve every request's worst case; or learned from the tenant's completed requests, with
+``[admission] output_estimate_default`` drawn small or large), capped at the tenant's burst
+(:mod:`apsd.core.reservation`). Scenarios draw output limits up to an agent's 32,000, far above the
+bursts: such requests are admitted, and what they generate beyond their reservation is settled as
+debt.
+
 **The properties.** With ``W(T)`` a tenant's work up to model time ``T`` and ``A(T) = burst + rate·T``,
 each is checked at every moment the books can change (each chunk a server sends, each admission,
 each settlement; in between W is constant and A grows) and at the end:
 
-1. Limited requests (every request of the tenant has an explicit output limit):
-   ``W(T) <= A(T) + Σ max(0, p_i − e_i)`` over its requests that got a token, ``p_i`` the backend's
-   prompt count and ``e_i`` apsd's estimate. The bound is generalised rather than the prompts
-   constrained: the simulated tokenizer counts the prompt's JSON (ASCII-escaped), which for a short
-   ASCII chat prompt is a few tokens more than apsd's estimate.
+1. Worst-case reservations (every request of the tenant carries an output limit, and every one it
+   was admitted reserved its prompt and its whole limit: the tenant's output estimate is at least
+   its limits, and no request was capped at the burst): ``W(T) <= A(T) + Σ max(0, p_i − e_i)`` over
+   its requests that got a token, ``p_i`` the backend's prompt count and ``e_i`` apsd's estimate. The
+   bound is generalised rather than the prompts constrained: the simulated tokenizer counts the
+   prompt's JSON (ASCII-escaped), which for a short ASCII chat prompt is a few tokens more than
+   apsd's estimate. For every request with a limit ``m_i``, whatever its reservation ``r_i`` (of which
+   output ``o_i``), its overshoot is bounded a priori: ``work_i − r_i <= (m_i − o_i) + max(0, p_i − e_i)``.
 2. Charged = work, each token once. At every moment the bucket agrees with the backend's books:
    ``W(T) = A(T) − lost(T) − level(T) + Σ_in flight (work_i − reserved_i)``, where ``lost`` is what
    refills and refunds lost to the cap at ``burst`` (:class:`RecordingBucket` keeps it). At the end:
@@ -39,17 +51,22 @@ each settlement; in between W is constant and A grows) and at the end:
    never got a token; the ledger's prompt and generated counters are the sums of the backend's; what
    the bucket took less what it gave back is the tenant's work; and the other tenant's requests are
    never in a tenant's books.
-3. Open-ended requests (no limit: the backend decides, admission reserved ``default_max_tokens``):
-   ``W(T) − A(T) <= Σ overshoot_i(T)`` over the requests in flight at the last moment ``<= T`` the
-   tenant's bucket was non-negative (``T`` itself when it is), ``overshoot_i = max(0, work_i −
-   reserved_i)``. Nothing is admitted while a bucket is in debt, so a tenant's excess is at most the
-   overshoot of the requests already in flight when it went into debt, and once the debt is repaid,
-   at most the overshoot of what runs. (The moment a refill brings the bucket back to zero between
-   two events is checked too: :meth:`Books.check`.)
+3. The bound, for every request, limited or open-ended (no limit: the backend decides, admission
+   reserved at most ``default_max_tokens``): ``W(T) − A(T) <= Σ overshoot_i(T)`` over the requests in
+   flight at the last moment ``<= T`` the tenant's bucket was non-negative (``T`` itself when it is),
+   ``overshoot_i = max(0, work_i − reserved_i)``. Nothing is admitted while a bucket is in debt, so a
+   tenant's excess is at most the overshoot of the requests already in flight when it went into
+   debt, and once the debt is repaid, at most the overshoot of what runs. (The moment a refill
+   brings the bucket back to zero between two events is checked too: :meth:`Books.check`.)
+4. Repaid before the next request: whenever the tenant has nothing in flight, ``W(T) <= A(T) +
+   debt(T)`` (``debt``: how far its bucket is below zero), that is ``W(T) <= A(T + debt(T)/rate)``: its
+   work is within the allowance of the moment it may next be admitted; and no request of it is
+   admitted while its bucket is below the request's reservation.
 
 Three property tests draw 100 scenarios each: requests that all carry a limit, against small
-buckets (properties 1-3; two pinned examples: an abandoned CJK stream, and chats whose prompts the
-backend counts above apsd's estimate); requests with or without one (2 and 3, and 1 for a tenant
+buckets (properties 1-4; three pinned examples: an abandoned CJK stream, chats whose prompts the
+backend counts above apsd's estimate, and an agent's eight sub-agent streams of ``max_tokens``
+32,000 against a default-sized bucket); requests with or without one (2 and 3, and 1 for a tenant
 whose requests all carry one); and roomy buckets with more faults, so that more requests run into
 broken streams, departures, retries and stalls (2 above all). A scenario ends once every server
 is mended and resumed and every request is answered; one whose requests stay queued with nothing
@@ -278,8 +295,11 @@ class Books:
 
     pipeline: Pipeline
     client: CountingClient
-    #: Tenants all of whose requests carry an output limit (property 1 applies to them).
+    #: Tenants all of whose requests carry an output limit (the a priori overshoot bound applies to them;
+    #: property 1's sum, to those of them whose reservations were all worst case: not in ``partial``).
     limited: frozenset[str]
+    #: Tenants a request of which was admitted reserving less than its worst case (prompt + limit).
+    partial: set[str] = attrs.field(factory=set)
     requests: list[InferenceRequest] = attrs.field(factory=list)
     violations: list[str] = attrs.field(factory=list)
     checks: int = 0
@@ -294,8 +314,7 @@ class Books:
     def __attrs_post_init__(self) -> None:
         self.client.on_work = lambda run: self.check(run.tenant, "work")
         events = self.pipeline.ledger.events   # (subscribed after admission: its settlement comes first)
-        events.subscribe("request_admitted", lambda request: self.check(request.tenant_id, "admitted"),
-                         "the token property's books")
+        events.subscribe("request_admitted", self._admitted, "the token property's books")
         events.subscribe("request_finished", self._finished, "the token property's books")
 
     def bucket(self, tenant: str) -> RecordingBucket:
@@ -305,6 +324,21 @@ class Books:
 
     def _in_flight(self, tenant: str) -> list[InferenceRequest]:
         return [r for r in self.pipeline.ledger.outstanding if r.tenant_id == tenant]
+
+    def _admitted(self, request: InferenceRequest) -> None:
+        bucket = self.bucket(request.tenant_id)
+        if bucket.level(self.pipeline.clock.now()) < 0:   # (it took the reservation: the level was >= it)
+            self.violations.append(f"P4 {request.request_id}: admitted with its tenant's bucket at "
+                                   f"{bucket.level(self.pipeline.clock.now()):.2f} after taking its reservation")
+        if request.reserved_tokens < request.cost_tokens:
+            self.partial.add(request.tenant_id)
+            event("a request reserved less than its worst case")
+        if request.tokens_requested > bucket.burst:
+            event("an output limit above the burst was admitted")
+        if self.pipeline.admission.estimates.learned(request.tenant_id) is not None \
+                and not self.pipeline.config.tenants[request.tenant_id].output_estimate_tokens:
+            event("a reservation from the tenant's learned estimate")
+        self.check(request.tenant_id, "admitted")
 
     def _overshoot(self, request: InferenceRequest) -> int:
         return max(0, self.client.runs[request.request_id].work - request.reserved_tokens)
@@ -337,12 +371,25 @@ class Books:
             self.violations.append(f"P2 {where}: the bucket has taken {allowance - bucket.lost - level:.2f} net "
                                    f"(burst + rate·T − lost − level), but the backend's work less what is still "
                                    f"reserved in flight is {work - held}")
-        # 1. limited requests: burst + rate·T, and what the backend's prompts exceeded the estimates by
-        if tenant in self.limited:
+        # 1. worst-case reservations: burst + rate·T, and what the backend's prompts exceeded the estimates by
+        if tenant in self.limited and tenant not in self.partial:
             prompts = sum(max(0, run.prompt - run.estimate) for run in self.client.runs.values()
                           if run.tenant == tenant and run.started)
             if work > allowance + prompts + 1e-6:
                 self.violations.append(f"P1 {where}: beyond burst + rate·T + {prompts} (prompts over their estimate)")
+        # 1'. any reservation: a limited request's overshoot is at most its unreserved output and its prompt excess
+        for request in in_flight:
+            run = self.client.runs[request.request_id]
+            if run.limit is not None and request.reserved_tokens:
+                allowed = run.limit - request.reserved_output + max(0, run.prompt - run.estimate)
+                if run.work - request.reserved_tokens > allowed:
+                    self.violations.append(f"P1 {where}: {request.request_id} used {run.work - request.reserved_tokens} "
+                                           f"beyond its reservation, more than its unreserved output and prompt "
+                                           f"excess ({allowed})")
+        # 4. nothing in flight: within the allowance of the moment its debt is repaid
+        if not in_flight and work > allowance + max(0.0, -level) + 1e-6:
+            self.violations.append(f"P4 {where}: nothing in flight, but beyond burst + rate·T + debt "
+                                   f"({max(0.0, -level):.2f})")
         # 3. the excess: at most the overshoot of what was in flight when the bucket was last >= 0
         members = in_flight if level >= 0 else self.episode.get(tenant, [])
         bound = sum(self._overshoot(r) for r in members)
@@ -388,6 +435,8 @@ class Books:
                                        f"{outcome.tokens_generated}), the backend's ({run.prompt}, {run.sent})")
         for tenant in tenants:
             self.check(tenant, "the end")
+            if tenant in self.limited and tenant not in self.partial:
+                event("a tenant whose reservations were all worst case (property 1's sum)")
         event(f"work reached {min(100, int(self.tightest * 10) * 10)}% of burst + rate·T (in 10% steps)")
         for tenant in tenants:
             runs = [run for run in self.client.runs.values() if run.tenant == tenant]
@@ -451,6 +500,8 @@ class Scenario:
     servers: dict[str, ServerSpec]
     default_max_tokens: int
     steps: tuple[Ask | Fault, ...]
+    #: ``[admission] output_estimate_default``: what a tenant's requests reserve before it has history.
+    output_estimate_default: int = 1024
 
 
 _ASCII = st.characters(min_codepoint=0x20, max_codepoint=0x7E)
@@ -478,7 +529,7 @@ def asks(draw: st.DrawFn, tenants: list[str], open_ended: bool) -> Ask:
     else:
         prompt = draw(texts)
         body = {"model": MODEL, "prompt": [prompt] if draw(st.booleans()) else prompt}
-    limits = st.integers(1, 40) | st.integers(1, 300)
+    limits = st.integers(1, 40) | st.integers(1, 300) | st.sampled_from([32_000]) | st.integers(1_000, 40_000)
     limit = None if open_ended and draw(st.booleans()) else draw(limits)
     if limit is not None:
         for name in draw(st.lists(st.sampled_from(LIMIT_NAMES), min_size=1, max_size=4, unique=True)):
@@ -505,7 +556,9 @@ def scenarios(draw: st.DrawFn, open_ended: bool, roomy: bool = False) -> Scenari
     """Tenants pushing against small buckets, or (``roomy``) with room for most of what they send,
     so that more requests run into the backends' faults and their clients' leaving."""
     rates, bursts = ([50.0, 200.0], [2000, 8000]) if roomy else ([1.0, 5.0, 20.0], [150, 400, 1000])
-    tenants = {name: TenantConfig(rate=draw(st.sampled_from(rates)), burst=draw(st.sampled_from(bursts)))
+    # output_estimate_tokens: learned (0), small, or enough for every request's worst case
+    tenants = {name: TenantConfig(rate=draw(st.sampled_from(rates)), burst=draw(st.sampled_from(bursts)),
+                                  output_estimate_tokens=draw(st.sampled_from([0, 0, 16, 10**6])))
                for name in (["a", "b"] if draw(st.booleans()) else ["a"])}
     servers = {f"s{i}": ServerSpec(slots=draw(st.sampled_from([1, 2, 4])),
                                    ttft_s=draw(st.sampled_from([0.02, 0.2, 1.0])),
@@ -517,7 +570,7 @@ def scenarios(draw: st.DrawFn, open_ended: bool, roomy: bool = False) -> Scenari
     steps = draw(st.lists(st.one_of(step, fault), min_size=4, max_size=40) if roomy else
                  st.lists(st.one_of(step, step, fault), min_size=1, max_size=40))
     return Scenario(tenants=tenants, servers=servers, default_max_tokens=draw(st.sampled_from([8, 32, 128])),
-                    steps=tuple(steps))
+                    steps=tuple(steps), output_estimate_default=draw(st.sampled_from([8, 64, 1024])))
 
 
 # -- playing a scenario -----------------------------------------------------------------------------------
@@ -529,6 +582,7 @@ def scenario_config(scenario: Scenario) -> Config:
                       "max_concurrency": spec.max_concurrency} for name, spec in scenario.servers.items()],
         "forward": {"health_interval_s": 1.0, "metrics_interval_s": 0.5},
         "gateway": {"default_max_tokens": scenario.default_max_tokens},
+        "admission": {"output_estimate_default": scenario.output_estimate_default},
     }, "<test>")
     return attrs.evolve(config, tenants=dict(scenario.tenants))
 
@@ -710,12 +764,29 @@ CHATS_OVER_THE_ESTIMATE = Scenario(
                ascii=True, natural=20, reads=False, leave_after=None, copies=2)))
 
 
+#: A coding agent on a default-sized tenant (tenant_a's rate and burst): eight sub-agent streams at once,
+#: each asking for max_tokens 32,000 (six times the burst) and generating a few hundred, in three
+#: waves; the tenant's estimate is learned from its first completions. Each is admitted (none is
+#: refused 413), reserving its prompt and the estimate; what it generates beyond is settled as debt.
+AGENT_FAN_OUT = Scenario(
+    tenants={"a": TenantConfig(rate=500.0, burst=5000)},
+    servers={"s0": ServerSpec(slots=8, ttft_s=0.2, tpot_s=0.02, max_concurrency=8)},
+    default_max_tokens=256, output_estimate_default=1024,
+    steps=tuple(Ask(after=wave * 3.0, tenant="a", api=CHAT,
+                    body={"model": MODEL, "messages": [{"role": "system", "content": "You are a careful agent. " * 40},
+                                                       {"role": "user", "content": f"Sub-task {wave}: read the code."}],
+                          "max_tokens": 32_000, "stream": True, "stream_options": {"include_usage": True}},
+                    ascii=True, natural=natural, reads=True, leave_after=None, copies=8)
+                for wave, natural in enumerate([120, 400, 300])))
+
+
 @given(scenario=scenarios(open_ended=False))
 @example(scenario=CJK_ABANDONED)
 @example(scenario=CHATS_OVER_THE_ESTIMATE)
+@example(scenario=AGENT_FAN_OUT)
 @PROPERTY
 def test_limited_requests_get_at_most_burst_plus_rate_t_of_backend_work(scenario: Scenario) -> None:
-    """Properties 1, 2 and 3 for requests that all carry an output limit."""
+    """Properties 1-4 for requests that all carry an output limit."""
     books = run_virtual(play, scenario)
     target(books.tightest, label="work / (burst + rate·T)")
     assert not books.violations, report(books)

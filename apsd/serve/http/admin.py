@@ -14,7 +14,10 @@ validation), 404 for an unknown tenant or key, 409 for a conflict (``tenant_exis
 (Redis, the SQLite file) cannot be written or read now (Redis down, a full disk): nothing changed.
 
 An issued key is in the answer to ``POST /admin/tenants/<name>/keys`` and nowhere else: the state
-keeps its hash, lists show its id and first characters, the audit log and the log name it by id.
+keeps its hash, lists show its id and first characters, the audit log and the log name it by its name
+and id. A key has a name, an owner (a person or an agent) and limits of its own inside its tenant's
+(:class:`~apsd.core.config.KeyLimits`: rate, budgets in tokens and dollars, ``max_concurrency``,
+models), changed with ``PATCH /admin/keys/<id>``; usage is kept per key (``GET /admin/usage?by=key``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from typing import Any
 import attrs
 from quart import Blueprint, Response, request
 
-from apsd.core.config import TenantConfig, field_comments
+from apsd.core.budget import MICRO, TOKENS, USD, BudgetLimit, Budgets, budget_account
+from apsd.core.config import KeyLimits, TenantConfig, field_comments
 from apsd.core.models import Refusal
 from apsd.serve.auth import Caller
 from apsd.serve.http.common import (BodyError, authenticated, error_response, http_state, json_response,
@@ -91,6 +95,27 @@ async def _body() -> dict[str, Any]:
     return parse_json_object(await request.get_data(cache=False))
 
 
+def budget_document(budgets: Budgets, limit: BudgetLimit | None) -> dict[str, Any] | None:
+    """A budget as the admin API and the status page show it: tokens, or dollars (``_usd`` fields)."""
+    if limit is None:
+        return None
+    view = budgets.view(limit)
+    common = {"unit": view.unit, "period": view.period, "resets_at": view.resets_at,
+              "used_ratio": round(view.used_ratio, 6)}
+    if view.unit == TOKENS:
+        return {"limit": view.limit, "spent": view.spent, "reserved": view.reserved, **common}
+    return {"limit_usd": view.limit / MICRO, "spent_usd": view.spent / MICRO, "reserved_usd": view.reserved / MICRO,
+            **common}
+
+
+def budgets_of(tenant: str, key_id: str | None = None) -> dict[str, dict[str, Any] | None]:
+    """The tenant's (or its key's) budgets now: ``budget`` (tokens) and ``budget_usd``, each None when unset."""
+    budgets = http_state().pipeline.admission.budgets
+    limits = budgets.limits()
+    return {"budget": budget_document(budgets, limits.get(budget_account(tenant, key_id, TOKENS))),
+            "budget_usd": budget_document(budgets, limits.get(budget_account(tenant, key_id, USD)))}
+
+
 def tenant_view(keeper: StateKeeper, name: str) -> dict[str, Any] | None:
     """A tenant's settings, where they come from, its keys and its live figures (None: no such tenant)."""
     pipeline = http_state().pipeline
@@ -98,6 +123,7 @@ def tenant_view(keeper: StateKeeper, name: str) -> dict[str, Any] | None:
     if tenant is None:
         return None
     status = pipeline.tenant_status(name)
+    budgets = budgets_of(name)
     keys = keeper.key_views(name)
     declared = name in keeper.file_config.tenants
     return {"name": name, **settings_dict(tenant), "source": keeper.tenant_source(name),
@@ -108,10 +134,10 @@ def tenant_view(keeper: StateKeeper, name: str) -> dict[str, Any] | None:
                 "tokens_available": round(status.tokens_available, 3), "queued": status.queued,
                 "running": status.running, "admitted": status.admitted, "completed": status.completed,
                 "rejected": status.rejected, "prompt_tokens": status.prompt_tokens,
-                "generated_tokens": status.generated_tokens,
-                "budget_used": pipeline.admission.budgets.used(name, tenant) if tenant.budget_tokens else None,
-                "budget": None if (budget := pipeline.admission.budgets.view(name, tenant)) is None
-                else attrs.asdict(budget)}}
+                "generated_tokens": status.generated_tokens, "spend_usd": status.spend_usd,
+                "waiting_for_concurrency": status.waiting_for_concurrency,
+                "budget_used": None if (tokens := budgets.get("budget")) is None else tokens["spent"]
+                + tokens["reserved"], **budgets}}
 
 
 # -- tenants ---------------------------------------------------------------------------------------
@@ -169,12 +195,32 @@ def no_content() -> Response:
 
 # -- keys ------------------------------------------------------------------------------------------
 
+def key_views(keeper: StateKeeper, tenant: str | None = None, key_id: str | None = None) -> list[dict[str, Any]]:
+    """Issued keys (of ``tenant``, or the one ``key_id``) as the admin API shows them: the record's view
+    (:func:`apsd.state.records.key_view`) and its live figures on this replica: requests and tokens
+    since start, its spend, its budgets now and its requests in flight."""
+    pipeline = http_state().pipeline
+    views = []
+    for view in keeper.key_views(tenant):
+        if key_id is not None and view["id"] != key_id:
+            continue
+        stats = pipeline.ledger.keys.get(view["id"])
+        view["live"] = {
+            "admitted": stats.admitted if stats else 0, "completed": stats.completed if stats else 0,
+            "prompt_tokens": stats.prompt_tokens if stats else 0,
+            "generated_tokens": stats.generated_tokens if stats else 0,
+            "spend_usd": stats.spend_usd if stats else 0.0,
+            **(budgets_of(view["tenant"], view["id"]) if view["active"] else {"budget": None, "budget_usd": None})}
+        views.append(view)
+    return views
+
+
 @blueprint.post("/tenants/<name>/keys")
 @admin_endpoint
 async def issue_key(name: str, keeper: StateKeeper, caller: Caller) -> Any:
     body = await _body() if await request.get_data(cache=True) else {}
     record, key = await keeper.issue_key(_actor(caller), name, body)
-    view = next(k for k in keeper.key_views(name) if k["id"] == record.key_id)
+    (view,) = key_views(keeper, name, record.key_id)
     return json_response({**view, "key": key}, status=201, headers={"Cache-Control": "no-store"})
 
 
@@ -183,20 +229,40 @@ async def issue_key(name: str, keeper: StateKeeper, caller: Caller) -> Any:
 async def tenant_keys(name: str, keeper: StateKeeper, caller: Caller) -> Any:
     if name not in keeper.snapshot.in_force and name not in http_state().pipeline.config.tenants:
         raise _unknown_tenant(name)
-    return json_response({"keys": keeper.key_views(name)})
+    return json_response({"keys": key_views(keeper, name)})
 
 
 @blueprint.get("/keys")
 @admin_endpoint
 async def list_keys(keeper: StateKeeper, caller: Caller) -> Any:
-    return json_response({"keys": keeper.key_views(request.args.get("tenant"))})
+    return json_response({"keys": key_views(keeper, request.args.get("tenant"))})
+
+
+def _one_key(keeper: StateKeeper, key_id: str) -> dict[str, Any]:
+    views = key_views(keeper, key_id=key_id)
+    if not views:
+        raise AdminError(404, "unknown_key", f"no key with id {key_id!r}")
+    return views[0]
+
+
+@blueprint.get("/keys/<key_id>")
+@admin_endpoint
+async def get_key(key_id: str, keeper: StateKeeper, caller: Caller) -> Any:
+    return json_response(_one_key(keeper, key_id))
+
+
+@blueprint.patch("/keys/<key_id>")
+@admin_endpoint
+async def update_key(key_id: str, keeper: StateKeeper, caller: Caller) -> Any:
+    await keeper.update_key(_actor(caller), key_id, await _body())
+    return json_response(_one_key(keeper, key_id))
 
 
 @blueprint.delete("/keys/<key_id>")
 @admin_endpoint
 async def revoke_key(key_id: str, keeper: StateKeeper, caller: Caller) -> Any:
     record = await keeper.revoke_key(_actor(caller), key_id)
-    return json_response(next(k for k in keeper.key_views() if k["id"] == record.key_id))
+    return json_response(_one_key(keeper, record.key_id))
 
 
 # -- audit and usage -------------------------------------------------------------------------------
@@ -259,19 +325,25 @@ def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
 @blueprint.get("/usage")
 @admin_endpoint
 async def usage(keeper: StateKeeper, caller: Caller) -> Any:
-    """``?tenant=&from=&to=&group_by=hour|day&by=model&format=json|csv`` (default: every tenant,
-    the last 24 hours by hour, JSON)."""
+    """``?tenant=&key=&from=&to=&group_by=hour|day&by=model|key|model,key&format=json|csv`` (default:
+    every tenant, the last 24 hours by hour, JSON). ``by=key`` gives a row per issued key (``key``: its
+    id, ``key_name``; ``""`` for requests without an issued key); ``key=<id>`` keeps one key's rows."""
     end = _time_arg("to", keeper.wall())
     start = _time_arg("from", end - 86_400)
     group_by = _choice("group_by", "hour", ("hour", "day"))
     view = _choice("format", "json", ("json", "csv"))
-    by = _choice("by", "", ("model", ""))
+    by = _choice("by", "", ("model", "key", "model,key", "key,model", ""))
     if not start < end:
         raise AdminError(400, "invalid_parameter", "from must be before to", "from")
     if end - start > MAX_USAGE_SPAN_S:
         raise AdminError(400, "invalid_parameter", "from and to may be at most 400 days apart", "from")
     rows = await keeper.usage_rows(tenant=request.args.get("tenant") or None, start=start, end=end)
-    summaries = summarize(rows, group_by=group_by, by_model=by == "model")
+    only_key = request.args.get("key")
+    if only_key:
+        rows = {row: fields for row, fields in rows.items() if row.key == only_key}
+    names = {k.key_id: k.label for k in keeper.snapshot.keys}
+    summaries = summarize(rows, group_by=group_by, by_model="model" in by, by_key="key" in by or bool(only_key),
+                          key_names=names)
     if view == "csv":
         return Response(to_csv(summaries), status=200, content_type="text/csv; charset=utf-8",
                         headers={"Content-Disposition": 'attachment; filename="apsd-usage.csv"'})
@@ -301,6 +373,28 @@ def _tenant_schema() -> dict[str, Any]:
             "additionalProperties": False}
 
 
+def _key_identity_schema() -> dict[str, Any]:
+    return {"name": {"type": "string", "maxLength": 200,
+                     "description": "A name for people, unique among the tenant's keys in force (label: its old name)."},
+            "label": {"type": "string", "maxLength": 200, "description": "The old name of name."},
+            "owner": {"type": "string", "maxLength": 200,
+                      "description": "Who holds it: a person or an agent (e.g. alice@example.com, claude-code/ci)."},
+            "owner_kind": {"type": "string", "enum": ["", "person", "agent"]}}
+
+
+def _key_limits_schema() -> dict[str, Any]:
+    comments = field_comments(KeyLimits)
+    properties: dict[str, Any] = {}
+    for field in attrs.fields(attrs.resolve_types(KeyLimits)):
+        schema: dict[str, Any] = ({"type": ["array", "null"], "items": {"type": "string"}} if field.name == "models"
+                                  else {"type": [_JSON_TYPES.get(field.type, "string"), "null"]})  # type: ignore[arg-type]
+        default = field.default
+        schema["default"] = list(default) if isinstance(default, tuple) else default
+        schema["description"] = comments.get(field.name, "") + " (null: back to none of its own)"
+        properties[field.name] = schema
+    return properties
+
+
 def openapi_document() -> dict[str, Any]:
     """The OpenAPI 3.1 description of ``/admin``."""
     error = {"$ref": "#/components/schemas/Error"}
@@ -327,9 +421,12 @@ def openapi_document() -> dict[str, Any]:
                 "Tenant": _tenant_schema(),
                 "TenantPatch": {**_tenant_schema(), "required": []},
                 "KeyRequest": {"type": "object", "additionalProperties": False, "properties": {
-                    "label": {"type": "string", "maxLength": 200},
+                    **_key_identity_schema(),
                     "expires_in_s": {"type": "number", "description": "Seconds from now until it stops working."},
-                    "expires_at": {"type": "number", "description": "Unix seconds when it stops working."}}},
+                    "expires_at": {"type": "number", "description": "Unix seconds when it stops working."},
+                    **_key_limits_schema()}},
+                "KeyPatch": {"type": "object", "additionalProperties": False, "properties": {
+                    **_key_identity_schema(), **_key_limits_schema()}},
                 "Error": {"type": "object", "properties": {"error": {"type": "string"}, "message": {"type": "string"},
                                                            "field": {"type": "string"}}},
             },
@@ -352,10 +449,13 @@ def openapi_document() -> dict[str, Any]:
             "/admin/keys": {"get": op("List issued keys (?tenant=)", "200")},
             "/admin/keys/{key_id}": {
                 "parameters": [{"name": "key_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "get": op("Read a key: its name, owner, limits and live figures", "200", extra=("404",)),
+                "patch": op("Change a key's name, owner or limits", "200", body="#/components/schemas/KeyPatch",
+                            extra=("400", "404", "409", "422")),
                 "delete": op("Revoke a key", "200", extra=("404",))},
             "/admin/audit": {"get": op("The audit log, newest first (?target=&limit=&before=)", "200", extra=("400",))},
-            "/admin/usage": {"get": op("Usage per tenant and hour or day (?tenant=&from=&to=&group_by=hour|day"
-                                       "&by=model&format=json|csv)", "200", extra=("400",))},
+            "/admin/usage": {"get": op("Usage per tenant and hour or day (?tenant=&key=&from=&to=&group_by=hour|day"
+                                       "&by=model|key|model,key&format=json|csv)", "200", extra=("400",))},
             "/admin/status": {"get": op("What the status page (/ui) shows, now: tenants, backends, engine, "
                                         "fairness history, usage per day", "200")},
             "/admin/openapi.json": {"get": op("This description", "200")},

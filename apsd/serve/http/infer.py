@@ -113,7 +113,7 @@ async def infer(caller: Caller) -> Response:
     tenant = pipeline.config.tenants.get(tenant_id)  # (an unknown one: admission answers 404)
     inference = pipeline.new_request(tenant_id=tenant_id, prompt=body.prompt, tokens_requested=body.tokens_requested,
                                      priority_bid=clamp_bid(tenant, body.priority_bid), prompt_tokens=prompt_tokens,
-                                     timeout_s=body.timeout_s, service_class=class_name)
+                                     timeout_s=body.timeout_s, service_class=class_name, key_id=caller.key_id)
     refusal = pipeline.submit_nowait(inference)
     try:
         outcome = refusal or await inference.reply.wait()

@@ -673,7 +673,7 @@ async def _complete(api: str, caller: Caller) -> Response:
     inference = pipeline.new_request(tenant_id=tenant_id, prompt=body.prompt, tokens_requested=body.max_tokens,
                                      priority_bid=bid, prompt_tokens=body.prompt_tokens, model=body.model,
                                      api=api, payload=body.payload, open_ended=body.open_ended,
-                                     request_id=request_id, service_class=class_name)
+                                     request_id=request_id, service_class=class_name, key_id=caller.key_id)
     if body.stream:
         inference.stream = TokenStream()
     refusal = pipeline.submit_nowait(inference)
@@ -718,7 +718,8 @@ async def models(caller: Caller) -> Response:
     """The models the engines serve that the caller may use, in OpenAI's list shape (Anthropic's for a
     request with the ``anthropic-version`` header, which Anthropic's clients send): a tenant's key
     (or, without keys, the tenant ``X-Apsd-Tenant`` names) sees only its tenant's ``models`` when it
-    has a list; the admin key, and a keyless caller naming no tenant, see every model."""
+    has a list, and an issued key with a ``models`` list of its own only those; the admin key, and a
+    keyless caller naming no tenant, see every model."""
     state = http_state()
     names = state.pipeline.models()
     if caller.anonymous:
@@ -729,6 +730,9 @@ async def models(caller: Caller) -> Response:
     tenant = state.pipeline.config.tenants.get(tenant_id) if tenant_id is not None else None
     if tenant is not None and tenant.models:
         names = [name for name in names if name in tenant.models]
+    key = state.pipeline.config.keys.get(caller.key_id) if caller.key_id is not None else None
+    if key is not None and key.limits.models:
+        names = [name for name in names if name in key.limits.models]
     if request.headers.get(ANTHROPIC_VERSION_HEADER) is not None:   # (an Anthropic client: its list's shape)
         created = datetime.datetime.fromtimestamp(state.created, datetime.timezone.utc).isoformat()
         return _answer({"data": [{"type": "model", "id": name, "display_name": name, "created_at": created}

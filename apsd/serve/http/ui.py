@@ -42,6 +42,7 @@ from werkzeug.exceptions import NotFound
 from apsd.core.models import InferenceRequest
 from apsd.pipeline import Pipeline
 from apsd.serve.auth import Caller
+from apsd.serve.http.admin import budgets_of
 from apsd.serve.http.common import authenticated, http_state, json_response
 from apsd.state.keeper import AdminError, StateKeeper
 from apsd.state.usage import HOUR_S, summarize
@@ -224,7 +225,7 @@ async def status_document(pipeline: Pipeline, keeper: StateKeeper | None) -> dic
         share = shares.get(name)
         if status is None:
             continue
-        budget = pipeline.admission.budgets.view(name, tenant)
+        budgets = budgets_of(name)
         refused_lately = sampler.refused_lately(name)
         tenants.append({
             "name": name, "rate": tenant.rate, "burst": tenant.burst, "weight": tenant.weight,
@@ -235,9 +236,8 @@ async def status_document(pipeline: Pipeline, keeper: StateKeeper | None) -> dic
             "cancelled": status.cancelled, "rejected": status.rejected,
             "rejected_by_error": dict(sorted(status.rejected_by_error.items())),
             "refused_last_minute": sum(refused_lately.values()), "refused_last_minute_by_error": refused_lately,
-            "budget": None if budget is None else {"limit": budget.limit, "period": budget.period,
-                                                   "spent": budget.spent, "reserved": budget.reserved,
-                                                   "resets_at": budget.resets_at},
+            **budgets, "spend_usd": status.spend_usd, "waiting_for_concurrency": status.waiting_for_concurrency,
+            "max_concurrency": tenant.max_concurrency,
             "prompt_tokens": status.prompt_tokens, "generated_tokens": status.generated_tokens,
             "window_tokens": share.window_tokens if share else 0,
             "service_share": share.service_share if share else 0.0,

@@ -281,9 +281,25 @@
     return node;
   }
 
-  function budgetText(budget) {
-    if (!budget) return "none";
-    return `${fmtShort(budget.spent)} / ${fmtShort(budget.limit)}`;
+  const usd = (value) => (value === null || value === undefined ? "–" : "$" + Number(value).toLocaleString("en-US",
+    { minimumFractionDigits: 2, maximumFractionDigits: Math.abs(value) < 1 && value !== 0 ? 4 : 2 }));
+
+  // A tenant's or a key's budgets: "spent / limit" in tokens and in dollars, one line each; "none".
+  function budgetLines(owner) {
+    const lines = [];
+    if (owner.budget) lines.push(el("div", { class: "budget-tokens" }, `${fmtShort(owner.budget.spent)} / ${fmtShort(owner.budget.limit)}`));
+    if (owner.budget_usd) {
+      lines.push(el("div", { class: "budget-usd" + (owner.budget_usd.used_ratio >= 1 ? " over" : "") },
+        `${usd(owner.budget_usd.spent_usd)} / ${usd(owner.budget_usd.limit_usd)}`));
+    }
+    return lines.length ? lines : ["none"];
+  }
+
+  function budgetTitle(owner) {
+    const parts = [];
+    if (owner.budget) parts.push(`${fmt(owner.budget.spent)} of ${fmt(owner.budget.limit)} tokens per ${owner.budget.period} (UTC); ${fmt(owner.budget.reserved)} reserved by requests in flight`);
+    if (owner.budget_usd) parts.push(`${usd(owner.budget_usd.spent_usd)} of ${usd(owner.budget_usd.limit_usd)} per ${owner.budget_usd.period} (UTC); ${usd(owner.budget_usd.reserved_usd)} reserved by requests in flight`);
+    return parts.join("; ") || "no budget";
   }
 
   function renderTenants(tenants) {
@@ -297,8 +313,8 @@
         el("td", { class: "num weight" }, fmt(t.weight, 3)),
         el("td", { class: t.disabled ? "state state-off" : "state state-on" }, t.disabled ? "disabled" : "enabled"),
         el("td", { class: "num bucket", title: fmt(t.tokens_available) }, fmtShort(t.tokens_available)),
-        el("td", { class: "num budget", title: t.budget ? `${fmt(t.budget.spent)} of ${fmt(t.budget.limit)} per ${t.budget.period} (UTC); ${fmt(t.budget.reserved)} reserved by requests in flight` : "no budget" },
-          budgetText(t.budget)),
+        el("td", { class: "num budget", title: budgetTitle(t) }, ...budgetLines(t)),
+        el("td", { class: "num spend", title: `${fmt(t.spend_usd, 6)} US dollars since start` }, usd(t.spend_usd)),
         el("td", { class: "num queued" }, fmt(t.queued)),
         el("td", { class: "num running" }, fmt(t.running)),
         el("td", { class: "num completed", title: `${fmt(t.generated_tokens)} output tokens` }, fmt(t.completed)),
@@ -314,6 +330,13 @@
           button("Issue key", "issue-key", () => issueKey(t.name))));
     });
     $("tenants").tBodies[0].replaceChildren(...rows);
+    const select = $("issue-key").elements.tenant;
+    const chosen = select.value;
+    const names = tenants.map((t) => t.name);
+    if ([...select.options].map((o) => o.value).join("\n") !== names.join("\n")) {
+      select.replaceChildren(...names.map((name) => el("option", {}, name)));
+      if (names.includes(chosen)) select.value = chosen;
+    }
   }
 
   function renderBackends(backends) {
@@ -343,6 +366,7 @@
       el("td", { class: "num" }, fmt(r.prompt_tokens)),
       el("td", { class: "num" }, fmt(r.output_tokens)),
       el("td", { class: "num" }, fmt(r.cost_usd, 4)),
+      el("td", { class: "num spend" }, usd(r.spend_usd)),
       el("td", { class: "num" }, fmt(r.ttft_p99_ms, 1)))));
   }
 
@@ -361,12 +385,30 @@
     $("keys").hidden = keys.length === 0;
     $("keys").tBodies[0].replaceChildren(...keys.map((k) => {
       const state = k.active ? "active" : (k.revoked_at ? "revoked" : "expired");
+      const live = k.live || {};
       const cells = [el("td", { class: "key-id" }, k.id), el("td", {}, k.tenant), el("td", {}, k.prefix + "…"),
-        el("td", {}, k.label || ""), el("td", {}, when(k.created_at)), el("td", { class: "key-state" }, state)];
+        el("td", { class: "key-name" }, k.name || ""),
+        el("td", { class: "key-owner", title: k.owner_kind || "" }, k.owner ? `${k.owner}${k.owner_kind ? ` (${k.owner_kind})` : ""}` : "–"),
+        el("td", { class: "key-limits" }, limitsText(k.limits)),
+        el("td", { class: "num key-budget", title: budgetTitle(live) }, ...budgetLines(live)),
+        el("td", { class: "num key-spend" }, usd(live.spend_usd)),
+        el("td", {}, when(k.created_at)), el("td", { class: "key-state" }, state)];
       const actions = el("td", { class: "actions" });
       if (k.active) actions.append(revokeButton(k));
       return el("tr", { "data-key": k.id, "data-tenant": k.tenant }, ...cells, actions);
     }));
+  }
+
+  // A key's own limits in words ("none": its tenant's alone).
+  function limitsText(limits) {
+    if (!limits) return "none";
+    const parts = [];
+    if (limits.rate) parts.push(`${fmt(limits.rate, 3)} tokens/s` + (limits.burst ? ` (burst ${fmt(limits.burst)})` : ""));
+    if (limits.max_concurrency) parts.push(`${fmt(limits.max_concurrency)} at once`);
+    if (limits.budget_tokens) parts.push(`${fmt(limits.budget_tokens)} tokens/${limits.budget_period}`);
+    if (limits.budget_usd) parts.push(`${usd(limits.budget_usd)}/${limits.budget_period}`);
+    if (limits.models && limits.models.length) parts.push(`models: ${limits.models.join(", ")}`);
+    return parts.join("; ") || "none";
   }
 
   function revokeButton(k) {
@@ -392,7 +434,7 @@
   async function issueKey(tenant) {
     try {
       const issued = await api("POST", `/admin/tenants/${segment(tenant)}/keys`,
-        { label: "issued on the status page" });
+        {});
       $("issued-tenant").textContent = issued.tenant;
       $("issued-id").textContent = issued.id;
       $("issued-key").textContent = issued.key;
@@ -432,6 +474,32 @@
       failed(error);
     }
   }
+
+  $("issue-key").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const form = event.target;
+    const tenant = form.elements.tenant.value;
+    const body = {};
+    for (const name of ["name", "owner", "owner_kind"]) {
+      if (form.elements[name].value.trim() !== "") body[name] = form.elements[name].value.trim();
+    }
+    if (form.elements.max_concurrency.value !== "") body.max_concurrency = Number(form.elements.max_concurrency.value);
+    if (form.elements.budget_usd.value !== "") body.budget_usd = Number(form.elements.budget_usd.value);
+    if (!tenant) return;
+    try {
+      const issued = await api("POST", `/admin/tenants/${segment(tenant)}/keys`, body);
+      $("issued-tenant").textContent = issued.tenant;
+      $("issued-id").textContent = issued.id;
+      $("issued-key").textContent = issued.key;
+      $("issued").hidden = false;
+      notice(`Issued key ${issued.name} for ${tenant}`, false);
+      for (const name of ["name", "owner", "max_concurrency", "budget_usd"]) form.elements[name].value = "";
+      keysAt = 0;
+      await refresh();
+    } catch (error) {
+      failed(error);
+    }
+  });
 
   $("create-tenant").addEventListener("submit", (event) => {
     event.preventDefault();
