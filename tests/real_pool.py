@@ -108,8 +108,11 @@ class SlotWatch:
     async def run(self) -> None:
         async with httpx.AsyncClient(base_url=self.url, timeout=10) as client:
             while True:
-                self.most = max(self.most, await self._running(client))
-                self.reads += 1
+                try:
+                    self.most = max(self.most, await self._running(client))
+                    self.reads += 1
+                except httpx.RemoteProtocolError:   # (a kept-alive connection the server closed: the next read)
+                    pass
                 await trio.sleep(SLOTS_POLL_S)
 
     async def _running(self, client: httpx.AsyncClient) -> int:
