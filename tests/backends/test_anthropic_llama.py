@@ -127,7 +127,8 @@ async def test_refusals_of_the_server_and_of_apsd_reach_the_client_in_anthropics
         for tenant, kwargs in [
                 ("t", {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "9 " * 3000}]}),
                 ("t", {"model": "elsewhere", "max_tokens": 5, "messages": HELLO}),
-                ("small", {"model": "tiny", "max_tokens": 400, "messages": HELLO})]:
+                ("small", {"model": "tiny", "max_tokens": 5,   # (a prompt beyond the burst: never admitted)
+                           "messages": [{"role": "user", "content": "9 " * 400}]})]:
             with pytest.raises(anthropic.APIStatusError) as raised:
                 client(running.url, tenant).messages.create(**kwargs)
             caught.append(raised.value)
