@@ -183,8 +183,8 @@ async def test_every_refusal_is_in_anthropics_shape_and_the_client_raises_its_cl
             expect(anthropic.NotFoundError, lambda: c.messages.create(model="nope", max_tokens=5, messages=HELLO)),
             expect(anthropic.NotFoundError, lambda: client(apsd, "nobody").messages.create(
                 model=MODEL, max_tokens=5, messages=HELLO)),
-            expect(anthropic.RequestTooLargeError, lambda: client(apsd, "small").messages.create(
-                model=MODEL, max_tokens=500, messages=HELLO)),
+            expect(anthropic.RequestTooLargeError, lambda: client(apsd, "small").messages.create(   # (a prompt
+                model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "9 " * 600}])),    # beyond its burst)
             expect(anthropic.BadRequestError, lambda: c.messages.create(
                 model=MODEL, max_tokens=5, messages=[{"role": "system", "content": "x"}])),
         ]
@@ -242,8 +242,8 @@ async def test_every_answer_of_a_tenants_request_carries_the_rate_limit_fields(n
             "infer": await live.client.post("/infer", json={"tenant_id": "tenant_a", "prompt": "x",
                                                             "tokens_requested": 4, "priority_bid": 5}),
             "count_tokens": await live.client.post("/v1/messages/count_tokens", json=message, headers=TENANT),
-            "413": await live.client.post("/v1/messages", json={**message, "max_tokens": 200},
-                                          headers={"X-Apsd-Tenant": "small"}),
+            "413": await live.client.post("/v1/messages", headers={"X-Apsd-Tenant": "small"},   # (a prompt beyond the burst)
+                                          json={**message, "messages": [{"role": "user", "content": "9 " * 300}]}),
             "400": await live.client.post("/v1/messages", json={**message, "max_tokens": "many"}, headers=TENANT),
         }
         small = {**message, "max_tokens": 60}
