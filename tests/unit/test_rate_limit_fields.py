@@ -81,7 +81,8 @@ async def test_http_answers_carry_the_bucket_as_of_the_answer(autojump_clock):
         missing = 900 + cost - 400 - bucket.level(pipeline.clock.now())
         assert limited.headers["Retry-After"] == str(math.ceil(missing / 2.0))
         assert limited.headers["RateLimit"] == answer.headers["RateLimit"]   # (no time passed, nothing taken)
-        too_big = await http.post("/v1/messages", json={**body, "max_tokens": 5000}, headers={"X-Apsd-Tenant": "t"})
+        too_big = await http.post("/v1/messages", headers={"X-Apsd-Tenant": "t"},   # (a prompt beyond the burst)
+                                  json={**body, "messages": [{"role": "user", "content": "9 " * 800}]})
         assert too_big.status_code == 413 and too_big.headers["RateLimit"] == answer.headers["RateLimit"]
         await trio.sleep(600)
         later = await http.post("/v1/messages/count_tokens", json=body, headers={"X-Apsd-Tenant": "t"})

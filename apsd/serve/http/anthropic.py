@@ -48,9 +48,12 @@ from apsd.serve.http.common import (
     MAX_TOKENS_REQUESTED,
     BodyError,
     authenticated,
+    check_field_types,
     check_prompt_length,
     client_request_id,
     http_state,
+    invalid_field,
+    is_int,
     note_tenant,
     parse_json_object,
     service_class,
@@ -137,13 +140,6 @@ _MEDIA_BLOCKS = ("image", "document")
 _ROLES = ("user", "assistant")
 
 
-def _invalid(field: str, rule: str, error: str = "invalid_field") -> BodyError:
-    return BodyError(422, error, f"{field} {rule}", field=field)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
 
 @attrs.define
 class _Prompt:
@@ -157,33 +153,33 @@ class _Prompt:
         """One content block (checked: an object with a ``type``; the known ones, their fields)."""
         kind = block.get("type") if isinstance(block, dict) else None
         if not isinstance(kind, str):
-            raise _invalid(where, 'must be a content block: an object with a "type", e.g. {"type": "text", '
+            raise invalid_field(where, 'must be a content block: an object with a "type", e.g. {"type": "text", '
                            '"text": "..."}')
         if kind == "text":
             self.text(block.get("text"), f"{where}.text")
         elif kind in _MEDIA_BLOCKS:
             if not isinstance(block.get("source"), dict):
-                raise _invalid(f"{where}.source", "must be an object")
+                raise invalid_field(f"{where}.source", "must be an object")
             self.media += 1
         elif kind == "thinking":
             self.text(block.get("thinking"), f"{where}.thinking")
         elif kind == "tool_use":
             for name in ("id", "name"):
                 if not isinstance(block.get(name), str):
-                    raise _invalid(f"{where}.{name}", "must be a string")
+                    raise invalid_field(f"{where}.{name}", "must be a string")
             if not isinstance(block.get("input"), dict):
-                raise _invalid(f"{where}.input", "must be an object")
+                raise invalid_field(f"{where}.input", "must be an object")
             self.texts.append(block["name"] + json.dumps(block["input"]))
         elif kind == "tool_result":
             if not isinstance(block.get("tool_use_id"), str):
-                raise _invalid(f"{where}.tool_use_id", "must be a string")
+                raise invalid_field(f"{where}.tool_use_id", "must be a string")
             self.content(block.get("content", ""), f"{where}.content")
         else:   # (redacted thinking, server tools' blocks, ...: relayed as they are, counted by their JSON)
             self.texts.append(json.dumps(block))
 
     def text(self, value: Any, where: str) -> None:
         if not isinstance(value, str):
-            raise _invalid(where, "must be a string")
+            raise invalid_field(where, "must be a string")
         self.texts.append(value)
 
     def content(self, content: Any, where: str) -> None:
@@ -194,7 +190,7 @@ class _Prompt:
             for j, block in enumerate(content):
                 self.block(block, f"{where}[{j}]")
         else:
-            raise _invalid(where, "must be a string or a list of content blocks")
+            raise invalid_field(where, "must be a string or a list of content blocks")
 
 
 def _prompt(data: dict[str, Any], settings: AdmissionConfig) -> tuple[str, int]:
@@ -206,33 +202,33 @@ def _prompt(data: dict[str, Any], settings: AdmissionConfig) -> tuple[str, int]:
     if isinstance(system, list):
         for j, block in enumerate(system):
             if not (isinstance(block, dict) and block.get("type") == "text"):
-                raise _invalid(f"system[{j}]", 'must be a text block: {"type": "text", "text": "..."}')
+                raise invalid_field(f"system[{j}]", 'must be a text block: {"type": "text", "text": "..."}')
             found.block(block, f"system[{j}]")
     elif system is not None and not isinstance(system, str):
-        raise _invalid("system", "must be a string or a list of text blocks")
+        raise invalid_field("system", "must be a string or a list of text blocks")
     elif system:
         found.texts.append(system)
     messages = data.get("messages")
     if messages is None:
-        raise _invalid("messages", "is required", error="missing_field")
+        raise invalid_field("messages", "is required", error="missing_field")
     if not isinstance(messages, list) or not messages:
-        raise _invalid("messages", "must be a non-empty list of messages")
+        raise invalid_field("messages", "must be a non-empty list of messages")
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise _invalid(where, "must be an object with role and content")
+            raise invalid_field(where, "must be an object with role and content")
         role = message.get("role")
         if role is None:
-            raise _invalid(f"{where}.role", "is required", error="missing_field")
+            raise invalid_field(f"{where}.role", "is required", error="missing_field")
         if role not in _ROLES:
-            raise _invalid(f"{where}.role", 'must be "user" or "assistant" (the system prompt goes in system)')
+            raise invalid_field(f"{where}.role", 'must be "user" or "assistant" (the system prompt goes in system)')
         if "content" not in message:
-            raise _invalid(f"{where}.content", "is required", error="missing_field")
+            raise invalid_field(f"{where}.content", "is required", error="missing_field")
         found.content(message["content"], f"{where}.content")
     tools = data.get("tools")
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
-            raise _invalid("tools", "must be a list of tool definitions (objects)")
+            raise invalid_field("tools", "must be a list of tool definitions (objects)")
         if tools:
             found.texts.append(json.dumps(tools))
     turns = len(messages) + (1 if system else 0)
@@ -249,27 +245,16 @@ _OBJECTS = ("tool_choice", "metadata", "thinking")
 
 
 def _check_types(data: dict[str, Any]) -> None:
-    for name in _NUMBERS:
-        value = data.get(name)
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-            raise _invalid(name, "must be a number")
-    for name in _INTEGERS:
-        value = data.get(name)
-        if value is not None and not _is_int(value):
-            raise _invalid(name, "must be an integer")
-    for name in _OBJECTS:
-        value = data.get(name)
-        if value is not None and not isinstance(value, dict):
-            raise _invalid(name, "must be an object")
+    check_field_types(data, numbers=_NUMBERS, integers=_INTEGERS, objects=_OBJECTS)
     stop = data.get("stop_sequences")
     if stop is not None and not (isinstance(stop, list) and all(isinstance(item, str) for item in stop)):
-        raise _invalid("stop_sequences", "must be a list of strings")
+        raise invalid_field("stop_sequences", "must be a list of strings")
     stream = data.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise _invalid("stream", "must be true or false")
+        raise invalid_field("stream", "must be true or false")
     priority = data.get("priority")
-    if priority is not None and not _is_int(priority):
-        raise _invalid("priority", "must be an integer (lower is served sooner, as in vLLM; default 0)")
+    if priority is not None and not is_int(priority):
+        raise invalid_field("priority", "must be an integer (lower is served sooner, as in vLLM; default 0)")
 
 
 def parse_messages_body(raw: bytes, config: Config, *, counting: bool = False) -> MessagesBody:
@@ -283,17 +268,17 @@ def parse_messages_body(raw: bytes, config: Config, *, counting: bool = False) -
     data = parse_json_object(raw)
     model = data.get("model")
     if model is None:
-        raise _invalid("model", "is required", error="missing_field")
+        raise invalid_field("model", "is required", error="missing_field")
     if not isinstance(model, str) or not model.strip():
-        raise _invalid("model", "must be a non-empty string")
+        raise invalid_field("model", "must be a non-empty string")
     max_tokens = 0
     if not counting:
         value = data.get("max_tokens")
         if value is None:
-            raise _invalid("max_tokens", "is required (the most tokens to generate)", error="missing_field")
-        if not _is_int(value) or not 1 <= value <= MAX_TOKENS_REQUESTED:
-            got = shown(value) if _is_int(value) else json.dumps(value)[:40]
-            raise _invalid("max_tokens", f"must be an integer 1-{MAX_TOKENS_REQUESTED}, got {got}")
+            raise invalid_field("max_tokens", "is required (the most tokens to generate)", error="missing_field")
+        if not is_int(value) or not 1 <= value <= MAX_TOKENS_REQUESTED:
+            got = shown(value) if is_int(value) else json.dumps(value)[:40]
+            raise invalid_field("max_tokens", f"must be an integer 1-{MAX_TOKENS_REQUESTED}, got {got}")
         max_tokens = value
     prompt, prompt_tokens = _prompt(data, config.admission)
     _check_types(data)

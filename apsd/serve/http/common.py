@@ -35,7 +35,7 @@ from apsd.serve.prometheus import PrometheusExporter
 if TYPE_CHECKING:
     from apsd.state.keeper import StateKeeper
 
-__all__ = ["BodyError", "HttpState", "REQUEST_ID_HEADER", "client_request_id", "MAX_TENANT_ID_CHARS", "MAX_TOKENS_REQUESTED", "ShieldResponseEnd",
+__all__ = ["BodyError", "HttpState", "check_field_types", "invalid_field", "is_int", "REQUEST_ID_HEADER", "client_request_id", "MAX_TENANT_ID_CHARS", "MAX_TOKENS_REQUESTED", "ShieldResponseEnd",
            "authenticated", "check_prompt_length", "error_response", "http_state", "json_response",
            "note_tenant", "noted_tenant", "parse_json_object", "read_unread_body", "rounded", "shown"]
 
@@ -134,6 +134,40 @@ def note_tenant(tenant_id: str) -> None:
 def noted_tenant() -> str | None:
     """The tenant :func:`note_tenant` named for the current request (None: none yet)."""
     return g.get("apsd_tenant")
+
+
+def invalid_field(field: str, rule: str, error: str = "invalid_field") -> BodyError:
+    """A 422 naming ``field`` and the ``rule`` it breaks."""
+    return BodyError(422, error, f"{field} {rule}", field=field)
+
+
+def is_int(value: Any) -> bool:
+    """A JSON integer (not a boolean, which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_field_types(data: dict[str, Any], *, numbers: tuple[str, ...] = (), integers: tuple[str, ...] = (),
+                      booleans: tuple[str, ...] = (), objects: tuple[str, ...] = ()) -> None:
+    """Each present (non-null) field of ``data`` named in ``numbers``, ``integers``, ``booleans`` or
+    ``objects`` has that JSON type, else :func:`invalid_field` names the first that does not: fields apsd
+    relays without reading, checked so that a backend is not sent a wrong type (a 4xx at best, at worst a
+    5xx that would be retried and blamed on it)."""
+    for name in numbers:
+        value = data.get(name)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise invalid_field(name, "must be a number")
+    for name in integers:
+        value = data.get(name)
+        if value is not None and not is_int(value):
+            raise invalid_field(name, "must be an integer")
+    for name in booleans:
+        value = data.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise invalid_field(name, "must be true or false")
+    for name in objects:
+        value = data.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise invalid_field(name, "must be an object")
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:

@@ -53,8 +53,9 @@ from apsd.core.config import DEFAULT_BID, AdmissionConfig, Config, TenantConfig,
 from apsd.core.models import LENGTH_ALIASES, OPENAI_APIS, Completion, InferenceRequest, Refusal
 from apsd.pipeline import Pipeline
 from apsd.core.streams import TokenChunk, TokenStream
-from apsd.serve.http.common import (MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated, check_prompt_length,
-                     client_request_id, http_state, note_tenant, parse_json_object, service_class, shown)
+from apsd.serve.http.common import (MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated,
+                                    check_field_types, check_prompt_length, client_request_id, http_state, is_int,
+                                    note_tenant, parse_json_object, service_class, shown)
 
 __all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "MEDIA_PART_TOKENS", "MESSAGE_OVERHEAD_TOKENS", "RESPONSES", "OpenAIBody",
            "PRIORITY_HEADER", "TENANT_HEADER", "blueprint", "error_body", "error_response", "error_type",
@@ -156,9 +157,6 @@ def _invalid(field: str, rule: str, status: int = 422, error: str = "invalid_fie
     return BodyError(status, error, f"{field} {rule}", field=field)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
 
 def _message_text(message: Any, i: int) -> str:
     """The text of chat message ``i`` (its content, name and tool calls), checking its shape."""
@@ -238,8 +236,8 @@ def _max_tokens(data: dict[str, Any], default: int) -> tuple[int, bool]:
         value = data.get(name)
         if value is None:
             continue
-        if not _is_int(value) or not 1 <= value <= MAX_TOKENS_REQUESTED:
-            got = shown(value) if _is_int(value) else json.dumps(value)[:40]
+        if not is_int(value) or not 1 <= value <= MAX_TOKENS_REQUESTED:
+            got = shown(value) if is_int(value) else json.dumps(value)[:40]
             raise _invalid(name, f"must be an integer 1-{MAX_TOKENS_REQUESTED}, got {got}")
         given[name] = value
     if len(set(given.values())) > 1:
@@ -247,7 +245,7 @@ def _max_tokens(data: dict[str, Any], default: int) -> tuple[int, bool]:
                        "output limit")
     limit = next(iter(given.values()), None)
     floor = data.get("min_tokens")
-    if floor is not None and (not _is_int(floor) or not 0 <= floor <= (limit or default)):
+    if floor is not None and (not is_int(floor) or not 0 <= floor <= (limit or default)):
         raise _invalid("min_tokens", f"must be an integer from 0 to the output limit ({limit or default})")
     return (default, False) if limit is None else (limit, True)
 
@@ -260,18 +258,7 @@ _BOOLEANS = ("logprobs", "ignore_eos", "echo", "parallel_tool_calls")
 
 
 def _check_types(data: dict[str, Any]) -> None:
-    for name in _NUMBERS:
-        value = data.get(name)
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-            raise _invalid(name, "must be a number")
-    for name in _INTEGERS:
-        value = data.get(name)
-        if value is not None and not _is_int(value):
-            raise _invalid(name, "must be an integer")
-    for name in _BOOLEANS:
-        value = data.get(name)
-        if value is not None and not isinstance(value, bool):
-            raise _invalid(name, "must be true or false")
+    check_field_types(data, numbers=_NUMBERS, integers=_INTEGERS, booleans=_BOOLEANS)
     stop = data.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(item, str) for item in stop)):
@@ -298,9 +285,9 @@ def _embedding_input(data: dict[str, Any], settings: AdmissionConfig) -> tuple[s
         raise _invalid("input", rule)
     if all(isinstance(item, str) for item in value):
         return "\n".join(value), sum(estimate_tokens(item, settings) for item in value)
-    if all(_is_int(item) for item in value):
+    if all(is_int(item) for item in value):
         return "", len(value)
-    if all(isinstance(item, list) and item and all(_is_int(t) for t in item) for item in value):
+    if all(isinstance(item, list) and item and all(is_int(t) for t in item) for item in value):
         return "", sum(len(item) for item in value)
     raise _invalid("input", rule)
 
@@ -356,8 +343,8 @@ def _max_output_tokens(data: dict[str, Any], default: int) -> tuple[int, bool]:
     value = data.get("max_output_tokens")
     if value is None:
         return default, False
-    if not _is_int(value) or not 1 <= value <= MAX_TOKENS_REQUESTED:
-        got = shown(value) if _is_int(value) else json.dumps(value)[:40]
+    if not is_int(value) or not 1 <= value <= MAX_TOKENS_REQUESTED:
+        got = shown(value) if is_int(value) else json.dumps(value)[:40]
         raise _invalid("max_output_tokens", f"must be an integer 1-{MAX_TOKENS_REQUESTED}, got {got}")
     return value, True
 
@@ -407,7 +394,7 @@ def parse_openai_body(raw: bytes, api: str, config: Config) -> OpenAIBody:
             raise _invalid("stream_options.include_usage", "must be true or false")
     for name in ("n", "best_of", "n_cmpl"):
         value = data.get(name)
-        if value is not None and (not _is_int(value) or value != 1):
+        if value is not None and (not is_int(value) or value != 1):
             raise _invalid(name, "must be 1: apsd schedules, reserves and bills one sequence per request "
                            "(send several requests for several choices)")
     payload = {key: value for key, value in data.items() if key not in _NOT_RELAYED}
@@ -419,7 +406,7 @@ def parse_openai_body(raw: bytes, api: str, config: Config) -> OpenAIBody:
 
 def _priority(data: dict[str, Any]) -> int | None:
     priority = data.get("priority")
-    if priority is not None and not _is_int(priority):
+    if priority is not None and not is_int(priority):
         raise _invalid("priority", "must be an integer (lower is served sooner, as in vLLM; default 0)")
     return priority
 
