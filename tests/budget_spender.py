@@ -71,8 +71,12 @@ class Spender:
     async def spend(self, urls: list[str], tenant: str, count: int = 200, per_pool: int = 10) -> None:
         """``count`` clients at once, spread over the daemons at ``urls`` (httpx pools of ``per_pool``
         clients each: one pool of 200 connections costs more than the daemon)."""
-        pools = [httpx.AsyncClient(base_url=urls[i % len(urls)], timeout=60) for i in range(count // per_pool)]
-        admins = [httpx.AsyncClient(base_url=url, timeout=60) for url in urls]
+        # (no connection kept alive: a daemon closes one idle for 5 s, and a request sent on it as it closes
+        # gets no answer at all, on a loaded machine now and then)
+        fresh = httpx.Limits(max_keepalive_connections=0)
+        pools = [httpx.AsyncClient(base_url=urls[i % len(urls)], timeout=60, limits=fresh)
+                 for i in range(count // per_pool)]
+        admins = [httpx.AsyncClient(base_url=url, timeout=60, limits=fresh) for url in urls]
         try:
             async with trio.open_nursery() as nursery:
                 for number in range(count):

@@ -312,10 +312,17 @@ class HttpBackendClient:
 
     async def _get(self, backend: Backend, path: str) -> httpx.Response:
         """A GET of one of its small endpoints (health, models, metrics), answered within
-        ``health_timeout_s``: a stalled server (stopped, hung) is found out in seconds, not minutes."""
+        ``health_timeout_s``: a stalled server (stopped, hung) is found out in seconds, not minutes.
+        Asked once more at once on a fresh connection when the server closed a kept-alive one as it was
+        reused (it closes those idle for a few seconds; the GET never reached it): that is not a server
+        down."""
+        url = backend.config.url.rstrip("/") + path
         try:
             with trio.fail_after(self.settings.health_timeout_s):
-                return await self._client.get(backend.config.url.rstrip("/") + path, headers=self._headers(backend))
+                try:
+                    return await self._client.get(url, headers=self._headers(backend))
+                except httpx.RemoteProtocolError:
+                    return await self._client.get(url, headers=self._headers(backend))
         except (httpx.HTTPError, trio.TooSlowError) as exc:
             raise BackendError(502, "backend_unreachable", f"backend {backend.name}: {_describe(exc)}",
                                retryable=True, unhealthy=True) from None
