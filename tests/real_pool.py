@@ -160,7 +160,7 @@ async def open_pool(server_url: str, model: str, *, slots: int = 4, replicas: in
     ``-np`` or ``--max-num-seqs``), more ``[[backends]]`` keys (``backend``) and ``classes`` (every tenant may
     use each), ready once they see it healthy."""
     config = forwarding_config([server_url], TENANTS, preset=preset, max_concurrency=slots, backend=backend,
-                               first_token_timeout_s=120.0)
+                               first_token_timeout_s=120.0, health_timeout_s=30.0)   # (a busy 2-core machine)
     config = attrs.evolve(config, state=StateConfig(kind="off"))   # (nothing of these runs is kept)
     if classes:
         config = attrs.evolve(config, classes=classes, tenants={

@@ -88,7 +88,10 @@ def plain_vllm(vllm_servers: list[VllmServer]) -> VllmServer:
 async def start(nursery: trio.Nursery, servers: list[VllmServer], *, max_concurrency: int = 4,
                 backend: dict[str, Any] | None = None, sections: dict[str, dict[str, Any]] | None = None,
                 **forward: Any) -> LiveDaemon:
-    """An apsd daemon forwarding to ``servers`` (b0, b1, ...), once it sees them all up."""
+    """An apsd daemon forwarding to ``servers`` (b0, b1, ...), once it sees them all up. (A vLLM on one
+    busy core answers ``/health`` slowly while it streams and is read for metrics ten times a second: these
+    tests give it 30 s, not the default 5 s, so a slow answer is not taken for a server down.)"""
+    forward = {"health_timeout_s": 30.0, **forward}
     config = forwarding_config([s.url for s in servers], TENANTS, max_concurrency=max_concurrency, backend=backend,
                                sections=sections, **forward)
     running = await start_daemon(nursery, config)
