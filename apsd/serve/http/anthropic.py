@@ -55,6 +55,7 @@ from apsd.serve.http.common import (
     invalid_field,
     is_int,
     note_tenant,
+    outcome_or_cancel,
     parse_json_object,
     service_class,
     shown,
@@ -445,11 +446,7 @@ async def messages(caller: Caller) -> Response:
         return error_response(refusal)
     if body.stream:
         return await _stream_answer(pipeline, inference, body)
-    try:
-        outcome = await inference.reply.wait()
-    finally:  # the client went away (the handler is cancelled): the request is cancelled
-        if not inference.answered:
-            pipeline.cancel(inference)
+    outcome = await outcome_or_cancel(pipeline, inference)
     if isinstance(outcome, Refusal):
         return error_response(outcome)
     answer = outcome.response if outcome.response is not None else _built_answer(body, outcome)

@@ -35,7 +35,7 @@ from apsd.serve.prometheus import PrometheusExporter
 if TYPE_CHECKING:
     from apsd.state.keeper import StateKeeper
 
-__all__ = ["BodyError", "HttpState", "check_field_types", "invalid_field", "is_int", "REQUEST_ID_HEADER", "client_request_id", "MAX_TENANT_ID_CHARS", "MAX_TOKENS_REQUESTED", "ShieldResponseEnd",
+__all__ = ["BodyError", "HttpState", "check_field_types", "invalid_field", "is_int", "outcome_or_cancel", "REQUEST_ID_HEADER", "client_request_id", "MAX_TENANT_ID_CHARS", "MAX_TOKENS_REQUESTED", "ShieldResponseEnd",
            "authenticated", "check_prompt_length", "error_response", "http_state", "json_response",
            "note_tenant", "noted_tenant", "parse_json_object", "read_unread_body", "rounded", "shown"]
 
@@ -134,6 +134,16 @@ def note_tenant(tenant_id: str) -> None:
 def noted_tenant() -> str | None:
     """The tenant :func:`note_tenant` named for the current request (None: none yet)."""
     return g.get("apsd_tenant")
+
+
+async def outcome_or_cancel(pipeline: Any, inference: Any) -> Any:
+    """The answer to ``inference`` (a whole one: not streamed); a client that goes away meanwhile (the
+    handler is cancelled) cancels the request."""
+    try:
+        return await inference.reply.wait()
+    finally:
+        if not inference.answered:
+            pipeline.cancel(inference)
 
 
 def invalid_field(field: str, rule: str, error: str = "invalid_field") -> BodyError:

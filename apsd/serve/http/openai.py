@@ -53,7 +53,7 @@ from apsd.core.config import DEFAULT_BID, AdmissionConfig, Config, TenantConfig,
 from apsd.core.models import LENGTH_ALIASES, OPENAI_APIS, Completion, InferenceRequest, Refusal
 from apsd.pipeline import Pipeline
 from apsd.core.streams import TokenChunk, TokenStream
-from apsd.serve.http.common import (MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated,
+from apsd.serve.http.common import (outcome_or_cancel, MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated,
                                     check_field_types, check_prompt_length, client_request_id, http_state, is_int,
                                     note_tenant, parse_json_object, service_class, shown)
 
@@ -668,11 +668,7 @@ async def _complete(api: str, caller: Caller) -> Response:
         return _refused(refusal)
     if body.stream:
         return await _stream_answer(pipeline, inference, body)
-    try:
-        outcome = await inference.reply.wait()
-    finally:  # the client went away (the handler is cancelled): the request is cancelled
-        if not inference.answered:
-            pipeline.cancel(inference)
+    outcome = await outcome_or_cancel(pipeline, inference)
     if isinstance(outcome, Refusal):
         return _refused(outcome)
     headers = {"X-Request-Id": outcome.request_id, **pipeline.admission.rate_limit_headers(outcome.tenant_id),
