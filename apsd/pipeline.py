@@ -159,9 +159,11 @@ class Pipeline:
         forward engine's backends' slots, the one ``[store]`` asks for unless given (this process's own
         when a store is given)."""
         clock = ModelClock(time_scale=config.gpu.time_scale)
-        if slots is None:
-            slots = build_slot_table(config, clock) if store is None else LocalSlots()
-        store = store if store is not None else build_store(config)
+        if store is None:
+            store = build_store(config)
+            slots = slots if slots is not None else build_slot_table(config, clock, store)
+        elif slots is None:
+            slots = LocalSlots()
         ledger = Ledger(tenant_names=config.tenants, clock=clock, events=EventBus(policies.plugin_manager))
         scheduler = Scheduler(policies=policies, ledger=ledger, clock=clock, queue_timeout_s=config.queue.timeout_s)
         engines = build_engines(config, ledger=ledger, clock=clock, rank=scheduler.rank,

@@ -33,7 +33,10 @@ replicas together spend at most the budget plus what requests used beyond their 
 the store counted is the period's spend every replica reports. A replica keeps a lease of a quarter
 of its share of what is left while idle (``(budget - spent) / (4 * replicas)``), twice its last
 interval's demand while busy, and room for the requests it refused until they are due back; it
-returns the rest. A replica that is not seen for :data:`LEASE_TTL_S` loses its lease, which the store
+returns the rest. While another replica's refused requests wait for more than is unleased (the store
+tells every replica what they are short of), no replica keeps an idle share, and of two replicas each
+short for its own refused requests, the one further from serving them gives back its lease (else two
+replicas holding halves of a budget's last request would wait on each other until the period ends). A replica that is not seen for :data:`LEASE_TTL_S` loses its lease, which the store
 counts as spent (it may have been, unreported) until that replica reports what it really spent: a replica
 that never comes back strands at most its lease for the period, and a long outage never spends a lease
 twice. A replica cut off from the store stops admitting from its lease :data:`LEASE_FRESH_S` after its
@@ -208,6 +211,9 @@ class BudgetAsk:
     #: What this replica holds of the budget after this exchange's return, before the grant.
     holding: float
     want: float
+    #: What the requests this replica refused for want of a lease need beyond what it holds (0: none
+    #: waits). The store tells the other replicas, which give back their idle leases for them.
+    short: float = 0.0
 
 
 @attrs.define
@@ -233,11 +239,15 @@ class _Account:
     #: Room the lease keeps for refused requests, until (trio seconds) their clients are due back.
     waiting: float = 0.0
     waiting_until: float = 0.0
+    #: What those requests need beyond the lease, as last told the store.
+    short: float = 0.0
     #: Whether the shared store has answered for this account since it was made, and when (trio seconds).
     exchanged: bool = False
     exchanged_at: float = 0.0
     #: What no replica held or spent of the budget, at the last exchange.
     unleased: float = 0.0
+    #: What the other replicas' refused requests were short of, at the last exchange (0: none waits).
+    others_short: float = 0.0
 
     @property
     def unexchanged(self) -> int:
@@ -389,17 +399,29 @@ class Budgets:
                 account.waiting = 0.0
             account.waiting = max(account.waiting, float(account.refused))
             left = max(0.0, limit.limit - account.spent - unexchanged)
-            target = max(2.0 * account.taken, account.waiting, IDLE_SHARE * left / max(1, self.replicas))
-            # (slack on the way back: an idle lease is not trimmed at every exchange as the others'
-            # spending shrinks its share a little)
+            short = max(0.0, account.waiting - free)
+            if account.others_short <= 0:
+                target = max(2.0 * account.taken, account.waiting, IDLE_SHARE * left / max(1, self.replicas))
+                # (slack on the way back: an idle lease is not trimmed at every exchange as the others'
+                # spending shrinks its share a little)
+                returned = free - target if free > 1.5 * target else 0.0
+            else:
+                # Another replica's refused requests wait for what is not leased: no idle share is kept
+                # for them to wait on. A replica whose own refused requests are at least as far from
+                # being served gives back all it holds and does not reserve, so that the closer one is
+                # served (two replicas each holding part of what is left would otherwise wait on each
+                # other); one that holds nothing to give asks, so that of two equally far one is served.
+                yields = free > 0 and short >= account.others_short
+                target = 0.0 if yields else max(2.0 * account.taken, account.waiting)
+                returned = max(0.0, free - target)
             want = max(0.0, target - free)
-            returned = free - target if free > 1.5 * target else 0.0
-            changes = want > 0 or returned > 0 or unexchanged or not account.exchanged
+            changes = want > 0 or returned > 0 or unexchanged or not account.exchanged or short != account.short
             if not changes and (reads <= 0 or now - account.exchanged_at < READ_S):
                 continue
             reads -= 0 if changes else 1
+            account.short = short
             asks.append(BudgetAsk(name, account.key, limit.limit, account.settled_total,
-                                  account.acknowledged, account.spent, holding - returned, want))
+                                  account.acknowledged, account.spent, holding - returned, want, short))
         return asks
 
     def releases(self, limits: Mapping[str, BudgetLimit]) -> list[BudgetAsk]:
@@ -414,9 +436,10 @@ class Budgets:
                                   account.acknowledged, account.spent, float(account.reserved), 0.0))
         return asks
 
-    def exchanged(self, ask: BudgetAsk, granted: float, spent: int, unleased: float) -> None:
+    def exchanged(self, ask: BudgetAsk, granted: float, spent: int, unleased: float, others_short: float = 0.0) -> None:
         """The store's answer to ``ask``: the lease is what this replica said it holds plus the grant
-        (what it reserved or settled since the ask comes out of it, as usual)."""
+        (what it reserved or settled since the ask comes out of it, as usual); ``others_short``: what
+        the other replicas' refused requests were short of (their last ``short``)."""
         account = self._accounts.get(ask.account)
         if account is None or account.key != ask.period:
             return  # (the period ended meanwhile: the new one starts its own lease)
@@ -424,5 +447,6 @@ class Budgets:
         account.acknowledged = max(account.acknowledged, ask.settled)
         account.spent = spent
         account.unleased = unleased
+        account.others_short = others_short
         account.taken = account.refused = 0
         account.exchanged, account.exchanged_at = True, trio.current_time()

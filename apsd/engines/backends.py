@@ -224,8 +224,8 @@ class BackendClient(Protocol):
     async def list_models(self, backend: Backend) -> list[str]:
         """The model ids its ``/v1/models`` lists; raises BackendError."""
 
-    async def check_health(self, backend: Backend) -> bool:
-        """Whether it answers its health check now (never raises)."""
+    async def check_health(self, backend: Backend) -> str | None:
+        """None when it passes its health check now, else why it does not (for the log). Never raises."""
 
     async def read_load(self, backend: Backend) -> BackendLoad | None:
         """Its load from its metrics; None when it exports none; raises BackendError when unreachable."""
@@ -336,14 +336,18 @@ class HttpBackendClient:
             raise BackendError(502, "backend_failed", f"backend {backend.name}: /v1/models: {_describe(exc)}",
                                retryable=True) from None
 
-    async def check_health(self, backend: Backend) -> bool:
+    async def check_health(self, backend: Backend) -> str | None:
+        path = "/health"
         try:
-            response = await self._get(backend, "/health")
+            response = await self._get(backend, path)
             if response.status_code == 404:  # (no /health: an OpenAI server without it)
-                response = await self._get(backend, "/v1/models")
-        except BackendError:
-            return False
-        return response.status_code == 200
+                path = "/v1/models"
+                response = await self._get(backend, path)
+        except BackendError as error:
+            return error.message
+        if response.status_code != 200:
+            return f"its {path} answered {response.status_code}: {response.text[:200]}"
+        return None
 
     async def server_kind(self, backend: Backend) -> str:
         probes = (("/props", "llama.cpp", "default_generation_settings"),
@@ -809,13 +813,13 @@ class SimulatedBackendClient:
         await trio.lowlevel.checkpoint()
         return list(self._server(backend).models)
 
-    async def check_health(self, backend: Backend) -> bool:
+    async def check_health(self, backend: Backend) -> str | None:
         await trio.lowlevel.checkpoint()
         server = self.servers[backend.name]
         if server.stalled and not server.down:
             await self.clock.sleep(server.stall_s)   # (the client's health timeout)
-            return False
-        return not server.down
+            return "no answer within health_timeout_s"
+        return "it is down" if server.down else None
 
     async def _stall(self, server: SimulatedServer) -> None:
         """A stalled server answers nothing: wait while it stays stalled."""

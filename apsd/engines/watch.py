@@ -75,7 +75,8 @@ class BackendWatch:
             await self.clock.sleep_until(min(next_health, next_metrics) if reads_metrics else next_health)
 
     async def _check_health(self, backend: Backend) -> None:
-        healthy = await self.client.check_health(backend)
+        failure = await self.client.check_health(backend)
+        healthy = failure is None
         if healthy and not backend.models:
             try:
                 backend.models = tuple(await self.client.list_models(backend))
@@ -99,7 +100,7 @@ class BackendWatch:
             self._note_served()
             self.on_change()
         elif not healthy and backend.healthy:
-            self.mark_down(backend, "its health check failed")
+            self.mark_down(backend, f"its health check failed: {failure}")
 
     def mark_down(self, backend: Backend, why: str) -> None:
         """Take ``backend`` out of service until its health check passes; the engine hands back what

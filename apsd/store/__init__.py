@@ -33,13 +33,17 @@ __all__ = ["Bucket", "BucketView", "MemoryStore", "SharedService", "Store", "Sto
            "build_store"]
 
 
-def build_slot_table(config: Config, clock: ModelClock) -> SlotTable:
+def build_slot_table(config: Config, clock: ModelClock, store: Store) -> SlotTable:
     """The table of the forward engine's backends' slots: this process's own, or (``[store] kind =
-    "redis"``) shared by every replica (:mod:`apsd.store.redis_slots`; not started: run its ``run``)."""
+    "redis"``) shared by every replica (:mod:`apsd.store.redis_slots`; not started: run its ``run``),
+    under the replica name of ``store`` (the one :func:`build_store` made of the same config): both
+    count the replicas in the same Redis set, where a replica must be one name."""
     if config.store.shared and config.engine.kind == "forward":
+        from apsd.store.leasing import LeasingStore
         from apsd.store.redis_slots import RedisSlots
 
-        return RedisSlots(config.store, clock)
+        assert isinstance(store, LeasingStore), "a shared [store] is leased"
+        return RedisSlots(config.store, clock, replica=store.replica_id)
     return LocalSlots()
 
 

@@ -123,13 +123,14 @@ class SharedSession(Protocol):
         """Add ``given`` (tenant -> weighted service) to the totals and mark ``replica`` seen now;
         (replicas seen in the last second, every tenant's total)."""
 
-    async def budget(self, replica: str, asks: Sequence[BudgetAsk]) -> list[tuple[float, int, float]]:
+    async def budget(self, replica: str, asks: Sequence[BudgetAsk]) -> list[tuple[float, int, float, float]]:
         """For each ask, on the tenant's account for its period: count what ``replica`` settled that was
         not counted yet (its ``settled`` total against what the account last counted for it, else
-        against ``acknowledged``), raise the spend to ``known_spent`` if it is below (a state that lost
+        against ``acknowledged``), start from ``known_spent`` when it has no spend (a state that lost
         the account), drop the leases of replicas not seen for ``LEASE_TTL_S``, set ``replica``'s
-        lease to ``holding`` and grant up to ``want`` of what no replica spent or holds; per ask,
-        (granted, the period's spend, what is left unleased after the grant)."""
+        lease to ``holding``, grant up to ``want`` of what no replica spent or holds, and keep what
+        ``replica`` is ``short`` of beyond the grant; per ask, (granted, the period's spend, what is left
+        unleased after the grant, what the other replicas seen are short of)."""
 
 
 class SharedState(Protocol):
@@ -448,8 +449,8 @@ class LeasingStore:
         budgets.replicas = self.replicas
         asks = budgets.asks(budgets.limits(), READS_PER_EXCHANGE)
         if asks:
-            for ask, (granted, spent, unleased) in zip(asks, await session.budget(self.replica_id, asks)):
-                budgets.exchanged(ask, granted, spent, unleased)
+            for ask, answer in zip(asks, await session.budget(self.replica_id, asks)):
+                budgets.exchanged(ask, *answer)
 
     def _unavailable(self, exc: BaseException) -> None:
         """An exchange failed: switch to ``on_unavailable`` (logged once per outage)."""

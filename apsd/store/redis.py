@@ -90,10 +90,12 @@ return out
 """
 
 #: KEYS: one budget account per tenant and period. ARGV: replica, lease TTL (s), key TTL (s), then per
-#: account budget, settled, acknowledged, known_spent, holding, want (the fields of BudgetAsk).
-#: Returns per account: granted, the period's spend, what is left unleased (as strings).
+#: account budget, settled, acknowledged, known_spent, holding, want, short (the fields of BudgetAsk).
+#: Returns per account: granted, the period's spend, what is left unleased, what the other replicas seen
+#: are short of (as strings).
 #: The account is a hash: ``spent``; per replica ``settled:<id>`` (its settled total last counted),
-#: ``lease:<id>`` (what it holds) and ``seen:<id>`` (Redis's TIME at its last exchange); a replica not seen
+#: ``lease:<id>`` (what it holds), ``short:<id>`` (what its refused requests need beyond its lease and
+#: this grant; absent: 0) and ``seen:<id>`` (Redis's TIME at its last exchange); a replica not seen
 #: for the lease TTL loses its lease, counted as spent (``presumed:<id>``) until it reports what it spent.
 BUDGET_SCRIPT = """
 local t = redis.call('TIME')
@@ -101,13 +103,17 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local replica, lease_ttl, key_ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local out = {}
 for i, key in ipairs(KEYS) do
-  local b = 4 + 6 * (i - 1)
+  local b = 4 + 7 * (i - 1)
   local budget, settled, acked = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
   local known, holding, want = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5])
+  local short = tonumber(ARGV[b + 6])
+  local others_short = 0
   local fields = {}
   local all = redis.call('HGETALL', key)
   for j = 1, #all, 2 do fields[all[j]] = all[j + 1] end
-  local spent = math.max(tonumber(fields['spent'] or '0'), known)  -- (a Redis that lost it: written back)
+  -- (a Redis that lost it: written back. Only then: what a replica heard may hold a presumption its
+  -- replica has since replaced by what it really spent)
+  local spent = tonumber(fields['spent'] or '') or known
   local base = tonumber(fields['settled:' .. replica] or acked)
   local presumed = tonumber(fields['presumed:' .. replica] or '0')
   if presumed > 0 then  -- back after its lease was presumed spent: what it reports replaces the presumption
@@ -124,10 +130,11 @@ for i, key in ipairs(KEYS) do
           -- (a replica not seen may have spent its lease unreported: presumed spent until it reports)
           local lease = tonumber(fields['lease:' .. other] or '0')
           spent = spent + lease
-          redis.call('HDEL', key, name, 'lease:' .. other)
+          redis.call('HDEL', key, name, 'lease:' .. other, 'short:' .. other)
           redis.call('HSET', key, 'presumed:' .. other, tostring(tonumber(fields['presumed:' .. other] or '0') + lease))
         else
           others = others + tonumber(fields['lease:' .. other] or '0')
+          others_short = others_short + tonumber(fields['short:' .. other] or '0')
         end
       end
     end
@@ -137,10 +144,16 @@ for i, key in ipairs(KEYS) do
   if want > 0 and unleased > 0 then grant = math.min(want, unleased) end
   redis.call('HSET', key, 'spent', tostring(spent), 'settled:' .. replica, tostring(math.max(settled, base)),
              'lease:' .. replica, tostring(holding + grant), 'seen:' .. replica, tostring(now))
+  if short - grant > 0 then
+    redis.call('HSET', key, 'short:' .. replica, tostring(short - grant))
+  else
+    redis.call('HDEL', key, 'short:' .. replica)
+  end
   redis.call('EXPIRE', key, key_ttl)
-  out[3 * i - 2] = tostring(grant)
-  out[3 * i - 1] = tostring(spent)
-  out[3 * i] = tostring(unleased - grant)
+  out[4 * i - 3] = tostring(grant)
+  out[4 * i - 2] = tostring(spent)
+  out[4 * i - 1] = tostring(unleased - grant)
+  out[4 * i] = tostring(others_short)
 end
 return out
 """
@@ -209,15 +222,15 @@ class _RedisSession:
     def __init__(self, prefix: str, lease: _Script, service: _Script, budget: _Script) -> None:
         self._prefix, self._lease, self._service, self._budget = prefix, lease, service, budget
 
-    async def budget(self, replica: str, asks: Sequence[BudgetAsk]) -> list[tuple[float, int, float]]:
+    async def budget(self, replica: str, asks: Sequence[BudgetAsk]) -> list[tuple[float, int, float, float]]:
         args = [replica, repr(LEASE_TTL_S), str(BUDGET_TTL_S)]
         for ask in asks:
             args += [str(ask.budget), str(ask.settled), str(ask.acknowledged), str(ask.known_spent),
-                     repr(ask.holding), repr(ask.want)]
+                     repr(ask.holding), repr(ask.want), repr(ask.short)]
         result = await self._budget(keys=[redis_budget_key(self._prefix, ask.account, ask.period) for ask in asks],
                                     args=args)
-        return [(float(result[3 * i]), int(float(result[3 * i + 1])), float(result[3 * i + 2]))
-                for i in range(len(asks))]
+        return [(float(result[4 * i]), int(float(result[4 * i + 1])), float(result[4 * i + 2]),
+                 float(result[4 * i + 3])) for i in range(len(asks))]
 
     async def lease(self, asks: Sequence[LeaseAsk]) -> list[tuple[float, float]]:
         args = [str(BUCKET_TTL_S)]

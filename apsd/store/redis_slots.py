@@ -9,11 +9,12 @@ atomic in Redis:
 * **claim** a slot: granted if the hash holds fewer leases than the backend's ``max_concurrency``;
   else, naming a *victim* (a lease the engine chose to preempt, :mod:`apsd.engines.preemption`), the
   claim is recorded on the victim (its slot passes to the claimant when it is released) and the
-  victim's replica is ordered to preempt it; else refused.
+  victim's replica is ordered to preempt it; else refused. A claim not granted reads back the
+  backend's leases (a full table: the claimant chooses its next victim among them).
 * **release** a lease: its slot is free, or passes to the lease recorded on it.
 * **renew** this replica's leases (their expiry, and what the others need to choose victims: first
   token, preemptible, preemptions), every ``[store] sync_interval_s``, reading back every backend's
-  leases: what this replica knows of the others' is at most that old.
+  leases: what this replica knows of the others' is at most that old, or as new as its last refused claim.
 
 Leases expire :data:`LEASE_TTL_S` after their replica last renewed them: a replica that dies gives its
 slots back within seconds (and a claim recorded on one of them is granted then). Orders (preempt this
@@ -93,11 +94,14 @@ end
 """
 
 #: KEYS: the backend's hash. ARGV: capacity, ttl, orders prefix, lease id, record, victim id ('' none).
-#: Returns the status (granted, pending, refused), then the hash's leases (:func:`_leases`).
+#: Returns the status (granted, pending, refused), then, unless granted, the hash's leases (9 fields a
+#: lease, as RENEW_SCRIPT's): what the claimant needs to choose a victim next time. A granted claim
+#: reads nothing back: under hundreds of concurrent claims, sending every one the whole table made each
+#: answer O(leases) to parse, and the exchanges timed out. Expired leases are swept only from a full hash.
 CLAIM_SCRIPT = _COMMON + """
 local key, t = KEYS[1], now()
 local cap, ttl, orders = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
-sweep(key, t, ttl, orders)
+if redis.call('HLEN', key) >= cap then sweep(key, t, ttl, orders) end
 local rec = cjson.decode(ARGV[5])
 local status = 'refused'
 if redis.call('HEXISTS', key, ARGV[4]) == 1 then
@@ -120,13 +124,14 @@ elseif ARGV[6] ~= '' then
     end
   end
 end
+if status == 'granted' then return {status} end
 local out = view(key, t)
 table.insert(out, 1, status)
 return out
 """
 
 #: KEYS: the backend's hash. ARGV: ttl, orders prefix, lease id. Returns the id of the lease its slot
-#: passed to ('' none), then the hash's leases.
+#: passed to ('' none). (Expired leases are swept by claims on a full hash and by every renewal.)
 RELEASE_SCRIPT = _COMMON + """
 local key, t = KEYS[1], now()
 local ttl, orders = tonumber(ARGV[1]), ARGV[2]
@@ -137,10 +142,7 @@ if v then
   local rec = cjson.decode(v)
   if rec.y then heir = grant(key, rec.y, t, ttl, orders) end
 end
-sweep(key, t, ttl, orders)
-local out = view(key, t)
-table.insert(out, 1, heir)
-return out
+return heir
 """
 
 #: KEYS: the backends' hashes, then the replicas' sorted set. ARGV: replica, ttl, orders prefix, then per
@@ -307,8 +309,9 @@ class RedisSlots:
         except Exception as exc:   # (unreachable, timed out: this replica goes on alone)
             self._unavailable(exc)
             return await self._confirm_alone(lease, capacity, victim)
-        self._read(lease.backend, result[1:])
         status = result[0]
+        if status != "granted":   # (the table as it is: the others hold every slot)
+            self._read(lease.backend, result[1:])
         if status == "granted":
             lease.granted.set()
         elif status == "refused":
@@ -429,9 +432,8 @@ class RedisSlots:
             key = self._key(lease.backend)
             with trio.fail_after(CALL_TIMEOUT_S):
                 if op == "release":
-                    result = await self._release(keys=[key], args=[repr(LEASE_TTL_S), self._orders, lease.lease_id])
-                    self._granted(result[0])
-                    self._read(lease.backend, result[1:])
+                    self._granted(await self._release(keys=[key], args=[repr(LEASE_TTL_S), self._orders,
+                                                                         lease.lease_id]))
                 elif op == "abandon":
                     await self._withdraw(keys=[key], args=[self._orders, lease.lease_id, ""])
                 else:   # withdraw: a claimant that gave up waiting

@@ -55,33 +55,39 @@ class SimulatedSharedState:
             out.append((grant, tokens - grant))
         return out
 
-    async def budget(self, replica: str, asks: Sequence[BudgetAsk]) -> list[tuple[float, int, float]]:
+    async def budget(self, replica: str, asks: Sequence[BudgetAsk]) -> list[tuple[float, int, float, float]]:
         await trio.sleep(self.delay_s)
         now = trio.current_time()
         out = []
         for ask in asks:
             account = self.budgets.setdefault((ask.account, ask.period), {})
-            spent = max(account.get("spent", 0), ask.known_spent)
+            spent = account.get("spent", ask.known_spent)   # (lost: written back; see BUDGET_SCRIPT)
             base = account.get(f"settled:{replica}", ask.acknowledged)
             presumed = account.pop(f"presumed:{replica}", 0)
             if presumed > 0:   # (back: what it reports replaces the presumption)
                 spent = max(0, spent - presumed)
             if ask.settled > base:
                 spent += ask.settled - base
-            others = 0.0
+            others = others_short = 0.0
             for name in [f[5:] for f in account if f.startswith("seen:") and f[5:] != replica]:
                 if now - account[f"seen:{name}"] > LEASE_TTL_S:   # (its lease presumed spent, unreported)
                     lease = account.pop(f"lease:{name}")
                     spent += lease
                     account[f"presumed:{name}"] = account.get(f"presumed:{name}", 0) + lease
                     del account[f"seen:{name}"]
+                    account.pop(f"short:{name}", None)
                 else:
                     others += account[f"lease:{name}"]
+                    others_short += account.get(f"short:{name}", 0.0)
             unleased = ask.budget - spent - others - ask.holding
             grant = min(ask.want, unleased) if ask.want > 0 and unleased > 0 else 0.0
             account.update({"spent": spent, f"settled:{replica}": max(ask.settled, base),
                             f"lease:{replica}": ask.holding + grant, f"seen:{replica}": now})
-            out.append((grant, int(spent), unleased - grant))
+            if ask.short - grant > 0:
+                account[f"short:{replica}"] = ask.short - grant
+            else:
+                account.pop(f"short:{replica}", None)
+            out.append((grant, int(spent), unleased - grant, others_short))
         return out
 
     async def service(self, replica: str, given: Mapping[str, float]) -> tuple[int, dict[str, float]]:

@@ -14,8 +14,9 @@ from apsd.core.clock import ModelClock
 from apsd.core.config import StoreConfig
 from apsd.core.slots import Lease
 from apsd.store.redis_slots import LEASE_TTL_S, RedisSlots
-from tests.helpers import wait_until
+from tests.helpers import forwarding_config, start_daemon, wait_until
 from tests.redis_server import open_redis_server
+from tests.standin_backend import start_standin_backend, well_behaved
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -125,3 +126,19 @@ async def test_without_redis_each_replica_keeps_to_its_share_and_its_leases_come
         await redis.start()
         await wait_until(lambda: one.available and two.available)
         await wait_until(lambda: sorted(l.lease_id for l in two.leases("b")) == ["one-0", "one-1"])
+
+
+async def test_two_daemons_count_two_replicas_in_their_shared_buckets_and_slots(nursery):
+    """A daemon's shared buckets and shared slots name it alike in Redis's set of replicas: two
+    daemons are two replicas to both (each share of a bucket or of a backend's slots is a half), not
+    four (each would keep to a quarter while Redis is unreachable)."""
+    backend = await start_standin_backend(nursery, well_behaved)
+    async with open_redis_server() as redis, trio.open_nursery() as daemons:
+        sections = {"store": {"kind": "redis", "url": redis.url, "sync_interval_s": 0.05}}
+        config = forwarding_config([backend.url], {}, sections=sections)
+        running = [await start_daemon(daemons, config) for _ in range(2)]
+        pipelines = [r.daemon.pipeline for r in running]
+        await wait_until(lambda: all(p.store.statistics().replicas >= 2 and p.slots.replicas >= 2 for p in pipelines))
+        await trio.sleep(0.5)   # (10 exchanges more each)
+        assert [(p.store.statistics().replicas, p.slots.replicas) for p in pipelines] == [(2, 2), (2, 2)]
+        daemons.cancel_scope.cancel()

@@ -350,7 +350,8 @@ async def test_the_simulated_shared_state_exchanges_as_the_lua_scripts_do():
                 replica, settled = rng.choice("abc"), rng.choice([0, 30, 90, 400])
                 budget_asks = [BudgetAsk(f"t{rng.randrange(3)}", rng.choice(["2026-11-26", "2026-11-27"]), 1000,
                                          settled, rng.choice([0, settled // 2, settled]), rng.choice([0, 0, 200]),
-                                         float(rng.choice([0, 60, 250])), float(rng.choice([0, 30, 500])))
+                                         float(rng.choice([0, 60, 250])), float(rng.choice([0, 30, 500])),
+                                         float(rng.choice([0, 0, 40, 700])))
                                for _ in range(rng.randint(1, 3))]
                 budget_asks = list({(a.account, a.period): a for a in budget_asks}.values())
                 remote, local = await session.budget(replica, budget_asks), await simulated.budget(replica, budget_asks)
@@ -601,16 +602,16 @@ async def test_a_vanished_replicas_budget_lease_goes_back_after_the_lease_ttl(mo
             def ask(settled: int, holding: float, want: float) -> BudgetAsk:
                 return BudgetAsk("t", "2026-11-26", 3000, settled, 0, 0, holding, want)
 
-            assert await session.budget("gone", [ask(0, 0, 1000)]) == [(1000.0, 0, 2000.0)]
-            assert await session.budget("other", [ask(0, 0, 3000)]) == [(2000.0, 0, 0.0)]
+            assert await session.budget("gone", [ask(0, 0, 1000)]) == [(1000.0, 0, 2000.0, 0.0)]
+            assert await session.budget("other", [ask(0, 0, 3000)]) == [(2000.0, 0, 0.0, 0.0)]
             await session.budget("gone", [ask(100, 900, 0)])                # it spent 100, holds 900, then vanishes
             assert (await session.budget("other", [ask(0, 2000, 0)]))[0][1] == 100
             await trio.sleep(0.5)                                           # (real time: Redis's clock)
             # its lease is dropped and presumed spent (it may have spent it unreported): nothing to grant
-            assert await session.budget("other", [ask(0, 2000, 3000)]) == [(0.0, 1000, 0.0)]
+            assert await session.budget("other", [ask(0, 2000, 3000)]) == [(0.0, 1000, 0.0, 0.0)]
             # back, it reports 300 spent in all and claims no lease: the 700 it did not spend are free again
-            assert await session.budget("gone", [ask(300, 0, 0)]) == [(0.0, 300, 700.0)]
-            assert await session.budget("other", [ask(0, 2000, 3000)]) == [(700.0, 300, 0.0)]
+            assert await session.budget("gone", [ask(300, 0, 0)]) == [(0.0, 300, 700.0, 0.0)]
+            assert await session.budget("other", [ask(0, 2000, 3000)]) == [(700.0, 300, 0.0, 0.0)]
 
 
 async def test_a_replica_stopped_cleanly_returns_its_budget_lease(virtual_pipeline, autojump_clock):

@@ -355,3 +355,55 @@ async def test_a_replica_cut_off_from_the_store_never_lets_its_lease_be_spent_tw
             assert spent <= 1000
         await trio.sleep(0.5)
     assert spent == 1000
+
+
+@pytest.mark.parametrize("asked_on", ["a", "both"])
+async def test_a_budgets_last_request_is_served_though_two_replicas_hold_parts_of_what_is_left(autojump_clock, asked_on):
+    """Two replicas share a budget of 1,000 tokens through the simulated store (the Redis script's
+    rules); 900 are spent, a holds 60 of the rest and b (idle) 40. A request of 100, the last the budget
+    allows, is asked on a (``a``) or on a and b in turn, each refused one retried every exchange
+    (``budget_leasing``): within a few exchanges b gives its part back (told that a's refused request
+    is short of it) and the request is served on one of them; the budget is then spent to the token.
+    Before this rule each kept its part (an idle share; a lease of its own for its refused requests)
+    until the period ended."""
+    from apsd.core.budget import Budgets, tenant_limits
+    from apsd.store.simulated import SimulatedSharedState
+
+    (limit,) = tenant_limits("team", TenantConfig(rate=1e6, burst=10**6, budget_tokens=1000))
+    limits = {limit.account: limit}
+    state = SimulatedSharedState()
+    replicas = {name: Budgets(wall=lambda: 1.8e9, limits=lambda: limits) for name in ("a", "b")}
+    for budgets in replicas.values():
+        budgets.share(0.05)
+        budgets.replicas = 2
+    key = replicas["a"]._account(limit).key
+    state.budgets[(limit.account, key)] = {"spent": 900, "settled:a": 900, "lease:a": 60.0, "seen:a": 0.0,
+                                           "lease:b": 40.0, "seen:b": 0.0}
+    for name, lease in (("a", 60.0), ("b", 40.0)):
+        account = replicas[name]._account(limit)
+        account.spent, account.settled_total, account.acknowledged = 900, 900 if name == "a" else 0, \
+            900 if name == "a" else 0
+        account.lease, account.exchanged, account.exchanged_at = lease, True, trio.current_time()
+
+    async def exchange(name: str) -> None:
+        budgets = replicas[name]
+        asks = budgets.asks(limits)
+        for one, answer in zip(asks, await state.budget(name, asks)):
+            budgets.exchanged(one, *answer)
+
+    served_on = None
+    for turn in range(20):
+        name = "a" if asked_on == "a" else "ab"[turn % 2]
+        if replicas[name].refusal(limit, 100) is None:
+            replicas[name].reserve(limit, 100)
+            replicas[name].settle(limit.account, 100, 100, limit)
+            served_on = name
+            break
+        for other in ("a", "b"):
+            await exchange(other)
+        await trio.sleep(0.05)
+    assert served_on is not None, f"the last request was never served: {state.budgets}"
+    assert turn <= 6, f"served only at turn {turn}"
+    for name in ("a", "b"):
+        await exchange(name)
+    assert state.budgets[(limit.account, key)]["spent"] == 1000
