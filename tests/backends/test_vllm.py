@@ -125,12 +125,26 @@ async def idle(http: httpx.AsyncClient, server: VllmServer) -> dict[str, float]:
             await trio.sleep(0.1)
 
 
-async def wait_metric(http: httpx.AsyncClient, server: VllmServer, name: str, at_least: float) -> dict[str, float]:
-    """Wait until ``server``'s metric ``name`` is at least ``at_least``; return its metrics then."""
-    with trio.fail_after(WAIT_S):
+async def wait_metric(http: httpx.AsyncClient, server: VllmServer, name: str, at_least: float,
+                      running: LiveDaemon | None = None) -> dict[str, float]:
+    """Wait until ``server``'s metric ``name`` is at least ``at_least``; return its metrics then. Failing,
+    say what vLLM and (``running``) apsd saw last."""
+    values: dict[str, float] = {}
+    with trio.move_on_after(WAIT_S):
         while (values := await read_metrics(http, server.url))[name] < at_least:
             await trio.sleep(0.05)
-    return values
+        return values
+    seen = {k: v for k, v in values.items() if "num_requests" in k or "preemptions" in k or "kv_cache" in k}
+    raise AssertionError(f"{name} stayed below {at_least} for {WAIT_S:.0f} s: vLLM {seen}; "
+                         f"apsd {apsd_view(running) if running is not None else '-'}")
+
+
+def apsd_view(running: LiveDaemon) -> str:
+    """What apsd knows of its backends and its queue (for a failure's message)."""
+    pipeline = running.daemon.pipeline
+    backends = [f"{b.name}: healthy={b.healthy} in_flight={b.in_flight} load={b.load}"
+                for engine in pipeline.engines for b in getattr(engine, "backends", ())]
+    return f"{backends}; {pipeline.statistics().books.requests}"
 
 
 def apsd_sample(exposition: str, name: str, backend: str = "b0") -> float | None:
@@ -373,12 +387,12 @@ async def test_apsds_priority_orders_vllms_waiting_queue_and_preempts_nothing(nu
             before = await idle(http, vllm)
             for i in range(4):     # 4 x 1,500 tokens: 75% of the KV cache
                 streams.start(f"run{i}", chat(f"run {i}", 1500))
-            await wait_metric(http, vllm, "vllm:num_requests_running", 4)
+            await wait_metric(http, vllm, "vllm:num_requests_running", 4, running)
             for i in range(3):
                 streams.start(f"low{i}", chat(f"low {i}", 3000))
-                await wait_metric(http, vllm, "vllm:num_requests_waiting", i + 1)   # (queued in this order)
+                await wait_metric(http, vllm, "vllm:num_requests_waiting", i + 1, running)   # (queued in order)
             streams.start("vip", chat("vip", 3000), tenant="u")               # tenant u's only request
-            await wait_metric(http, vllm, "vllm:num_requests_waiting", 4)
+            await wait_metric(http, vllm, "vllm:num_requests_waiting", 4, running)
             mark = streams.chunks["run0"]
             await wait_until(lambda: streams.chunks["run0"] >= mark + 20)   # 20 steps of the four running...
             during = await read_metrics(http, vllm.url)

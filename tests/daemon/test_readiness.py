@@ -4,6 +4,8 @@ then comes up and goes away again, and a daemon draining."""
 
 from __future__ import annotations
 
+import logging
+
 import socket
 
 import attrs
@@ -95,8 +97,10 @@ async def test_a_forward_engine_without_a_usable_backend_is_not_ready_but_alive(
         running.daemon.request_shutdown()
 
 
-async def test_readiness_follows_the_backend_up_and_down(nursery):
-    """A closed port, then an apsd (micro) listening there as the backend, then that backend stopped."""
+async def test_readiness_follows_the_backend_up_and_down(nursery, caplog):
+    """A closed port, then an apsd (micro) listening there as the backend, then that backend stopped
+    (the log says why its health check failed)."""
+    caplog.set_level(logging.WARNING, logger="apsd")
     with closed_port() as sock:
         port = sock.getsockname()[1]
         running = await start_daemon(nursery, forward_config(port))   # models read from its /v1/models
@@ -117,6 +121,8 @@ async def test_readiness_follows_the_backend_up_and_down(nursery):
                 backend_daemon.daemon.request_shutdown()
             again = await wait_for_status(client, "no_backend")
             assert again.status_code == 503 and again.json()["models_without_backend"] == [m["id"] for m in models]
+            downs = [r.getMessage() for r in caplog.records if " is down " in r.getMessage()]
+            assert downs and "its health check failed: backend b0: ConnectError" in downs[-1], downs
         running.daemon.request_shutdown()
 
 
