@@ -178,6 +178,11 @@ class Backend:
     #: Whether it serves Anthropic's ``/v1/messages`` (asked when it is first healthy); None: not known yet.
     messages: bool | None = None
     in_flight: int = 0
+    #: Model time of the last chunk a request of it received (None: none yet): a server streaming to
+    #: clients is alive, whatever its health check answered.
+    streamed_at: float | None = None
+    #: Its last health check failed while it streamed (logged once until one passes).
+    health_failing: bool = False
     requests: int = 0
     failures: int = 0
     retries: int = 0

@@ -99,6 +99,7 @@ from apsd.core.slots import Lease, LocalSlots, SlotTable
 from apsd.engines.backends import (
     Backend,
     BackendAnswer,
+    BackendChunk,
     BackendClient,
     BackendError,
     BackendStatistics,
@@ -578,7 +579,8 @@ class ForwardEngine:
                         backend.requests += 1
                         api, body, relay = self._prepare(attempt)
                         sending = True
-                        answer = await self.client.complete(backend, api, body, relay, request.request_id)
+                        answer = await self.client.complete(backend, api, body, self._noting(backend, relay),
+                                                            request.request_id)
                         outcome = self._completed(attempt, answer, start)
                 except BackendError as error:
                     outcome, requeue = self._failed(request, backend, error)
@@ -741,6 +743,13 @@ class ForwardEngine:
                 self.ledger.finish(request, Refusal(500, "internal_error", f"apsd failed ending request "
                                                     f"{request.request_id}; see the log", kind="failed"))
         self._changed_now()
+
+    def _noting(self, backend: Backend, relay: StreamRelay) -> Callable[[BackendChunk], None]:
+        """``relay``, noting on ``backend`` when it last streamed (see :meth:`BackendWatch._check_health`)."""
+        def relayed(piece: BackendChunk) -> None:
+            backend.streamed_at = self.clock.now()
+            relay(piece)
+        return relayed
 
     def _forget(self, request: InferenceRequest) -> None:
         self._tried.pop(request, None)

@@ -5,7 +5,10 @@ One task per backend reads its health every ``[forward] health_interval_s`` (``/
 server it is, and whether it serves Anthropic's ``/v1/messages``) and its Prometheus ``/metrics`` every ``metrics_interval_s`` (its load: saturation).
 A backend whose health check fails, or that a request found unreachable, is marked down: it takes
 no work, and the engine hands back what it holds (:meth:`BackendWatch.mark_down` calls the engine's
-``on_down``). It comes back by itself once a health check passes.
+``on_down``). It comes back by itself once a health check passes. A failed health check does not
+mark down a backend that streams to clients (a chunk within the check's time): a server busy on
+every core may answer ``/health`` late, and its streams show it alive (logged once). One that stops
+answering stops streaming too, and is marked down at the next check.
 
 One more task answers the requests queued for a model that has had no healthy backend for
 ``no_backend_wait_s`` with 503 ``no_backend`` (new ones are refused at once by the engine).
@@ -100,7 +103,22 @@ class BackendWatch:
             self._note_served()
             self.on_change()
         elif not healthy and backend.healthy:
+            if self._streaming(backend):   # (alive: a busy server may answer /health late, not be down)
+                if not backend.health_failing:
+                    log.warning("backend %s failed its health check (%s) while it streams to clients: kept up "
+                                "while it streams", backend.name, failure)
+                backend.health_failing = True
+                return
             self.mark_down(backend, f"its health check failed: {failure}")
+        if healthy:
+            backend.health_failing = False
+
+    def _streaming(self, backend: Backend) -> bool:
+        """Whether requests run on ``backend`` and one received a chunk within the last health check's
+        time (``health_timeout_s``) and interval."""
+        settings = self.settings
+        return bool(backend.in_flight) and backend.streamed_at is not None and \
+            self.clock.now() - backend.streamed_at <= settings.health_timeout_s + settings.health_interval_s
 
     def mark_down(self, backend: Backend, why: str) -> None:
         """Take ``backend`` out of service until its health check passes; the engine hands back what

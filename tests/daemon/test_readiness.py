@@ -16,7 +16,9 @@ from apsd.core.config import GpuConfig, ServerConfig, TenantConfig, parse_config
 from apsd.engines.backends import BackendStatistics
 from apsd.serve.readiness import decide_readiness
 
-from tests.helpers import FAST_GPU, WAIT_S, infer_body, make_config, start_daemon, wait_until
+from tests.helpers import (FAST_GPU, WAIT_S, backends_up, forwarding_config, infer_body, make_config, start_daemon,
+                           wait_until)
+from tests.standin_backend import DONE, Exchange, Reply, sse, start_standin_backend, stream_chunks
 
 
 def backend(name: str, models: tuple[str, ...], healthy: bool) -> BackendStatistics:
@@ -124,6 +126,41 @@ async def test_readiness_follows_the_backend_up_and_down(nursery, caplog):
             downs = [r.getMessage() for r in caplog.records if " is down " in r.getMessage()]
             assert downs and "its health check failed: backend b0: ConnectError" in downs[-1], downs
         running.daemon.request_shutdown()
+
+
+async def test_a_backend_that_fails_its_health_check_while_it_streams_is_kept_up_until_it_stops(nursery, caplog):
+    """A backend streams 30 tokens, one every 0.1 s, while its ``/health`` answers 503 (a server busy on
+    every core answers it late): the stream is not cut, the backend stays up while it streams (logged
+    once), and is marked down at the first check after the stream ended."""
+    caplog.set_level(logging.INFO, logger="apsd")
+
+    def slow(exchange: Exchange) -> Reply:
+        return Reply(events=[sse(c) for c in stream_chunks(exchange.json, 30)] + [DONE], gap_s=0.1)
+
+    backend = await start_standin_backend(nursery, slow, model="m")
+    running = await start_daemon(nursery, forwarding_config([backend.url], {"t": TenantConfig(rate=1e6, burst=10**6)},
+                                                            health_interval_s=0.05))
+    await wait_until(backends_up(running.daemon))
+    (b0,) = running.daemon.pipeline.engines[0].backends
+    async with running.client as client:
+        async with client.stream("POST", "/v1/chat/completions", headers={"X-Apsd-Tenant": "t"}, json={
+                "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": True}) as answer:
+            assert answer.status_code == 200
+            lines = answer.aiter_lines()
+            async for line in lines:
+                if '"content":"' in line and '"content":""' not in line:
+                    break
+            backend.healthy = False
+            body = "".join([line async for line in lines])
+        assert body.rstrip().endswith("data: [DONE]") and body.count('"content":"') == 29, body[-300:]
+        messages = [r.getMessage() for r in caplog.records]
+        kept = [m for m in messages if "failed its health check" in m]
+        assert len(kept) == 1 and "kept up while it streams" in kept[0] and "503" in kept[0], kept
+        assert not any(" is down " in m for m in messages[:messages.index(kept[0]) + 1])
+        await wait_until(lambda: not b0.healthy)
+        downs = [m for m in (r.getMessage() for r in caplog.records) if " is down " in m]
+        assert downs and "its health check failed: its /health answered 503" in downs[0], downs
+    running.daemon.request_shutdown()
 
 
 async def test_a_draining_daemon_is_not_ready_but_alive(nursery):
