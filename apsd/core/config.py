@@ -648,9 +648,9 @@ class ForwardConfig:
 
     #: Connecting to a backend.
     connect_timeout_s: float = attrs.field(default=5.0, validator=between(0.01, 3600))
-    #: A health check, model list or metrics read unanswered within this marks the backend down:
-    #: a stalled server (stopped, hung) is found out in seconds, and the requests it holds that
-    #: have no token yet go back to the queue, to another backend.
+    #: A health check, model list or metrics read unanswered within this marks the backend down
+    #: (unless it streams to clients meanwhile): a stalled server (stopped, hung) is found out in
+    #: seconds, and the requests it holds that have no token yet go back to the queue, to another backend.
     health_timeout_s: float = attrs.field(default=5.0, validator=between(0.01, 3600))
     #: From sending a request to its first token (a non-streamed request: to its whole answer).
     first_token_timeout_s: float = attrs.field(default=120.0, validator=between(0.01, 86_400))
