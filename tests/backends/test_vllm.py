@@ -365,8 +365,6 @@ async def test_requests_wait_in_apsd_while_vllms_kv_cache_is_full(nursery, vllm)
 
 # -- what vLLM's priority scheduling does -------------------------------------------------------------
 
-@pytest.mark.xfail(strict=False, reason="flaky on a 2-core machine since the last merges: apsd's health check of vLLM "
-                   "fails while it streams (the backend is marked down and its requests requeued); under investigation")
 async def test_apsds_priority_orders_vllms_waiting_queue_and_preempts_nothing(nursery, vllm):
     """max_concurrency 8 over ``--max-num-seqs 4`` (apsd then sees free slots and preempts nothing): four
     long streams of tenant ``t`` run; three more of ``t``, then one of tenant ``u`` (its only request),
@@ -496,8 +494,6 @@ async def test_a_steady_tenant_beside_a_flood_on_vllm_is_sent_at_once_and_the_fl
         assert measured.background_tokens_per_s > 0
 
 
-@pytest.mark.xfail(strict=False, reason="flaky on a 2-core machine since the last merges: apsd's health check of vLLM "
-                   "fails while it streams (the backend is marked down and its requests requeued); under investigation")
 async def test_tenants_arriving_after_idleness_on_vllm_are_each_sent_at_once(vllm):
     async with open_pool(vllm.url, "tiny", server="vllm", backend={"priority": "lower-first"}) as pool:
         measured = await beside(pool, background="flood", streams=FLOOD_STREAMS, max_tokens=FLOOD_TOKENS, count=0,
