@@ -38,8 +38,9 @@ from apsd.core.admission import Admission, estimate_tokens
 from apsd.core.classes import ClassFigures, ServiceClasses
 from apsd.core.clock import ModelClock
 from apsd.core.config import Config
-from apsd.engines import Demand, Engine, EngineDescription, EngineStatistics, ForwardEngine, build_engines, describe
-from apsd.engines.backends import BackendClient, BackendStatistics
+from apsd.engines import Demand, Engine, EngineDescription, EngineStatistics, build_engines, describe
+from apsd.core.engine import BackendStatistics
+from apsd.engines.backends import BackendClient
 from apsd.engines.profiles import ProfileRegistry
 from apsd.core.events import EventBus
 from apsd.core.ledger import Ledger, LedgerStatistics
@@ -472,8 +473,7 @@ class Pipeline:
             queue_depth=self.scheduler.queue_depth,
             engine_kind=self.config.engine.kind,
             engines=tuple(engine.statistics() for engine in self.engines),
-            backends=tuple(b for engine in self.engines if isinstance(engine, ForwardEngine)
-                           for b in engine.backend_statistics()),
+            backends=tuple(b for engine in self.engines for b in engine.backend_statistics() or ()),
             gpus=self.gpus,
             time_scale=self.clock.time_scale,
             governor=self.governor_view(),
@@ -485,8 +485,7 @@ class Pipeline:
         forward engine's choices between its backends, the scheduler's between several engines."""
         counts = collections.Counter(self.scheduler.route_counts)
         for engine in self.engines:
-            if isinstance(engine, ForwardEngine):
-                counts.update(engine.route_decisions())
+            counts.update(engine.route_decisions())
         return dict(counts)
 
     def fairness_view(self, *, idle: bool = True) -> FairnessView:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from apsd.core.config import Config
     from apsd.core.models import Capacity, Dispatch, InferenceRequest, Refusal
 
-__all__ = ["Demand", "Engine", "EngineStatistics", "UNBOUNDED", "completion"]
+__all__ = ["BackendStatistics", "Demand", "Engine", "EngineStatistics", "UNBOUNDED", "completion"]
 
 #: A capacity that never limits (the ``batch`` engine's sequence count).
 UNBOUNDED = 2**62
@@ -74,6 +74,27 @@ class EngineStatistics:
     cached_prompt_tokens: int = 0
 
 
+@attrs.frozen
+class BackendStatistics:
+    """One server an engine forwards to, as of now (``/metrics``, readiness)."""
+
+    name: str
+    url: str
+    models: tuple[str, ...]
+    healthy: bool
+    saturated: bool
+    in_flight: int
+    max_concurrency: int
+    requests: int
+    failures: int
+    retries: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: float
+    waiting: float | None
+    kv_usage: float | None
+
+
 @runtime_checkable
 class Engine(Protocol):
     """Where dispatched requests run. See the module docstring for the protocol."""
@@ -103,6 +124,17 @@ class Engine(Protocol):
         False if this engine cannot stop it (it then runs to its end)."""
 
     def statistics(self) -> EngineStatistics: ...
+
+    def backend_statistics(self) -> tuple[BackendStatistics, ...] | None:
+        """The servers it forwards to; None when it runs on none (a simulated engine: it is ready
+        whenever the daemon accepts work)."""
+
+    def route_decisions(self) -> dict[tuple[str, str], int]:
+        """(backend, reason) -> requests its routing sent there for that reason (empty: it chooses none)."""
+
+    async def count_message_tokens(self, model: str, body: dict) -> int | None:
+        """An Anthropic Messages request's prompt tokens as the engine's server for ``model`` counts them
+        (``/v1/messages/count_tokens``); None when it cannot say (apsd's estimate stands)."""
 
     def reconfigure(self, config: Config) -> list[str]:
         """Take a reloaded config's settings that can change while running; returns what changed

@@ -41,6 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from apsd.core.clock import ModelClock
 from apsd.core.config import BackendConfig, ForwardConfig
+from apsd.core.engine import BackendStatistics
 from apsd.engines.upstream import SseSplitter, UpstreamError, UpstreamPool
 
 __all__ = [
@@ -131,27 +132,6 @@ def parse_load(text: str) -> BackendLoad | None:
 
     load = BackendLoad(waiting=first(_WAITING), running=first(_RUNNING), kv_usage=first(_KV_USAGE))
     return None if load == BackendLoad(None, None, None) else load
-
-
-@attrs.frozen
-class BackendStatistics:
-    """One backend, as of now, for ``/metrics``."""
-
-    name: str
-    url: str
-    models: tuple[str, ...]
-    healthy: bool
-    saturated: bool
-    in_flight: int
-    max_concurrency: int
-    requests: int
-    failures: int
-    retries: int
-    prompt_tokens: int
-    completion_tokens: int
-    cost_usd: float
-    waiting: float | None
-    kv_usage: float | None
 
 
 @attrs.define(eq=False)

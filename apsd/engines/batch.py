@@ -160,6 +160,15 @@ class BatchEngine:
         self.max_retries = config.engine.max_retries
         return changes
 
+    def backend_statistics(self) -> None:
+        return None   # (simulated: no server)
+
+    def route_decisions(self) -> dict[tuple[str, str], int]:
+        return {}
+
+    async def count_message_tokens(self, model: str, body: dict) -> int | None:
+        return None   # (apsd's estimate is this engine's count)
+
     def statistics(self) -> EngineStatistics:
         running = self._running
         return EngineStatistics(

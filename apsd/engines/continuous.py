@@ -539,6 +539,15 @@ class ContinuousEngine:
         self._shares_key = None
         return []
 
+    def backend_statistics(self) -> None:
+        return None   # (simulated: no server)
+
+    def route_decisions(self) -> dict[tuple[str, str], int]:
+        return {}
+
+    async def count_message_tokens(self, model: str, body: dict) -> int | None:
+        return None   # (apsd's estimate is this engine's count)
+
     def statistics(self) -> EngineStatistics:
         d = self.deployment
         return EngineStatistics(

@@ -23,8 +23,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from apsd.engines.backends import BackendStatistics
-from apsd.engines.forward import ForwardEngine
+from apsd.core.engine import BackendStatistics
 from apsd.pipeline import Pipeline
 
 __all__ = ["Readiness", "decide_readiness", "readiness"]
@@ -75,6 +74,6 @@ def decide_readiness(*, accepting: bool, backends: Iterable[BackendStatistics] |
 
 def readiness(pipeline: Pipeline) -> Readiness:
     """:func:`decide_readiness` for a running pipeline, as of now."""
-    forward = [engine for engine in pipeline.engines if isinstance(engine, ForwardEngine)]
-    backends = [b for engine in forward for b in engine.backend_statistics()] if forward else None
+    forwarded = [found for engine in pipeline.engines if (found := engine.backend_statistics()) is not None]
+    backends = [b for found in forwarded for b in found] if forwarded else None
     return decide_readiness(accepting=pipeline.accepting, backends=backends)

@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from apsd.core.config import GpuConfig, ServerConfig, TenantConfig, parse_config
-from apsd.engines.backends import BackendStatistics
+from apsd.core.engine import BackendStatistics
 from apsd.serve.readiness import decide_readiness
 
 from tests.helpers import (FAST_GPU, WAIT_S, backends_up, forwarding_config, infer_body, make_config, start_daemon,

@@ -41,7 +41,6 @@ from apsd.core.admission import estimate_tokens
 from apsd.core.config import AdmissionConfig, Config
 from apsd.core.models import Completion, InferenceRequest, Refusal
 from apsd.core.streams import TokenChunk, TokenStream
-from apsd.engines.forward import ForwardEngine
 from apsd.pipeline import Pipeline
 from apsd.serve.auth import Caller
 from apsd.serve.http.common import (
@@ -473,7 +472,7 @@ async def count_tokens(caller: Caller) -> Response:
         return error_response(refusal)
     counted = None
     for engine in pipeline.engines:
-        if isinstance(engine, ForwardEngine) and body.model in engine.models():
+        if body.model in engine.models():
             counted = await engine.count_message_tokens(body.model, body.payload)
             break
     tokens = counted if counted is not None else body.prompt_tokens
