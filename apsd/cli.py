@@ -42,11 +42,11 @@ from typing import Any
 import attrs
 import trio
 
-from apsd.core.version import VERSION as __version__
 from apsd.core.config import Config, ConfigError, load_config
+from apsd.core.version import VERSION as __version__
+from apsd.plugins import PluginError, describe_plugins, load_policy_registry, load_profile_registry, make_plugin_manager
 from apsd.serve.daemon import Daemon
 from apsd.serve.logs import configure_logging
-from apsd.plugins import PluginError, describe_plugins, load_policy_registry, load_profile_registry, make_plugin_manager
 
 __all__ = ["main"]
 
@@ -597,8 +597,15 @@ def profile_main(argv: Sequence[str]) -> int:
 
 
 def research_main(argv: Sequence[str]) -> int:
-    from apsd.sim.research import (CONTINUOUS_ENGINE, ISOLATION_SCALED, ISOLATION_WORKLOADS, POLICIES, SCALED, WORKLOADS,
-                               write_research)
+    from apsd.sim.research import (
+        CONTINUOUS_ENGINE,
+        ISOLATION_SCALED,
+        ISOLATION_WORKLOADS,
+        POLICIES,
+        SCALED,
+        WORKLOADS,
+        write_research,
+    )
 
     engine = CONTINUOUS_ENGINE
     parser = argparse.ArgumentParser(

@@ -25,7 +25,6 @@ Channels (buffer sizes are deliberate)::
 from __future__ import annotations
 
 import collections
-
 import math
 import secrets
 from collections.abc import AsyncIterator
@@ -38,10 +37,7 @@ from apsd.core.admission import Admission, estimate_tokens
 from apsd.core.classes import ClassFigures, ServiceClasses
 from apsd.core.clock import ModelClock
 from apsd.core.config import Config
-from apsd.engines import Demand, Engine, EngineDescription, EngineStatistics, build_engines, describe
 from apsd.core.engine import BackendStatistics
-from apsd.engines.backends import BackendClient
-from apsd.engines.profiles import ProfileRegistry
 from apsd.core.events import EventBus
 from apsd.core.ledger import Ledger, LedgerStatistics
 from apsd.core.models import Dispatch, InferenceRequest, Refusal
@@ -51,6 +47,9 @@ from apsd.core.routing import BLOCK_TOKENS
 from apsd.core.scheduler import Scheduler
 from apsd.core.service_window import FairnessView, watch_for
 from apsd.core.slots import LocalSlots, SlotTable
+from apsd.engines import Demand, Engine, EngineDescription, EngineStatistics, build_engines, describe
+from apsd.engines.backends import BackendClient
+from apsd.engines.profiles import ProfileRegistry
 from apsd.store import Store, build_slot_table, build_store
 
 __all__ = ["GovernorView", "Health", "Pipeline", "PipelineStatistics", "TenantStatus", "open_pipeline"]

@@ -22,10 +22,10 @@ from typing import Any
 import pluggy
 
 from apsd.core import hookspecs
-from apsd.core.version import VERSION
 from apsd.core.config import Config
-from apsd.engines.profiles import ProfileRegistry
 from apsd.core.policy import POLICY_KINDS, PluginError, PolicyRegistry, PolicySet
+from apsd.core.version import VERSION
+from apsd.engines.profiles import ProfileRegistry
 
 __all__ = [
     "DEFAULT_PLUGINS",

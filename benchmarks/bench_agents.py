@@ -43,19 +43,26 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import from the repository root
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import attrs  # noqa: E402
-import trio  # noqa: E402
-import trio.testing  # noqa: E402
+import attrs
+import trio
+import trio.testing
 
-from apsd.core.clock import ModelClock  # noqa: E402
-from apsd.core.config import TenantConfig, parse_config  # noqa: E402
-from apsd.core.models import Completion, Refusal  # noqa: E402
-from apsd.core.streams import TokenStream  # noqa: E402
-from apsd.engines.backends import (Backend, BackendAnswer, BackendChunk, OnChunk, SimulatedBackendClient,  # noqa: E402
-                                   SimulatedServer, _simulated_prompt_tokens)
-from apsd.pipeline import open_pipeline  # noqa: E402
-from apsd.serve.http.openai import CHAT, parse_openai_body  # noqa: E402
-from tests.helpers import build_policies  # noqa: E402
+from apsd.core.clock import ModelClock
+from apsd.core.config import TenantConfig, parse_config
+from apsd.core.models import Completion, Refusal
+from apsd.core.streams import TokenStream
+from apsd.engines.backends import (
+    Backend,
+    BackendAnswer,
+    BackendChunk,
+    OnChunk,
+    SimulatedBackendClient,
+    SimulatedServer,
+    _simulated_prompt_tokens,
+)
+from apsd.pipeline import open_pipeline
+from apsd.serve.http.openai import CHAT, parse_openai_body
+from tests.helpers import build_policies
 
 MODEL = "claude-shaped"
 RATE, BURST = 500.0, 5000

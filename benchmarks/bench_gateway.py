@@ -35,8 +35,8 @@ import trio
 if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import from the repository root
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from tests.helpers import APSD  # noqa: E402
-from tests.llama_server import find_llama_server, open_llama_server, write_tiny_model  # noqa: E402
+from tests.helpers import APSD
+from tests.llama_server import find_llama_server, open_llama_server, write_tiny_model
 
 PROMPT = [{"role": "user", "content": "Write a short poem about schedulers."}]
 

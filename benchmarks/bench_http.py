@@ -425,7 +425,7 @@ def report_problems(problems: list[str], started: float, directory: Path, logs: 
 
 def table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]
-    line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)  # noqa: E731
+    line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)
                                    for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
@@ -719,7 +719,8 @@ def main(argv: list[str] | None = None) -> int:
                 way the request was never admitted.""")
               .rstrip().replace("\n", "\n  "))
     finally:
-        return report_problems(problems, started, directory)
+        code = report_problems(problems, started, directory)
+    return code
 
 
 if __name__ == "__main__":

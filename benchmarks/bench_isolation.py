@@ -23,11 +23,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import from the repository root
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from apsd.core.config import Config, parse_config  # noqa: E402
-from apsd.sim.runner import parse_policy_choice, run_policy  # noqa: E402
-from apsd.sim.workloads import build_workload  # noqa: E402
-from tests.helpers import (CONTINUOUS_FLOOD, latency, max_backlogged_service_gap, p99, steady,  # noqa: E402
-                           ttft)
+from apsd.core.config import Config, parse_config
+from apsd.sim.runner import parse_policy_choice, run_policy
+from apsd.sim.workloads import build_workload
+from tests.helpers import CONTINUOUS_FLOOD, latency, max_backlogged_service_gap, p99, steady, ttft
 
 
 def presets() -> list[str]:

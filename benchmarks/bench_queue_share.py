@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import subprocess
 import sys
 import textwrap
 import time
@@ -36,9 +35,9 @@ import trio
 if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import from the repository root
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from apsd.core.admission import Admission  # noqa: E402
-from apsd.core.config import TenantConfig  # noqa: E402
-from tests.helpers import make_config, start_daemon  # noqa: E402
+from apsd.core.admission import Admission
+from apsd.core.config import TenantConfig
+from tests.helpers import make_config, start_daemon
 
 QUEUE_METHODS = ("push", "pop", "peek", "pop_first", "effective_priority", "on_finish")
 ADMISSION_METHODS = ("handle", "settle")

@@ -99,9 +99,9 @@ import trio
 if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import from the repository root
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.bench_http import report_problems, stop_process  # noqa: E402
-from tests.helpers import APSD, LISTENING, ROOT  # noqa: E402
-from tests.redis_server import RedisServer, free_loopback_port  # noqa: E402
+from benchmarks.bench_http import report_problems, stop_process
+from tests.helpers import APSD, LISTENING, ROOT
+from tests.redis_server import RedisServer, free_loopback_port
 
 TICKS = os.sysconf("SC_CLK_TCK")
 BODY = json.dumps({"tenant_id": "bench", "prompt": "Explain token buckets in one paragraph.",
@@ -470,7 +470,7 @@ def run_load(spec: LoadSpec) -> LoadReport:
 def _load_process(spec: LoadSpec, pipe: multiprocessing.connection.Connection) -> None:
     try:
         pipe.send(run_load(spec))
-    except Exception as exc:   # (reported by the parent, which fails the run)  # noqa: BLE001
+    except Exception as exc:   # (reported by the parent, which fails the run)
         pipe.send(exc)
     finally:
         pipe.close()

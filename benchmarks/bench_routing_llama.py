@@ -77,9 +77,8 @@ import trio
 if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import from the repository root
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from tests.helpers import APSD  # noqa: E402
-from tests.llama_server import (_WORDS, LlamaServer, find_llama_server, open_llama_server, stop_process,  # noqa: E402
-                                write_tiny_model)
+from tests.helpers import APSD
+from tests.llama_server import _WORDS, LlamaServer, find_llama_server, open_llama_server, stop_process, write_tiny_model
 
 #: The model of the benchmark: slow enough that computing a prompt of 2,000 tokens (~0.6 s) stands out from
 #: reading it from the cache (~10 ms); fast enough for a run of a few minutes.

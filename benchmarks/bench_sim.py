@@ -24,10 +24,10 @@ import attrs
 if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import from the repository root
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from apsd.core.config import Config, EngineConfig  # noqa: E402
-from apsd.plugins import make_plugin_manager  # noqa: E402
-from apsd.sim.runner import parse_policy_choice, run_policy  # noqa: E402
-from apsd.sim.workloads import build_workload  # noqa: E402
+from apsd.core.config import Config, EngineConfig
+from apsd.plugins import make_plugin_manager
+from apsd.sim.runner import parse_policy_choice, run_policy
+from apsd.sim.workloads import build_workload
 
 #: Requests per model second that one engine sustains at 256/256 (measured: ~19.5), and the loads run.
 LOADS = {"below capacity (15 req/s)": 15.0, "above capacity (25 req/s)": 25.0}

@@ -55,7 +55,7 @@ import trio
 if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import from the repository root
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.bench_http import (  # noqa: E402
+from benchmarks.bench_http import (
     FAST_CONFIG,
     Figures,
     LoadRun,

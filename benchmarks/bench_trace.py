@@ -23,17 +23,16 @@ import tempfile
 import time
 from pathlib import Path
 
-
 if __package__ in (None, ""):  # run as a script, benchmarks/bench_x.py: import from the repository root
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from apsd.core.config import Config  # noqa: E402
-from apsd.plugins import make_plugin_manager  # noqa: E402
-from apsd.sim.research.trace_routing import trace_routing_config  # noqa: E402
-from apsd.sim.runner import parse_policy_choice, run_policy  # noqa: E402
-from apsd.sim.traces import load_trace  # noqa: E402
-from apsd.sim.traces.reuse import infinite_cache_share  # noqa: E402
-from apsd.sim.traces.synthetic import MooncakeShape, write_mooncake_trace  # noqa: E402
+from apsd.core.config import Config
+from apsd.plugins import make_plugin_manager
+from apsd.sim.research.trace_routing import trace_routing_config
+from apsd.sim.runner import parse_policy_choice, run_policy
+from apsd.sim.traces import load_trace
+from apsd.sim.traces.reuse import infinite_cache_share
+from apsd.sim.traces.synthetic import MooncakeShape, write_mooncake_trace
 
 GOAL_S = 60.0
 

@@ -26,9 +26,9 @@ import pytest
 import trio
 
 from apsd.core.config import Config, ServerConfig, TenantConfig
+from apsd.core.policy import PolicyRegistry
 from apsd.pipeline import Pipeline, open_pipeline
 from apsd.plugins import load_policy_registry, make_plugin_manager
-from apsd.core.policy import PolicyRegistry
 
 from .helpers import FAST_GPU, LiveDaemon, build_policies, make_config, start_daemon
 

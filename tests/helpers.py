@@ -25,12 +25,11 @@ import numpy as np
 import trio
 
 from apsd.core.config import Config, GpuConfig, PriceConfig, ServerConfig, TenantConfig, parse_config
-from apsd.serve.daemon import Daemon
 from apsd.core.models import InferenceRequest
+from apsd.core.policy import PolicySet
 from apsd.pipeline import Pipeline
 from apsd.plugins import load_policy_registry, make_plugin_manager
-from apsd.core.policy import PolicySet
-
+from apsd.serve.daemon import Daemon
 from tests.budget_spender import INPUT_PER_1M_USD, OUTPUT_PER_1M_USD
 from tests.standin_backend import Exchange, Reply, chat_answer, json_reply
 

@@ -61,9 +61,9 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
-from apsd.core.clock import ModelClock
 from apsd.core.bucket import TokenBucket
 from apsd.core.budget import MICRO, TOKENS, USD, BudgetLimit, Budgets, all_limits, limits_for
+from apsd.core.clock import ModelClock
 from apsd.core.config import AdmissionConfig, KeyConfig, PriceConfig, QueueConfig, TenantConfig
 from apsd.core.ledger import billed_tokens
 from apsd.core.models import Completion, InferenceRequest, Outcome, Refusal

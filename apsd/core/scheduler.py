@@ -75,8 +75,8 @@ from apsd.core.concurrency import ConcurrencyGate
 from apsd.core.engine import Demand, Engine
 from apsd.core.ledger import Ledger
 from apsd.core.models import Capacity, Dispatch, InferenceRequest, Outcome, Refusal
-from apsd.core.queue import FifoQueue
 from apsd.core.policy import GovernorReading, OrderingPolicy, PolicySet
+from apsd.core.queue import FifoQueue
 from apsd.core.routing import routing_key
 
 __all__ = ["Scheduler"]

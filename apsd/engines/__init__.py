@@ -29,12 +29,12 @@ from apsd.core.config import Config, ConfigError
 from apsd.core.engine import Demand, Engine, EngineStatistics
 from apsd.core.ledger import Ledger
 from apsd.core.models import InferenceRequest
+from apsd.core.slots import LocalSlots, SlotTable
 from apsd.engines.backends import Backend, BackendClient, HttpBackendClient
 from apsd.engines.batch import BatchEngine, FaultInjector, GpuModel
 from apsd.engines.continuous import ContinuousEngine, tenant_weights
 from apsd.engines.forward import ForwardEngine
 from apsd.engines.preemption import PreemptionRules
-from apsd.core.slots import LocalSlots, SlotTable
 from apsd.engines.profiles import ProfileError, ProfileRegistry, builtin_profiles
 from apsd.engines.roofline import Deployment
 

@@ -35,10 +35,10 @@ import trio
 
 from apsd.core.clock import ModelClock
 from apsd.core.config import Config, GpuConfig
+from apsd.core.engine import UNBOUNDED, Demand, EngineStatistics, completion
 from apsd.core.ledger import Ledger
 from apsd.core.models import GENERATION_APIS, Capacity, Dispatch, InferenceRequest, Refusal, exceeds_batch
 from apsd.core.streams import TokenChunk
-from apsd.core.engine import UNBOUNDED, Demand, EngineStatistics, completion
 
 __all__ = ["FaultInjector", "GpuModel", "BatchEngine"]
 

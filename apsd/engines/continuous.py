@@ -114,11 +114,11 @@ import trio
 from apsd.core.classes import urgency
 from apsd.core.clock import ModelClock
 from apsd.core.config import Config
+from apsd.core.engine import Demand, EngineStatistics, completion
 from apsd.core.ledger import Ledger
 from apsd.core.models import GENERATION_APIS, Capacity, Dispatch, InferenceRequest, Refusal
 from apsd.core.routing import Target, routing_key
 from apsd.core.streams import TokenChunk
-from apsd.core.engine import Demand, EngineStatistics, completion
 from apsd.engines.roofline import Deployment
 
 __all__ = ["ContinuousEngine", "first_token_bound_s", "prefill_chunk_for", "tenant_weights"]

@@ -171,8 +171,7 @@ from apsd.core.service_window import WINDOW_S, WorkingRow, watch_for
 from apsd.serve.alerts import reached
 
 if TYPE_CHECKING:
-    from apsd.core.engine import BackendStatistics
-    from apsd.core.engine import EngineStatistics
+    from apsd.core.engine import BackendStatistics, EngineStatistics
     from apsd.core.ledger import Ledger, TenantStats
     from apsd.pipeline import GovernorView, Pipeline, PipelineStatistics
     from apsd.store import StoreStatistics

@@ -271,7 +271,7 @@ async def serve_http(app: Framework, config: Config, *, shutdown_trigger: Callab
             except BaseExceptionGroup as error:
                 _, others = error.split((ShutdownError, KeyboardInterrupt))
                 if others is not None:
-                    raise others
+                    raise others from None
             finally:
                 await context.terminated.set()
                 server_nursery.cancel_scope.deadline = trio.current_time() + config.graceful_timeout

@@ -23,9 +23,9 @@ import trio
 import trio.testing
 
 from apsd.core.config import Config, EngineConfig, TenantConfig, parse_config
+from apsd.core.models import Completion
 from apsd.engines import deployment_for
 from apsd.engines.profiles import ProfileRegistry
-from apsd.core.models import Completion
 from apsd.pipeline import open_pipeline
 from apsd.plugins import load_policy_registry, load_profile_registry, make_plugin_manager
 

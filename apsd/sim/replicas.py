@@ -27,9 +27,9 @@ from apsd.core.config import Config
 from apsd.core.models import Completion, InferenceRequest, Refusal
 from apsd.pipeline import Pipeline, open_pipeline
 from apsd.plugins import load_policy_registry, make_plugin_manager
-from apsd.store.simulated import SimulatedSharedState, simulated_store
 from apsd.sim.records import Arrival, RequestRecord, Workload
 from apsd.sim.runner import RPM_LIMITED, PolicyChoice, record_of, seeded_trio_scheduler, simulation_config
+from apsd.store.simulated import SimulatedSharedState, simulated_store
 
 __all__ = ["ReplicaRun", "TenantShare", "run_replicas"]
 

@@ -35,16 +35,16 @@ import pluggy
 import trio
 import trio.testing
 
+from apsd.core.clock import ModelClock
 from apsd.core.config import Config, ConfigError
 from apsd.core.hookspecs import hookimpl
 from apsd.core.models import Completion, InferenceRequest, Refusal
-from apsd.core.clock import ModelClock
+from apsd.core.policy import POLICY_KINDS
+from apsd.core.streams import TokenStream
 from apsd.engines import describe as describe_engines
 from apsd.engines.backends import SimulatedBackendClient, SimulatedServer
 from apsd.pipeline import open_pipeline
-from apsd.core.streams import TokenStream
 from apsd.plugins import load_policy_registry, load_profile_registry, make_plugin_manager
-from apsd.core.policy import POLICY_KINDS
 from apsd.sim.records import Arrival, BatchRecord, EngineRecord, GovernorSample, PolicyRun, RequestRecord, Workload
 
 #: The error code of an arrival a door refused (:func:`run_policy`'s ``door``).

@@ -18,8 +18,18 @@ from typing import Any
 import attrs
 
 from apsd.core.config import ConfigError
-from apsd.state.records import (AuditEntry, KeyRecord, TenantRecord, UsageKey, audit_from_json, audit_to_json,
-                                key_from_json, key_to_json, tenant_from_json, tenant_to_json)
+from apsd.state.records import (
+    AuditEntry,
+    KeyRecord,
+    TenantRecord,
+    UsageKey,
+    audit_from_json,
+    audit_to_json,
+    key_from_json,
+    key_to_json,
+    tenant_from_json,
+    tenant_to_json,
+)
 
 __all__ = ["DUMP_FORMAT", "DUMP_VERSION", "DumpError", "StateDump", "audit_member", "dump_from_json", "dump_to_json"]
 

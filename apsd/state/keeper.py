@@ -43,12 +43,12 @@ from __future__ import annotations
 import logging
 import math
 import os
-from pathlib import Path
 import re
-import sqlite3
 import secrets
+import sqlite3
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -58,8 +58,18 @@ from apsd.core.budget import Budgets
 from apsd.core.clock import calendar_time
 from apsd.core.config import Config, ConfigError, KeyLimits, TenantConfig, check_tenant_classes, parse_section
 from apsd.core.keys import hash_key, new_key
-from apsd.state.records import (KEY_PREFIX_CHARS, AuditEntry, KeyRecord, TenantRecord, UsageKey, file_digest, key_view,
-                                limits_dict, settings_dict, tenant_from_settings)
+from apsd.state.records import (
+    KEY_PREFIX_CHARS,
+    AuditEntry,
+    KeyRecord,
+    TenantRecord,
+    UsageKey,
+    file_digest,
+    key_view,
+    limits_dict,
+    settings_dict,
+    tenant_from_settings,
+)
 from apsd.state.sqlite import SqliteState
 from apsd.state.store import Change, DeleteTenant, PutKey, PutTenant, Snapshot, StateStore
 from apsd.state.usage import HOUR_S, UsageRecorder
@@ -779,4 +789,4 @@ class RedisCopy:
     async def close(self) -> None:
         await self.local.close()
         for suffix in ("", "-wal", "-shm"):
-            Path(str(self.path) + suffix).unlink(missing_ok=True)
+            await trio.Path(str(self.path) + suffix).unlink(missing_ok=True)

@@ -29,10 +29,17 @@ from typing import Any
 
 from coredis.tokens import PureToken
 
-from apsd.core.store import redis_budget_key, redis_bucket_key
+from apsd.core.store import redis_bucket_key, redis_budget_key
 from apsd.state.dump import StateDump, audit_member
-from apsd.state.records import (AuditEntry, UsageKey, audit_to_json, key_from_json, key_to_json, tenant_from_json,
-                                tenant_to_json)
+from apsd.state.records import (
+    AuditEntry,
+    UsageKey,
+    audit_to_json,
+    key_from_json,
+    key_to_json,
+    tenant_from_json,
+    tenant_to_json,
+)
 from apsd.state.store import Change, DeleteTenant, PutKey, PutTenant, Snapshot, UsageRows
 
 __all__ = ["RedisStateStore"]

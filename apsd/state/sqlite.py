@@ -29,8 +29,15 @@ from typing import Any, TypeVar
 import trio
 
 from apsd.state.dump import StateDump
-from apsd.state.records import (AuditEntry, UsageKey, audit_to_json, key_from_json, key_to_json, tenant_from_json,
-                                tenant_to_json)
+from apsd.state.records import (
+    AuditEntry,
+    UsageKey,
+    audit_to_json,
+    key_from_json,
+    key_to_json,
+    tenant_from_json,
+    tenant_to_json,
+)
 from apsd.state.store import Change, DeleteTenant, PutKey, PutTenant, Snapshot, UsageRows
 
 __all__ = ["SCHEMA_VERSION", "SqliteState", "StateFileError"]

@@ -30,7 +30,7 @@ from typing import Any
 
 from apsd.core.budget import LEASE_TTL_S, BudgetAsk
 from apsd.core.config import StoreConfig
-from apsd.core.store import redis_budget_key, redis_bucket_key
+from apsd.core.store import redis_bucket_key, redis_budget_key
 from apsd.store.leasing import LeaseAsk, LeasingStore
 
 __all__ = ["BUDGET_SCRIPT", "LEASE_SCRIPT", "QuietCoredis", "RedisState", "SERVICE_SCRIPT", "redis_store"]

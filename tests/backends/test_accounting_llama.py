@@ -17,7 +17,6 @@ import trio
 
 from apsd.core.admission import estimate_tokens
 from apsd.core.config import AdmissionConfig, TenantConfig
-
 from tests.helpers import backends_up, bucket_level, forwarding_config, start_daemon, wait_until
 from tests.llama_server import (  # noqa: F401  (fixtures)
     llama_server,

@@ -18,7 +18,6 @@ import pytest
 import trio
 
 from apsd.core.config import TenantConfig
-
 from tests.helpers import backends_up, bucket_level, forwarding_config, start_daemon, wait_until
 from tests.llama_server import (  # noqa: F401  (fixtures)
     SLOW_MODEL,

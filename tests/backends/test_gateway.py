@@ -10,9 +10,18 @@ import pytest
 import trio
 
 from apsd.core.config import TenantConfig
-
-from tests.helpers import (WAIT_S, backends_up, bucket_level, forwarding_config, infer_body, openai_client,
-                           start_apsd, start_daemon, stop_apsd, wait_until)
+from tests.helpers import (
+    WAIT_S,
+    backends_up,
+    bucket_level,
+    forwarding_config,
+    infer_body,
+    openai_client,
+    start_apsd,
+    start_daemon,
+    stop_apsd,
+    wait_until,
+)
 from tests.llama_server import (  # noqa: F401  (fixtures)
     llama_server,
     llama_server_binary,

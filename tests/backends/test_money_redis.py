@@ -17,11 +17,22 @@ import trio
 
 from apsd.core.config import Config, TenantConfig
 from apsd.serve.auth import hash_key
-
-from tests.helpers import (BUDGET_USD, FAST_GPU, PRICES, WAIT_S, LiveDaemon, backends_up, forwarding_config,
-                           infer_body, make_config, start_daemon, varied_length, wait_until)
-from tests.redis_server import open_redis_server
 from tests.budget_spender import spend
+from tests.helpers import (
+    BUDGET_USD,
+    FAST_GPU,
+    PRICES,
+    WAIT_S,
+    LiveDaemon,
+    backends_up,
+    forwarding_config,
+    infer_body,
+    make_config,
+    start_daemon,
+    varied_length,
+    wait_until,
+)
+from tests.redis_server import open_redis_server
 from tests.standin_backend import start_standin_backend
 from tests.webhook_receiver import open_webhook_receiver
 

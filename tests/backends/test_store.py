@@ -9,8 +9,8 @@ state in virtual time (``autojump_clock``), as ``tests/unit/test_admission.py`` 
 from __future__ import annotations
 
 import collections
-import errno
 import contextlib
+import errno
 import itertools
 import logging
 from collections.abc import AsyncIterator
@@ -21,7 +21,6 @@ import pytest
 import trio
 
 from apsd.core.config import ConfigError, parse_config
-
 from tests.helpers import WAIT_S, LiveDaemon, infer_body, make_config, run_cli, start_apsd, start_daemon, stop_apsd
 from tests.redis_server import open_redis_server
 
@@ -498,7 +497,6 @@ async def test_a_replicas_status_follows_the_shared_bucket_in_virtual_time(virtu
     status within READ_S, with its age; the memory store's status has no shared part."""
     from apsd.store.leasing import READ_S
     from apsd.store.simulated import SimulatedSharedState, simulated_store
-
     from tests.helpers import submit
 
     config = make_config({"tenants": {"t": {"rate": 0.01, "burst": 1000}}})

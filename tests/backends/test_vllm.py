@@ -33,12 +33,18 @@ import pytest
 import trio
 
 from apsd.core.config import TenantConfig
-
-from tests.helpers import (WAIT_S, LiveDaemon, backends_up, bucket_level, forwarding_config, start_daemon,
-                           wait_until)
 from tests import vllm_server
-from tests.real_pool import (FLOOD_STREAMS, FLOOD_TOKENS, SHORT_TOKENS, beside, first_token_ms, newcomers, open_pool,
-                             queue_waits)
+from tests.helpers import WAIT_S, LiveDaemon, backends_up, bucket_level, forwarding_config, start_daemon, wait_until
+from tests.real_pool import (
+    FLOOD_STREAMS,
+    FLOOD_TOKENS,
+    SHORT_TOKENS,
+    beside,
+    first_token_ms,
+    newcomers,
+    open_pool,
+    queue_waits,
+)
 from tests.vllm_server import (  # noqa: F401  (fixtures)
     KV_TOKENS,
     VllmOptions,

@@ -4,13 +4,12 @@ concurrency, and what survives ``kill -9``."""
 from __future__ import annotations
 
 import functools
-
-import attrs
 import json
 import logging
 import signal
 import sqlite3
 
+import attrs
 import httpx
 import pytest
 import trio

@@ -21,9 +21,7 @@ import trio
 from apsd.core.config import AuthConfig, ServerConfig, TenantConfig
 from apsd.serve.auth import hash_key
 from apsd.serve.http.anthropic import error_type
-
-from tests.helpers import (FAST_GPU, LiveDaemon, backends_up, forwarding_config, make_config,
-                           start_daemon, wait_until)
+from tests.helpers import FAST_GPU, LiveDaemon, backends_up, forwarding_config, make_config, start_daemon, wait_until
 from tests.standin_backend import start_standin_backend
 
 TENANT = {"X-Apsd-Tenant": "tenant_a"}

@@ -13,14 +13,22 @@ import attrs
 import httpx
 import pytest
 
+from apsd.core.config import AuthConfig, ConfigError, ServerConfig, TenantConfig, load_config, parse_config
+from apsd.plugins import make_plugin_manager
 from apsd.serve import auth
 from apsd.serve.auth import METRICS_READER, Caller, KeyRing, check_exposure, hash_key, is_loopback, new_key
-from apsd.core.config import AuthConfig, ConfigError, ServerConfig, TenantConfig, load_config, parse_config
 from apsd.serve.daemon import Daemon
-from apsd.plugins import make_plugin_manager
-
-from tests.helpers import (APSD, FAST_GPU, infer_body, make_config, run_cli, start_apsd, start_daemon,
-                           stop_apsd, wait_for_log)
+from tests.helpers import (
+    APSD,
+    FAST_GPU,
+    infer_body,
+    make_config,
+    run_cli,
+    start_apsd,
+    start_daemon,
+    stop_apsd,
+    wait_for_log,
+)
 
 KEY_A, KEY_A2, KEY_B, ADMIN, SCRAPER = (new_key() for _ in range(5))
 

@@ -14,6 +14,7 @@ import trio
 
 from tests.helpers import APSD, ROOT, WAIT_S, infer_body, run_cli, start_apsd, stop_apsd
 
+
 def test_version_and_help():
     version = run_cli("--version")
     assert version.returncode == 0 and re.fullmatch(r"apsd \d+\.\d+\.\d+\S*\n", version.stdout)

@@ -20,7 +20,6 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from apsd.core.config import TenantConfig
-
 from tests.helpers import backends_up, forwarding_config, infer_body, start_daemon, wait_until
 from tests.standin_backend import start_standin_backend
 

@@ -23,9 +23,9 @@ import pytest
 import yaml
 
 import apsd
-from apsd.serve.auth import check_exposure
 from apsd.cli import build_parser
 from apsd.core.config import Config
+from apsd.serve.auth import check_exposure
 from apsd.serve.daemon import HTTP_GRACEFUL_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -59,7 +59,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from apsd.core.models import Completion
-
 from tests.helpers import WAIT_S, expected_prompt_tokens
 
 APSD = str(Path(sys.executable).with_name("apsd"))

@@ -50,11 +50,28 @@ from hypothesis import strategies as st
 from apsd.core.config import TenantConfig
 from apsd.core.hookspecs import hookimpl
 from apsd.core.strictjson import MAX_DEPTH
-
-from tests.helpers import (WAIT_S, LiveDaemon, backends_up, bucket_level, expected_prompt_tokens, forwarding_config,
-                           start_daemon, wait_until)
-from tests.standin_backend import (DONE, Exchange, Reply, StandinBackend, chat_answer, open_standin_backend, sse,
-                              start_standin_backend, stream_chunks, well_behaved)
+from tests.helpers import (
+    WAIT_S,
+    LiveDaemon,
+    backends_up,
+    bucket_level,
+    expected_prompt_tokens,
+    forwarding_config,
+    start_daemon,
+    wait_until,
+)
+from tests.standin_backend import (
+    DONE,
+    Exchange,
+    Reply,
+    StandinBackend,
+    chat_answer,
+    open_standin_backend,
+    sse,
+    start_standin_backend,
+    stream_chunks,
+    well_behaved,
+)
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import functools
 import math
-from pathlib import Path
 import random
 import re
+from pathlib import Path
 
 import attrs
 import httpx
 import pytest
 import trio
 
-from apsd.serve.http import metrics_document
 from apsd.core.config import AdmissionConfig, GpuConfig, ServerConfig, TenantConfig
-
+from apsd.serve.http import metrics_document
 from tests.helpers import WAIT_S, infer_body, make_config, start_daemon, wait_until
-
 
 #: /metrics answers Prometheus text unless the client asks for JSON (tests/daemon/test_prometheus.py)
 JSON = {"Accept": "application/json"}

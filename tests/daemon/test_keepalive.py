@@ -23,7 +23,6 @@ import trio
 import trio.testing
 
 from apsd.core.config import ServerConfig
-
 from tests.helpers import FAST_GPU, ROOT, make_config, start_daemon
 
 #: The daemon's [server] keep_alive_timeout_s in these tests.

@@ -16,12 +16,22 @@ import httpx
 import pytest
 import trio
 
-from apsd.core.config import ConfigError, PriceConfig, ServerConfig, StateConfig, TenantConfig, parse_config
+from apsd.core.config import ConfigError, ServerConfig, StateConfig, TenantConfig, parse_config
 from apsd.serve.alerts import SIGNATURE_HEADER, sign
-
-from tests.helpers import (BUDGET_USD, FAST_GPU, PRICES, backends_up, forwarding_config, infer_body, make_config,
-                           run_cli, start_daemon, varied_length, wait_until)
 from tests.budget_spender import spend
+from tests.helpers import (
+    BUDGET_USD,
+    FAST_GPU,
+    PRICES,
+    backends_up,
+    forwarding_config,
+    infer_body,
+    make_config,
+    run_cli,
+    start_daemon,
+    varied_length,
+    wait_until,
+)
 from tests.standin_backend import start_standin_backend
 from tests.webhook_receiver import open_webhook_receiver
 

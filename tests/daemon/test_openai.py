@@ -18,12 +18,11 @@ import pytest
 import trio
 from httpx_sse import aconnect_sse
 
-from apsd.serve.auth import hash_key
 from apsd.core.config import ConfigError, GpuConfig, ServerConfig, TenantConfig, parse_config
 from apsd.core.hookspecs import hookimpl
+from apsd.serve.auth import hash_key
 from apsd.serve.http.common import BodyError
 from apsd.serve.http.openai import CHAT, COMPLETIONS, parse_openai_body, placeholder_text, priority_bid
-
 from tests.helpers import FAST_GPU, WAIT_S, LiveDaemon, expected_prompt_tokens, make_config, start_daemon
 
 TENANT = {"X-Apsd-Tenant": "tenant_a"}

@@ -9,9 +9,16 @@ import pytest
 import trio
 
 from apsd.core.config import ServerConfig, TenantConfig
-
-from tests.helpers import (FAST_GPU, backends_up, bucket_level, forwarding_config, make_config, openai_client,
-                           start_daemon, wait_until)
+from tests.helpers import (
+    FAST_GPU,
+    backends_up,
+    bucket_level,
+    forwarding_config,
+    make_config,
+    openai_client,
+    start_daemon,
+    wait_until,
+)
 from tests.llama_server import (  # noqa: F401  (fixtures)
     llama_server_binary,
     open_llama_server,

@@ -12,12 +12,11 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from apsd.serve.http import create_app
 from apsd.core.config import ServerConfig, TenantConfig
-from apsd.pipeline import open_pipeline
-from apsd.serve.prometheus import exporter_for, negotiate
 from apsd.core.scheduler import Scheduler
-
+from apsd.pipeline import open_pipeline
+from apsd.serve.http import create_app
+from apsd.serve.prometheus import exporter_for, negotiate
 from tests.helpers import build_policies, infer_body, make_config, start_daemon
 
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"

@@ -5,7 +5,6 @@ then comes up and goes away again, and a daemon draining."""
 from __future__ import annotations
 
 import logging
-
 import socket
 
 import attrs
@@ -15,9 +14,16 @@ import trio
 from apsd.core.config import GpuConfig, ServerConfig, TenantConfig, parse_config
 from apsd.core.engine import BackendStatistics
 from apsd.serve.readiness import decide_readiness
-
-from tests.helpers import (FAST_GPU, WAIT_S, backends_up, forwarding_config, infer_body, make_config, start_daemon,
-                           wait_until)
+from tests.helpers import (
+    FAST_GPU,
+    WAIT_S,
+    backends_up,
+    forwarding_config,
+    infer_body,
+    make_config,
+    start_daemon,
+    wait_until,
+)
 from tests.standin_backend import DONE, Exchange, Reply, sse, start_standin_backend, stream_chunks
 
 

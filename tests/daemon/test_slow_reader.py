@@ -24,7 +24,6 @@ import trio
 
 from apsd.core.config import GpuConfig, ServerConfig, TenantConfig
 from apsd.core.hookspecs import hookimpl
-
 from tests.helpers import LiveDaemon, make_config, start_daemon
 
 #: The daemon's [server] send_timeout_s here.

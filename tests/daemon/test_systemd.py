@@ -27,12 +27,10 @@ import pytest
 import trio
 
 from apsd.core.config import GpuConfig, TenantConfig, load_config
-from apsd.serve.daemon import HTTP_GRACEFUL_TIMEOUT_S, Daemon
-from apsd.pipeline import GovernorView, Health
-from apsd.serve.notify import ProgressProbe, SystemdNotifier, serve_status, serve_watchdog, status_line
-from apsd.pipeline import open_pipeline
 from apsd.core.scheduler import Scheduler
-
+from apsd.pipeline import GovernorView, Health, open_pipeline
+from apsd.serve.daemon import HTTP_GRACEFUL_TIMEOUT_S, Daemon
+from apsd.serve.notify import ProgressProbe, SystemdNotifier, serve_status, serve_watchdog, status_line
 from tests.helpers import build_policies, make_config
 
 ROOT = Path(__file__).resolve().parents[2]

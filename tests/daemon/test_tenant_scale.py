@@ -24,7 +24,6 @@ from apsd.core.config import QueueConfig, ServerConfig, StateConfig, TenantConfi
 from apsd.core.ledger import ChangeLog
 from apsd.pipeline import Pipeline
 from apsd.serve.http.ui import StatusSampler
-
 from tests.helpers import FAST_GPU, LiveDaemon, infer_body, make_config, start_daemon
 
 MANY = 10_000

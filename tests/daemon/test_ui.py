@@ -23,7 +23,6 @@ import trio
 from apsd.core.config import AuthConfig, ServerConfig, StateConfig, TenantConfig
 from apsd.serve.auth import hash_key
 from apsd.serve.http import ui
-
 from tests.helpers import FAST_GPU, infer_body, make_config, start_daemon, wait_until
 from tests.llama_server import REQUIRE_ENV
 
@@ -483,7 +482,7 @@ def attacker_site():
     import threading
 
     class Page(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        def do_GET(self) -> None:
             body = b"<!doctype html><title>a page from elsewhere</title><body></body>"
             self.send_response(200)
             self.send_header("Content-Type", "text/html")

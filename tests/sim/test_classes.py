@@ -15,7 +15,6 @@ from apsd.pipeline import open_pipeline
 from apsd.sim.records import Arrival, Workload
 from apsd.sim.research.classes import TIGHT_TARGET, classes_markdown, run_classes_study, study_config
 from apsd.sim.runner import parse_policy_choice, run_policy
-
 from tests.helpers import build_policies, make_config
 
 CLASSES = {"tight": ServiceClassConfig(ttft_s=1.0), "loose": ServiceClassConfig(ttft_s=30.0, on_miss="best_effort")}

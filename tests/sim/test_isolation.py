@@ -11,14 +11,21 @@ import pytest
 import trio
 
 from apsd.core.config import Config, parse_config
-from apsd.sim.runner import parse_policy_choice, run_policy
-from apsd.sim.workloads import build_workload
-
 from apsd.engines import deployment_for
 from apsd.engines.continuous import PROTECT_FACTOR, first_token_bound_s, prefill_chunk_for
 from apsd.sim.isolation_grid import GridCell, cell_runs, measure_runs
-
-from tests.helpers import CONTINUOUS_FLOOD, infer_body, make_config, max_backlogged_service_gap, p99, start_daemon, steady, ttft
+from apsd.sim.runner import parse_policy_choice, run_policy
+from apsd.sim.workloads import build_workload
+from tests.helpers import (
+    CONTINUOUS_FLOOD,
+    infer_body,
+    make_config,
+    max_backlogged_service_gap,
+    p99,
+    start_daemon,
+    steady,
+    ttft,
+)
 
 #: The entropy governor's longest window (``[policy.entropy] base_window_ms``, default 10 ms).
 WINDOW_S = 0.010

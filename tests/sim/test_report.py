@@ -14,9 +14,22 @@ from apsd.core.ledger import FAIRNESS_DEFINITION
 from apsd.plugins import make_plugin_manager
 from apsd.policies.fair import ChargeWeights
 from apsd.sim.records import Arrival, BatchRecord, EngineRecord, GovernorSample, PolicyRun, RequestRecord, Workload
-from apsd.sim.report import (PLOT_FILES, SERVICE_DIFFERENCE_DEFINITION, SERVICE_WEIGHTS, BatchSizes, LowestBidder,
-                             Percentiles, RunSummary, TimeInState, WorkloadSummary, build_figure,
-                             format_summary_table, service_difference_over_time, summarize, write_report)
+from apsd.sim.report import (
+    PLOT_FILES,
+    SERVICE_DIFFERENCE_DEFINITION,
+    SERVICE_WEIGHTS,
+    BatchSizes,
+    LowestBidder,
+    Percentiles,
+    RunSummary,
+    TimeInState,
+    WorkloadSummary,
+    build_figure,
+    format_summary_table,
+    service_difference_over_time,
+    summarize,
+    write_report,
+)
 from apsd.sim.report.markdown import report_markdown
 from apsd.sim.report.timeline import busy_cumulative
 from apsd.sim.runner import parse_policy_choice, run_policy

@@ -19,16 +19,30 @@ from pathlib import Path
 
 import pytest
 
+import apsd.sim.research.run
 from apsd import cli
 from apsd.core.hookspecs import hookimpl
 from apsd.plugins import load_policy_registry, make_plugin_manager
-import apsd.sim.research.run
 from apsd.sim import research
 from apsd.sim.report import summarize, write_report
-from apsd.sim.research import (ALONE, CLAIMED_COST_PER_1M_TOKENS_USD, CLAIMED_GPU_UTILIZATION, CLAIMED_JAIN,
-                               CLAIMED_JAIN_ELSEWHERE, CONTINUOUS_ENGINE, ISOLATION_SCALED, ISOLATION_WORKLOADS,
-                               NOISY, POLICIES, SCALED, WORKLOADS, open_report_writer, plugin_presets, report_dir,
-                               write_research)
+from apsd.sim.research import (
+    ALONE,
+    CLAIMED_COST_PER_1M_TOKENS_USD,
+    CLAIMED_GPU_UTILIZATION,
+    CLAIMED_JAIN,
+    CLAIMED_JAIN_ELSEWHERE,
+    CONTINUOUS_ENGINE,
+    ISOLATION_SCALED,
+    ISOLATION_WORKLOADS,
+    NOISY,
+    POLICIES,
+    SCALED,
+    WORKLOADS,
+    open_report_writer,
+    plugin_presets,
+    report_dir,
+    write_research,
+)
 from apsd.sim.runner import parse_policy_choice, run_policy
 from apsd.sim.workloads import build_workload
 

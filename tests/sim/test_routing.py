@@ -4,7 +4,6 @@ backends chosen by the routing policy."""
 
 from __future__ import annotations
 
-import attrs
 import pytest
 
 from apsd.core.config import AdmissionConfig, BackendConfig, EngineConfig, RoutingConfig, TenantConfig
@@ -13,7 +12,6 @@ from apsd.core.routing import BLOCK_TOKENS, synthetic_blocks
 from apsd.engines.backends import SimulatedBackendClient, SimulatedServer
 from apsd.pipeline import open_pipeline
 from apsd.sim.research.routing import run_routing_study
-
 from tests.helpers import build_policies, make_config
 
 TENANTS = {"t": TenantConfig(rate=1e-6, burst=10**9)}

@@ -1,6 +1,7 @@
 """Token buckets and admission decisions, in virtual time."""
 
 import contextlib
+import itertools
 import math
 
 import pytest
@@ -29,9 +30,11 @@ def test_bucket_arithmetic():
     assert bucket.level(100.0) == 5000             # refunds are capped too
 
 
-def request(tenant="t", prompt=10, tokens=90, bid=5, n=[0]):
-    n[0] += 1
-    return InferenceRequest(f"r{n[0]}", tenant, prompt, tokens, bid)
+_made = itertools.count(1)
+
+
+def request(tenant="t", prompt=10, tokens=90, bid=5):
+    return InferenceRequest(f"r{next(_made)}", tenant, prompt, tokens, bid)
 
 
 def no_engine_limit(request):

@@ -2,7 +2,6 @@ from apsd.core.models import Capacity, InferenceRequest
 from apsd.policies.aging import StaticQueue
 from apsd.policies.batching import MicroBatching, MicroParams
 
-
 #: An idle micro engine far larger than these tests' requests: the policy's own limits decide.
 IDLE = Capacity(sequences=10**9, kv_tokens=10**9)
 

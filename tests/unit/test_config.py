@@ -4,7 +4,6 @@ import attrs
 import pytest
 
 from apsd.core.config import Config, ConfigError, load_config
-
 from tests.helpers import build_policies, make_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,12 +8,11 @@ import random
 import pytest
 
 from apsd.core.config import EngineConfig, TenantConfig
+from apsd.core.models import Completion
+from apsd.core.streams import TokenChunk, TokenStream
 from apsd.engines import deployment_for
 from apsd.engines.continuous import ContinuousEngine
-from apsd.core.models import Completion
 from apsd.pipeline import open_pipeline
-from apsd.core.streams import TokenChunk, TokenStream
-
 from tests.helpers import build_policies, make_config
 from tests.roofline_points import VALIDATION_BAND
 

@@ -15,12 +15,11 @@ import pytest
 import trio
 import trio.testing
 
-from apsd.serve.http import metrics_document
 from apsd.core.config import ConfigError, GpuConfig, QueueConfig, TenantConfig
-from apsd.engines.batch import FaultInjector
 from apsd.core.models import Completion, InferenceRequest, Refusal
+from apsd.engines.batch import FaultInjector
 from apsd.pipeline import Pipeline, open_pipeline
-
+from apsd.serve.http import metrics_document
 from tests import helpers
 from tests.helpers import build_policies, infer_body, make_config, submit
 

@@ -5,6 +5,7 @@ and settlement against usage. (tests/backends/test_gateway.py runs it against re
 from __future__ import annotations
 
 import contextlib
+
 import attrs
 import pytest
 import trio
@@ -12,11 +13,10 @@ import trio.testing
 
 from apsd.core.clock import ModelClock
 from apsd.core.config import BackendConfig, ForwardConfig, TenantConfig, parse_config
-from apsd.engines.backends import SimulatedBackendClient, SimulatedServer, parse_load
 from apsd.core.models import Completion
-from apsd.pipeline import open_pipeline
 from apsd.core.streams import TokenStream
-
+from apsd.engines.backends import SimulatedBackendClient, SimulatedServer, parse_load
+from apsd.pipeline import open_pipeline
 from tests.helpers import build_policies
 
 TENANTS = {name: TenantConfig(rate=1e9, burst=10**9) for name in ("t", "flood", "steady")}

@@ -17,7 +17,6 @@ from apsd.core.models import Completion, InferenceRequest, Refusal
 from apsd.core.reservation import MIN_SAMPLES
 from apsd.engines.backends import SimulatedBackendClient, SimulatedServer
 from apsd.pipeline import Pipeline, open_pipeline
-
 from tests.helpers import build_policies
 
 MODEL = "sim"

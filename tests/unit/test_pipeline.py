@@ -7,11 +7,10 @@ import math
 import pytest
 import trio
 
-from apsd.serve.http import metrics_document
 from apsd.core.config import EngineConfig, GpuConfig, TenantConfig
 from apsd.core.models import Completion
 from apsd.pipeline import open_pipeline
-
+from apsd.serve.http import metrics_document
 from tests.helpers import build_policies, make_config
 
 UNLIMITED = {"vip": TenantConfig(rate=1e9, burst=10**9), "free": TenantConfig(rate=1e9, burst=10**9)}

@@ -15,14 +15,13 @@ import pytest
 
 import apsd
 from apsd.core import hookspecs
-from apsd.serve.http import metrics_document
 from apsd.core.config import EngineConfig, GpuConfig, ServerConfig, TenantConfig
-from apsd.serve.daemon import Daemon
 from apsd.core.models import Completion
 from apsd.pipeline import open_pipeline
 from apsd.plugins import PluginError, load_policy_registry, make_plugin_manager
 from apsd.policies.aging import ApsQueue
-
+from apsd.serve.daemon import Daemon
+from apsd.serve.http import metrics_document
 from tests.helpers import make_config
 
 ROOT = Path(__file__).resolve().parents[2]

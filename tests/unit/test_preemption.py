@@ -102,7 +102,7 @@ def reference_victim(leases, slots, weights, tenant, now, rules, ttft=math.inf):
     tenants = set(held) | {tenant}
     total = sum(weights.get(t, 1.0) for t in tenants)
     share = {t: slots * weights.get(t, 1.0) / total for t in tenants}
-    w = lambda t: weights.get(t, 1.0)  # noqa: E731
+    w = lambda t: weights.get(t, 1.0)
     base = [lease for lease in leases if lease.tenant != tenant and lease.preemptible and lease.yield_to is None
             and lease.preemptions < rules.max_preemptions
             and (not lease.started or not lease.preemptions or now - lease.since >= rules.min_run_s)]

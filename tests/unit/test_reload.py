@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import trio
 
-from apsd.serve.http import metrics_document
 from apsd.core.config import EngineConfig, GpuConfig, ServerConfig, TenantConfig
 from apsd.core.models import Completion
 from apsd.pipeline import open_pipeline
-
+from apsd.serve.http import metrics_document
 from tests.helpers import build_policies, make_config
 
 BIG = TenantConfig(rate=1e6, burst=10**6)

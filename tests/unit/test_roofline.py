@@ -21,7 +21,6 @@ from apsd.engines.profiles import (
     builtin_profiles,
 )
 from apsd.engines.roofline import Deployment, DeploymentError, estimate_static_batch
-
 from tests.roofline_points import POINTS, VALIDATION_BAND, registry, table
 
 KIB = 1024

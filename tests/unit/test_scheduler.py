@@ -24,7 +24,6 @@ from apsd.core.queue import FifoQueue
 from apsd.core.scheduler import Scheduler
 from apsd.pipeline import Pipeline
 from apsd.policies.governor import FixedGovernor
-
 from tests.helpers import build_policies, make_config
 
 #: Buckets that never limit: admission takes in everything the tests queue.

@@ -18,7 +18,6 @@ from apsd.core.models import InferenceRequest
 from apsd.core.service_window import BANDS, WINDOW_S, ServiceWindow, TenantFairness, band_of
 from apsd.pipeline import Pipeline
 from apsd.serve.prometheus import exporter_for
-
 from tests.helpers import make_config
 
 WINDOW_FAMILIES = ("apsd_tenant_service_window_tokens", "apsd_tenant_service_share", "apsd_tenant_weight_share")

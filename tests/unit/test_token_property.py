@@ -101,14 +101,20 @@ from hypothesis import strategies as st
 from apsd.core.bucket import TokenBucket
 from apsd.core.clock import ModelClock
 from apsd.core.config import Config, TenantConfig, parse_config
-from apsd.engines.backends import (Backend, BackendAnswer, BackendChunk, OnChunk, SimulatedBackendClient, SimulatedServer,
-                                   _simulated_prompt_tokens)
-from apsd.serve.http.openai import CHAT, COMPLETIONS, parse_openai_body, priority_bid
 from apsd.core.models import LENGTH_ALIASES, Completion, InferenceRequest, Refusal
-from apsd.pipeline import Pipeline, open_pipeline
-from apsd.store.memory import MemoryStore
 from apsd.core.streams import TokenStream
-
+from apsd.engines.backends import (
+    Backend,
+    BackendAnswer,
+    BackendChunk,
+    OnChunk,
+    SimulatedBackendClient,
+    SimulatedServer,
+    _simulated_prompt_tokens,
+)
+from apsd.pipeline import Pipeline, open_pipeline
+from apsd.serve.http.openai import CHAT, COMPLETIONS, parse_openai_body, priority_bid
+from apsd.store.memory import MemoryStore
 from tests.helpers import build_policies
 
 pytestmark = pytest.mark.timeout(300)
@@ -823,7 +829,7 @@ def one_backend_config(**forward: Any) -> Config:
 async def stall_then_resume(seed: int) -> tuple | None:
     """The scenario of the test below under scheduling seed ``seed``: None when the request ran
     again, else what was left: (backend healthy, in flight, queued, engine blocked)."""
-    import trio._core._run as trio_run   # (private: only to pin the order trio runs ready tasks in)
+    import trio._core._run as trio_run  # (private: only to pin the order trio runs ready tasks in)
 
     trio_run._r.seed(seed)
     config = one_backend_config()

@@ -46,12 +46,12 @@ from werkzeug.exceptions import HTTPException
 from apsd.core.models import Refusal
 from apsd.pipeline import Pipeline
 from apsd.serve.auth import API_KEY_HEADER, cross_site_refusal
-from apsd.serve.prometheus import exporter_for
 from apsd.serve.http import admin, anthropic, infer, openai, ops, ui
-from apsd.state.keeper import StateKeeper
 from apsd.serve.http.common import HttpState, ShieldResponseEnd, error_response, noted_tenant, read_unread_body
 from apsd.serve.http.infer import parse_infer_body
 from apsd.serve.http.ops import metrics_document
+from apsd.serve.prometheus import exporter_for
+from apsd.state.keeper import StateKeeper
 
 __all__ = ["create_app", "metrics_document", "parse_infer_body"]
 

@@ -34,8 +34,14 @@ from apsd.core.budget import MICRO, TOKENS, USD, BudgetLimit, Budgets, budget_ac
 from apsd.core.config import KeyLimits, TenantConfig, field_comments
 from apsd.core.models import Refusal
 from apsd.serve.auth import Caller
-from apsd.serve.http.common import (BodyError, authenticated, error_response, http_state, json_response,
-                                    parse_json_object)
+from apsd.serve.http.common import (
+    BodyError,
+    authenticated,
+    error_response,
+    http_state,
+    json_response,
+    parse_json_object,
+)
 from apsd.state.keeper import AdminError, StateKeeper
 from apsd.state.records import settings_dict
 from apsd.state.usage import summarize, to_csv

@@ -26,10 +26,10 @@ from quart import Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
 from apsd.core import strictjson
-from apsd.serve.auth import API_KEY_HEADER, Caller, KeyRing
 from apsd.core.config import Config
 from apsd.core.models import Refusal
 from apsd.pipeline import Pipeline
+from apsd.serve.auth import API_KEY_HEADER, Caller, KeyRing
 from apsd.serve.prometheus import PrometheusExporter
 
 if TYPE_CHECKING:

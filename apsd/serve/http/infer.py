@@ -8,16 +8,27 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
 
 import attrs
 from quart import Blueprint, Response, request
 
-from apsd.serve.auth import Caller
 from apsd.core.config import clamp_bid
 from apsd.core.models import Completion
-from apsd.serve.http.common import (MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated, check_prompt_length,
-                     error_response, http_state, json_response, note_tenant, parse_json_object, service_class, shown)
+from apsd.serve.auth import Caller
+from apsd.serve.http.common import (
+    MAX_TENANT_ID_CHARS,
+    MAX_TOKENS_REQUESTED,
+    BodyError,
+    authenticated,
+    check_prompt_length,
+    error_response,
+    http_state,
+    json_response,
+    note_tenant,
+    parse_json_object,
+    service_class,
+    shown,
+)
 
 __all__ = ["MAX_TIMEOUT_S", "InferBody", "blueprint", "parse_infer_body"]
 

@@ -37,25 +37,36 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import attrs
-import trio
 from quart import Blueprint, Response, request
 
 from apsd.core.admission import estimate_tokens
-from apsd.serve.auth import Caller
 from apsd.core.config import DEFAULT_BID, AdmissionConfig, Config, TenantConfig, clamp_bid
 from apsd.core.models import LENGTH_ALIASES, OPENAI_APIS, Completion, InferenceRequest, Refusal
-from apsd.pipeline import Pipeline
 from apsd.core.streams import TokenChunk, TokenStream
-from apsd.serve.http.common import (outcome_or_cancel, MAX_TENANT_ID_CHARS, MAX_TOKENS_REQUESTED, BodyError, authenticated,
-                                    check_field_types, check_prompt_length, client_request_id, http_state, is_int,
-                                    note_tenant, parse_json_object, service_class, shown)
+from apsd.pipeline import Pipeline
+from apsd.serve.auth import Caller
+from apsd.serve.http.common import (
+    MAX_TENANT_ID_CHARS,
+    MAX_TOKENS_REQUESTED,
+    BodyError,
+    authenticated,
+    check_field_types,
+    check_prompt_length,
+    client_request_id,
+    http_state,
+    is_int,
+    note_tenant,
+    outcome_or_cancel,
+    parse_json_object,
+    service_class,
+    shown,
+)
 
 __all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "MEDIA_PART_TOKENS", "MESSAGE_OVERHEAD_TOKENS", "RESPONSES", "OpenAIBody",
            "PRIORITY_HEADER", "TENANT_HEADER", "blueprint", "error_body", "error_response", "error_type",
@@ -717,7 +728,7 @@ async def models(caller: Caller) -> Response:
     if key is not None and key.limits.models:
         names = [name for name in names if name in key.limits.models]
     if request.headers.get(ANTHROPIC_VERSION_HEADER) is not None:   # (an Anthropic client: its list's shape)
-        created = datetime.datetime.fromtimestamp(state.created, datetime.timezone.utc).isoformat()
+        created = datetime.datetime.fromtimestamp(state.created, datetime.UTC).isoformat()
         return _answer({"data": [{"type": "model", "id": name, "display_name": name, "created_at": created}
                                  for name in names],
                         "has_more": False, "first_id": names[0] if names else None,

@@ -18,12 +18,12 @@ from typing import Any
 import attrs
 from quart import Blueprint, Response, request
 
-from apsd.serve.auth import Caller
 from apsd.core.models import Refusal
 from apsd.pipeline import Pipeline
+from apsd.serve.auth import Caller
+from apsd.serve.http.common import authenticated, error_response, http_state, json_response
 from apsd.serve.prometheus import negotiate
 from apsd.serve.readiness import readiness
-from apsd.serve.http.common import authenticated, error_response, http_state, json_response
 
 __all__ = ["METRICS_ENDPOINTS", "OPEN_ENDPOINTS", "blueprint", "metrics_document"]
 

@@ -30,11 +30,30 @@ from apsd.core.ledger import FAIRNESS_DEFINITION
 from apsd.sim.report.figures import PLOT_FILES, build_figure
 from apsd.sim.report.files import write_report
 from apsd.sim.report.measure import summarize
-from apsd.sim.report.service import (SERVICE_DIFFERENCE_DEFINITION, SERVICE_STEP_S, SERVICE_WEIGHTS,
-                                     SERVICE_WINDOW_S, service_difference_over_time)
-from apsd.sim.report.summary import (SIGNIFICANT_DIGITS, BatchSizes, EngineSummary, Fairness, GovernorSummary,
-                                     LowestBidder, Outcomes, Overall, Percentiles, RunSummary, ServiceDifference,
-                                     TenantSummary, TimeInState, WorkloadSummary, summary_json)
+from apsd.sim.report.service import (
+                                     SERVICE_DIFFERENCE_DEFINITION,
+                                     SERVICE_STEP_S,
+                                     SERVICE_WEIGHTS,
+                                     SERVICE_WINDOW_S,
+                                     service_difference_over_time,
+)
+from apsd.sim.report.summary import (
+                                     SIGNIFICANT_DIGITS,
+                                     BatchSizes,
+                                     EngineSummary,
+                                     Fairness,
+                                     GovernorSummary,
+                                     LowestBidder,
+                                     Outcomes,
+                                     Overall,
+                                     Percentiles,
+                                     RunSummary,
+                                     ServiceDifference,
+                                     TenantSummary,
+                                     TimeInState,
+                                     WorkloadSummary,
+                                     summary_json,
+)
 from apsd.sim.report.tables import describe_engine, format_summary_table
 
 __all__ = [

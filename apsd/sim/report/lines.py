@@ -9,11 +9,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from apsd.sim.records import PolicyRun
-from apsd.sim.report.plotting import (MAX_CURVE_POINTS, draw_shared_lines, identical_curves, labels, line_style,
-                                      no_data, single_figure, thin)
+from apsd.sim.report.plotting import (
+    MAX_CURVE_POINTS,
+    draw_shared_lines,
+    identical_curves,
+    labels,
+    line_style,
+    no_data,
+    single_figure,
+    thin,
+)
 from apsd.sim.report.runs import engine_count, workload_key
-from apsd.sim.report.service import (SERVICE_STEP_S, SERVICE_WEIGHTS, SERVICE_WINDOW_S,
-                                     service_difference_over_time)
+from apsd.sim.report.service import SERVICE_STEP_S, SERVICE_WEIGHTS, SERVICE_WINDOW_S, service_difference_over_time
 from apsd.sim.report.timeline import busy_cumulative
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -9,9 +9,20 @@ from collections.abc import Sequence
 from apsd.core.ledger import FAIRNESS_DEFINITION
 from apsd.sim.report.service import SERVICE_DIFFERENCE_DEFINITION
 from apsd.sim.report.summary import RunSummary
-from apsd.sim.report.tables import (S, batch_table, classes_table, describe_engine, engine_figures, fmt,
-                                    format_summary_table, governor_table, isolation_table, routing_table,
-                                    service_difference_table, tenant_table)
+from apsd.sim.report.tables import (
+    S,
+    batch_table,
+    classes_table,
+    describe_engine,
+    engine_figures,
+    fmt,
+    format_summary_table,
+    governor_table,
+    isolation_table,
+    routing_table,
+    service_difference_table,
+    tenant_table,
+)
 
 __all__ = ["report_markdown"]
 

@@ -22,13 +22,24 @@ import numpy as np
 
 from apsd.core.ledger import jain_index
 from apsd.sim.records import PolicyRun, RequestRecord
-from apsd.sim.report.runs import (by_tenant, completed, engine_count, latencies, queue_waits, tenant_names, tpots,
-                                  ttfts)
 from apsd.sim.report.classes import class_attainment
+from apsd.sim.report.runs import by_tenant, completed, engine_count, latencies, queue_waits, tenant_names, tpots, ttfts
 from apsd.sim.report.service import summarize_service_difference
-from apsd.sim.report.summary import (BatchSizes, ClassSummary, EngineSummary, Fairness, GovernorSummary, LowestBidder, Overall,
-                                     Percentiles, RunSummary, TenantIsolation, TenantSummary, TimeInState,
-                                     WorkloadSummary)
+from apsd.sim.report.summary import (
+    BatchSizes,
+    ClassSummary,
+    EngineSummary,
+    Fairness,
+    GovernorSummary,
+    LowestBidder,
+    Overall,
+    Percentiles,
+    RunSummary,
+    TenantIsolation,
+    TenantSummary,
+    TimeInState,
+    WorkloadSummary,
+)
 
 __all__ = ["isolation", "routing_reasons", "summarize"]
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from apsd.sim.records import PolicyRun, RequestRecord
-from apsd.sim.report.plotting import (MAX_CURVE_POINTS, no_data, panels_figure, run_title, tenant_lines, thin)
+from apsd.sim.report.plotting import MAX_CURVE_POINTS, no_data, panels_figure, run_title, tenant_lines, thin
 from apsd.sim.report.runs import completed, latencies, tpots, ttfts
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -36,13 +36,30 @@ report covers what an operator could run. The same seed and the same installed p
 (names and versions, which ``research.md`` lists) give the same bytes.
 """
 
-from apsd.sim.research.claims import (CLAIMED_COST_PER_1M_TOKENS_USD, CLAIMED_GPU_UTILIZATION, CLAIMED_JAIN,
-                                      CLAIMED_JAIN_ELSEWHERE)
+from apsd.sim.research.claims import (
+                                      CLAIMED_COST_PER_1M_TOKENS_USD,
+                                      CLAIMED_GPU_UTILIZATION,
+                                      CLAIMED_JAIN,
+                                      CLAIMED_JAIN_ELSEWHERE,
+)
 from apsd.sim.research.measured import Comparison, Measured, OverloadService, ServedByThen
 from apsd.sim.research.run import MAX_REPORT_WORKERS, open_report_writer, write_research
-from apsd.sim.research.suite import (ALONE, CONTINUOUS_ENGINE, GOVERNOR_WORKLOADS, ISOLATION_SCALED,
-                                     ISOLATION_WORKLOADS, NOISY, POLICIES, SCALED, WORKLOADS, ZERO_WINDOW,
-                                     ScaledWorkload, engine_configs, plugin_presets, report_dir)
+from apsd.sim.research.suite import (
+                                      ALONE,
+                                      CONTINUOUS_ENGINE,
+                                      GOVERNOR_WORKLOADS,
+                                      ISOLATION_SCALED,
+                                      ISOLATION_WORKLOADS,
+                                      NOISY,
+                                      POLICIES,
+                                      SCALED,
+                                      WORKLOADS,
+                                      ZERO_WINDOW,
+                                      ScaledWorkload,
+                                      engine_configs,
+                                      plugin_presets,
+                                      report_dir,
+)
 
 __all__ = ["ALONE", "CLAIMED_COST_PER_1M_TOKENS_USD", "CLAIMED_GPU_UTILIZATION", "CLAIMED_JAIN",
            "CLAIMED_JAIN_ELSEWHERE", "CONTINUOUS_ENGINE", "GOVERNOR_WORKLOADS", "ISOLATION_SCALED",

@@ -9,12 +9,28 @@ from apsd.core.config import Config, parse_section
 from apsd.engines import describe
 from apsd.policies.aging import ApsParams
 from apsd.sim.report import RunSummary, describe_engine
-from apsd.sim.research.claims import (CLAIMED_COST_PER_1M_TOKENS_USD, CLAIMED_GPU_UTILIZATION, JAIN_TIE,
-                                      LIGHT_LOAD, MATERIAL_CHANGE, WINDOW_MATCH_MS, WINDOW_ROUNDING_MS, percent)
+from apsd.sim.research.claims import (
+    CLAIMED_COST_PER_1M_TOKENS_USD,
+    CLAIMED_GPU_UTILIZATION,
+    JAIN_TIE,
+    LIGHT_LOAD,
+    MATERIAL_CHANGE,
+    WINDOW_MATCH_MS,
+    WINDOW_ROUNDING_MS,
+    percent,
+)
 from apsd.sim.research.measured import Measured
 from apsd.sim.research.prose import change, jain_cell, listing, names, pct, pct_cell, sec_cell, seconds, usd
-from apsd.sim.research.suite import (BATCH, CONTINUOUS, ENGINES, GOVERNOR_WORKLOADS, SCALED, WORKLOADS,
-                                     continuous_names, report_dir)
+from apsd.sim.research.suite import (
+    BATCH,
+    CONTINUOUS,
+    ENGINES,
+    GOVERNOR_WORKLOADS,
+    SCALED,
+    WORKLOADS,
+    continuous_names,
+    report_dir,
+)
 
 __all__ = ["continuous_section"]
 

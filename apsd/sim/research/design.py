@@ -6,9 +6,19 @@ from __future__ import annotations
 from apsd.core.config import Config, parse_section
 from apsd.engines.batch import GpuModel
 from apsd.policies.batching import MicroParams
-from apsd.sim.research.claims import (CLAIMED_COST_PER_1M_TOKENS_USD, CLAIMED_GOVERNOR, CLAIMED_GPU_UTILIZATION,
-                                      CLAIMED_JAIN, CLAIMED_JAIN_ELSEWHERE, CLAIMED_STARVATION, JAIN_TIE,
-                                      MATERIAL_CHANGE, SHARE_TOLERANCE_PCT, TIE_RATIO, percent)
+from apsd.sim.research.claims import (
+    CLAIMED_COST_PER_1M_TOKENS_USD,
+    CLAIMED_GOVERNOR,
+    CLAIMED_GPU_UTILIZATION,
+    CLAIMED_JAIN,
+    CLAIMED_JAIN_ELSEWHERE,
+    CLAIMED_STARVATION,
+    JAIN_TIE,
+    MATERIAL_CHANGE,
+    SHARE_TOLERANCE_PCT,
+    TIE_RATIO,
+    percent,
+)
 from apsd.sim.research.measured import Comparison, OverloadService
 from apsd.sim.research.prose import change, jain_cell, listing, pct, pct_cell, sec_cell, seconds, usd
 from apsd.sim.research.suite import GOVERNOR_WORKLOADS, WORKLOADS

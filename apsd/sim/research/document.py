@@ -8,12 +8,27 @@ from apsd.core.config import Config
 from apsd.engines import describe
 from apsd.sim.report import describe_engine, format_summary_table
 from apsd.sim.research.continuous import continuous_section
-from apsd.sim.research.design import (claim_cost, claim_fairness, claim_governor, claim_lazy_aging,
-                                      claim_starvation, claim_utilization, max_batch_size)
+from apsd.sim.research.design import (
+    claim_cost,
+    claim_fairness,
+    claim_governor,
+    claim_lazy_aging,
+    claim_starvation,
+    claim_utilization,
+    max_batch_size,
+)
 from apsd.sim.research.isolation import isolation_headline, isolation_section
 from apsd.sim.research.measured import Comparison, Measured
-from apsd.sim.research.suite import (BATCH, CONTINUOUS, POLICIES, WORKLOADS, continuous_names, isolation_names,
-                                     report_dir, scaled)
+from apsd.sim.research.suite import (
+    BATCH,
+    CONTINUOUS,
+    POLICIES,
+    WORKLOADS,
+    continuous_names,
+    isolation_names,
+    report_dir,
+    scaled,
+)
 from apsd.sim.runner import parse_policy_choice
 
 __all__ = ["research_markdown"]

@@ -10,9 +10,22 @@ from pathlib import Path
 from apsd.core.config import Config, parse_config
 from apsd.engines import describe
 from apsd.engines.continuous import PROTECT_FACTOR
-from apsd.sim.isolation_grid import (CONCURRENCIES, DURATION_S, FLOOD_LOADS, OUTPUTS, PROMPTS, QUEUE_TIMEOUT_S,
-                                     RATIO_GOAL, STEADY_LOAD, STEADY_OUTPUT_TOKENS, THROUGHPUT_GOAL, CellResult,
-                                     GridCell, heat_map, sweep)
+from apsd.sim.isolation_grid import (
+    CONCURRENCIES,
+    DURATION_S,
+    FLOOD_LOADS,
+    OUTPUTS,
+    PROMPTS,
+    QUEUE_TIMEOUT_S,
+    RATIO_GOAL,
+    STEADY_LOAD,
+    STEADY_OUTPUT_TOKENS,
+    THROUGHPUT_GOAL,
+    CellResult,
+    GridCell,
+    heat_map,
+    sweep,
+)
 from apsd.sim.report.plotting import panels_figure, save
 
 __all__ = ["GRID_PRESETS", "grid_config", "write_grid"]

@@ -9,8 +9,17 @@ from apsd.sim.report import SERVICE_DIFFERENCE_DEFINITION, RunSummary
 from apsd.sim.research.claims import GROWTH_RATIO, TIE_RATIO, percent
 from apsd.sim.research.measured import Comparison, Measured
 from apsd.sim.research.prose import listing, ratio, sec_cell, seconds, whole
-from apsd.sim.research.suite import (BATCH, CONTINUOUS, ENGINES, ISOLATION_SCALED, ISOLATION_WORKLOADS, WORKLOADS,
-                                     continuous_names, isolation_names, noisy_name)
+from apsd.sim.research.suite import (
+    BATCH,
+    CONTINUOUS,
+    ENGINES,
+    ISOLATION_SCALED,
+    ISOLATION_WORKLOADS,
+    WORKLOADS,
+    continuous_names,
+    isolation_names,
+    noisy_name,
+)
 
 __all__ = ["isolation_headline", "isolation_section"]
 

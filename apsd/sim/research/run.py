@@ -19,11 +19,30 @@ from apsd.plugins import describe_plugins, load_policy_registry, load_profile_re
 from apsd.sim.records import PolicyRun, Workload
 from apsd.sim.report import summarize, write_report
 from apsd.sim.research.document import research_markdown
-from apsd.sim.research.measured import (Comparison, Measured, OverloadService, full_engine_tps, mean_shape,
-                                        service_during_overload)
-from apsd.sim.research.suite import (ALONE, BATCH, CONTINUOUS, GOVERNOR_WORKLOADS, ISOLATION_SCALED,
-                                     ISOLATION_WORKLOADS, NOISY, POLICIES, SCALED, WORKLOADS, ZERO_WINDOW,
-                                     engine_configs, plugin_presets, report_dir)
+from apsd.sim.research.measured import (
+    Comparison,
+    Measured,
+    OverloadService,
+    full_engine_tps,
+    mean_shape,
+    service_during_overload,
+)
+from apsd.sim.research.suite import (
+    ALONE,
+    BATCH,
+    CONTINUOUS,
+    GOVERNOR_WORKLOADS,
+    ISOLATION_SCALED,
+    ISOLATION_WORKLOADS,
+    NOISY,
+    POLICIES,
+    SCALED,
+    WORKLOADS,
+    ZERO_WINDOW,
+    engine_configs,
+    plugin_presets,
+    report_dir,
+)
 from apsd.sim.runner import parse_policy_choice, run_policy
 from apsd.sim.workloads import build_workload
 

@@ -21,8 +21,7 @@ from typing import Any
 from apsd.core.routing import BLOCK_TOKENS
 from apsd.sim.traces.formats import RecordContext, TraceFormat, TraceRecord
 from apsd.sim.traces.rows import TraceRow
-from apsd.sim.traces.values import (bid_value, hash_ids_value, integer_value, name_value, time_value,
-                                     tokens_value)
+from apsd.sim.traces.values import bid_value, hash_ids_value, integer_value, name_value, time_value, tokens_value
 from apsd.sim.workloads import WorkloadError
 
 __all__ = ["FIELDS_HELP", "NATIVE"]
