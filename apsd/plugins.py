@@ -46,7 +46,6 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "apsd.policies.batching",
     "apsd.policies.routing",
     "apsd.engines.profiles",
-    "apsd.serve.logs",
 )
 
 ENTRY_POINT_GROUP = "apsd"

@@ -45,6 +45,7 @@ from apsd.engines.profiles import ProfileRegistry
 from apsd.pipeline import Pipeline, open_pipeline
 from apsd.plugins import PluginError, load_policy_registry, load_profile_registry, make_plugin_manager
 from apsd.policies.fair import tenant_weights
+from apsd.serve import logs
 from apsd.serve.alerts import BudgetAlerts
 from apsd.serve.auth import KeyRing, check_exposure
 from apsd.serve.http import create_app
@@ -197,6 +198,8 @@ class Daemon:
         """
         check_exposure(config)
         pm = plugin_manager or make_plugin_manager()
+        if not pm.is_registered(logs):   # (the daemon's own observer: its event log lines)
+            pm.register(logs, name="apsd.serve.logs")
         registry = load_policy_registry(pm)
         policies = registry.build(config, preset)
         profiles = load_profile_registry(pm)

@@ -42,11 +42,17 @@ MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 def imports_of(module: str) -> set[str]:
     """The apsd modules ``module`` imports (``from x import name`` counts as ``x.name`` when that is a
-    module), type-checking imports included."""
+    module), type-checking imports included; in a module that imports by name (``import_module``), every
+    string that names an apsd module below the package itself (a logger's name aside, "apsd")."""
     path = MODULES[module]
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    dynamic = any(isinstance(node, ast.Attribute) and node.attr == "import_module" for node in ast.walk(tree))
+    for node in ast.walk(tree):
+        if dynamic and isinstance(node, ast.Constant) and node.value in MODULES and node.value not in ("apsd", module):
+            found.add(node.value)
+            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -78,6 +84,7 @@ def group_of(module: str) -> tuple[int, str]:
 def test_the_graph_is_read():
     assert len(GRAPH) > 40
     assert "apsd.core.models" in GRAPH["apsd.core.ledger"]
+    assert "apsd.policies.fair" in GRAPH["apsd.plugins"]   # (registered by name: importlib)
     assert "apsd.core.store" in GRAPH["apsd.core.admission"]  # a type-checking import counts
 
 
