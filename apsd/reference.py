@@ -14,6 +14,8 @@ makes the same comparison).
   the default configuration: names, types, labels and help text as a scraper sees them.
 * ``docs/reference/cli.md`` from the argparse parsers of :mod:`apsd.cli` (usage, every option and
   its help) and the built-in workloads of :mod:`apsd.sim.workloads`.
+* ``docs/reference/errors.md`` from the catalogue of :mod:`apsd.core.errors`, with the error ``type``
+  the OpenAI and Anthropic APIs give each status (their ``error_type`` functions).
 
 The output depends on the code alone: built-in plugins only (whatever else is installed), no
 absolute paths, no clock, no terminal width. The same code gives the same bytes on every machine.
@@ -506,6 +508,36 @@ def cli_page() -> str:
     return "\n".join(out).rstrip("\n") + "\n"
 
 
+def errors_page() -> str:
+    from apsd.core import errors
+    from apsd.serve.http import anthropic, openai
+
+    def statuses(entry: errors.ErrorCode) -> str:
+        return ", ".join(str(s) for s in entry.statuses)
+
+    def types(entry: errors.ErrorCode, error_type: Callable[[int], str]) -> str:
+        return ", ".join(dict.fromkeys(f"`{error_type(s)}`" for s in entry.statuses))
+
+    out = ["# Error codes", "", _NOTICE.format(source="`apsd/core/errors.py`"), "", paragraphs(errors.__doc__), ""]
+    parts = (("requests", "Requests", "`/infer`, `/v1/*` (OpenAI and Anthropic) and the read-only endpoints. The "
+              "`type` columns are the error object's `type` in the OpenAI and the Anthropic API."),
+             ("backend", "Requests forwarded to inference servers", "The `forward` engine's answers for a request "
+              "it sent to a backend ([In front of inference servers](../how-to/real-servers.md))."),
+             ("admin", "Admin", "`/admin/*` only (it also answers the codes of who is calling and of the body)."),
+             ("internal", "Counted, never sent", "Outcomes the books and `/metrics` count; no client reads them."))
+    for part, heading, intro in parts:
+        entries = [e for e in errors.CATALOGUE if e.part == part]
+        out += [f"## {heading}", "", intro, ""]
+        if part in ("requests", "backend"):
+            out.append(table(["status", "`error`", "when", "headers", "OpenAI `type`", "Anthropic `type`"],
+                             [[statuses(e), f"`{e.code}`", e.when, e.headers, types(e, openai.error_type),
+                               types(e, anthropic.error_type)] for e in entries]))
+        else:
+            out.append(table(["status", "`error`", "when"], [[statuses(e), f"`{e.code}`", e.when] for e in entries]))
+        out.append("")
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
 # -- the pages -------------------------------------------------------------------------------------
 
 #: Each page, relative to the repository root, and what writes it.
@@ -513,6 +545,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "docs/reference/config.md": config_page,
     "docs/reference/metrics.md": metrics_page,
     "docs/reference/cli.md": cli_page,
+    "docs/reference/errors.md": errors_page,
 }
 
 

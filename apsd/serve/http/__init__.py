@@ -136,7 +136,7 @@ def create_app(pipeline: Pipeline, *, keeper: StateKeeper | None = None) -> Quar
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
         code = exc.code or 500
-        names = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+        names = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "body_too_large"}
         message = exc.description or exc.name
         # keep werkzeug's own headers (a 405's Allow, RFC 9110 15.5.6), not its HTML content type
         headers = {k: v for k, v in exc.get_headers() if k.lower() != "content-type"}
