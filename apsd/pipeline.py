@@ -392,17 +392,18 @@ class Pipeline:
         batch; its batch count goes on. Tenants are added (full bucket), removed (new requests
         get 404; their queued ones still run) or re-rated (current tokens kept, capped at the
         new burst; with a shared store, the shared level is kept). What cannot change while running
-        (``[server]``, ``[store]``, ``[engine]`` but ``max_retries``, ``gpu.time_scale``,
+        (``[server]``, ``[store]``, ``[tracing]``, ``[engine]`` but ``max_retries``, ``gpu.time_scale``,
         ``queue.ingress_buffer``) keeps its old value and is reported as needing a restart.
         """
         old = self.config
         kept_engine = attrs.evolve(old.engine, max_retries=config.engine.max_retries)
-        fixed = {"server": old.server, "engine": kept_engine, "store": old.store,
+        fixed = {"server": old.server, "engine": kept_engine, "store": old.store, "tracing": old.tracing,
                  "gpu": attrs.evolve(config.gpu, time_scale=old.gpu.time_scale),
                  "queue": attrs.evolve(config.queue, ingress_buffer=old.queue.ingress_buffer)}
         changes = [f"{name} needs a restart to change (kept as before)"
                    for name, now, then in (("[server]", config.server, old.server),
                                            ("[store]", config.store, old.store),
+                                           ("[tracing]", config.tracing, old.tracing),
                                            ("[engine]", attrs.evolve(config.engine, max_retries=0),
                                             attrs.evolve(old.engine, max_retries=0)),
                                            ("gpu.time_scale", config.gpu.time_scale, old.gpu.time_scale),

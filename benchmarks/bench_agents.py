@@ -82,7 +82,7 @@ class MeasuredClient(SimulatedBackendClient):
     timeline: list[tuple[float, float]] = attrs.field(factory=list)
 
     async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk,
-                       request_id: str = "") -> BackendAnswer:
+                       request_id: str = "", traceparent: str = "") -> BackendAnswer:
         limit = int(body.get("max_tokens") or MAX_TOKENS)
         sent_body = dict(body, max_tokens=min(limit, self.lengths[request_id]))
         started = False

@@ -37,6 +37,9 @@ class WebhookReceiver:
     #: Statuses to answer the first requests with, in order (then 200).
     answers: list[int] = attrs.field(factory=list)
     received: list[Received] = attrs.field(factory=list)
+    #: The body (and its type) of every answer: an OTLP receiver answers an empty protobuf message.
+    reply: bytes = b"ok"
+    reply_type: str = "text/plain"
     _arrived: trio.Event = attrs.field(factory=trio.Event)
 
     async def wait_for(self, count: int, limit_s: float) -> list[Received]:
@@ -76,9 +79,10 @@ class WebhookReceiver:
                         {name.decode().lower(): value.decode() for name, value in head.headers}, body, status))
                     self._arrived.set()
                     self._arrived = trio.Event()
-                    await stream.send_all(connection.send(h11.Response(
-                        status_code=status, headers=[("Content-Length", "2"), ("Content-Type", "text/plain")])))
-                    await stream.send_all(connection.send(h11.Data(data=b"ok")))
+                    await stream.send_all(connection.send(h11.Response(status_code=status, headers=[
+                        ("Content-Length", str(len(self.reply))), ("Content-Type", self.reply_type)])))
+                    if self.reply:
+                        await stream.send_all(connection.send(h11.Data(data=self.reply)))
                     await stream.send_all(connection.send(h11.EndOfMessage()))
                     if connection.our_state is h11.MUST_CLOSE:
                         return
@@ -86,11 +90,11 @@ class WebhookReceiver:
 
 
 @asynccontextmanager
-async def open_webhook_receiver(answers: Sequence[int] = (), path: str = "/hooks/apsd"
-                                ) -> AsyncIterator[WebhookReceiver]:
+async def open_webhook_receiver(answers: Sequence[int] = (), path: str = "/hooks/apsd", reply: bytes = b"ok",
+                                reply_type: str = "text/plain") -> AsyncIterator[WebhookReceiver]:
     """A receiver listening on 127.0.0.1 (a free port) for the body of the ``async with``; its ``url``
-    ends with ``path``."""
-    receiver = WebhookReceiver(url="", answers=list(answers))
+    ends with ``path``; it answers ``reply`` (of ``reply_type``)."""
+    receiver = WebhookReceiver(url="", answers=list(answers), reply=reply, reply_type=reply_type)
     async with trio.open_nursery() as nursery:
         listeners = await nursery.start(functools.partial(trio.serve_tcp, receiver.serve_one, 0, host="127.0.0.1"))
         receiver.url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}{path}"

@@ -41,6 +41,7 @@ __all__ = [
     "ServiceClassConfig",
     "StateConfig",
     "TenantConfig",
+    "TracingConfig",
     "load_config",
     "field_comments",
     "parse_section",
@@ -823,6 +824,30 @@ class AlertsConfig:
     webhook_attempts: int = attrs.field(default=6, validator=between(1, 100))
 
 
+@attrs.frozen
+class TracingConfig:
+    """OpenTelemetry traces of requests, exported over OTLP/HTTP (the optional extra ``apsd[tracing]``;
+    :mod:`apsd.serve.tracing`, docs/how-to/tracing.md): a span per request from its arrival to its
+    answer's last byte, with the GenAI conventions' attributes and apsd's own, a child span for its wait
+    in the queue and one for each attempt upstream, whose context is sent to the backend as
+    ``traceparent``; a client's ``traceparent`` is continued. Off by default, and then free. Read at
+    start (a reload does not change it)."""
+
+    #: Trace requests (needs the extra: ``pip install 'apsd[tracing]'``).
+    enabled: bool = False
+    #: Where spans are sent (OTLP/HTTP, protobuf). Empty: the OpenTelemetry variables
+    #: ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, else ``OTEL_EXPORTER_OTLP_ENDPOINT`` + ``/v1/traces``, else
+    #: ``http://localhost:4318/v1/traces``.
+    endpoint: str = attrs.field(default="", validator=http_url_or_empty)
+    #: The ``service.name`` of every span's resource.
+    service_name: str = attrs.field(default="apsd", validator=non_empty)
+    #: The share of requests traced when the client sent no ``traceparent`` (one it sends decides for
+    #: its own request: sampled or not).
+    sample_ratio: float = attrs.field(default=1.0, validator=between(0.0, 1.0))
+    #: Wall seconds finished spans wait to be sent together, at most (and all are sent at shutdown).
+    export_interval_s: float = attrs.field(default=5.0, validator=between(0.05, 3600))
+
+
 def _owner_kind(_inst: object, attribute: attrs.Attribute, value: str) -> None:
     if value not in ("", "person", "agent"):
         raise ValueError(f"must be \"person\", \"agent\" or empty, got {value!r}")
@@ -902,6 +927,7 @@ class Config:
     #: What models' tokens cost tenants, by model name (``[prices.<model>]``; ``"*"``: every other model).
     prices: dict[str, PriceConfig] = attrs.field(factory=dict)
     alerts: AlertsConfig = AlertsConfig()
+    tracing: TracingConfig = TracingConfig()
     #: The keys issued through ``/admin`` in force, by id (the state's, never the file's).
     keys: dict[str, KeyConfig] = attrs.field(factory=dict, metadata={"toml": False})
     #: Where this config came from, for error messages ("<defaults>" if embedded).

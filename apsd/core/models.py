@@ -29,6 +29,7 @@ import trio
 
 if TYPE_CHECKING:
     from apsd.core.streams import TokenStream
+    from apsd.core.tracing import RequestTrace
 
 __all__ = ["ALL_APIS", "Batch", "Capacity", "Completion", "Dispatch", "GENERATION_APIS", "InferenceRequest",
            "OPENAI_APIS", "Outcome", "Refusal", "ReplySlot", "exceeds_batch"]
@@ -248,6 +249,8 @@ class InferenceRequest:
     #: Its class's ``on_miss`` is ``best_effort``: once late it is still served, behind requests that
     #: can still meet their deadlines.
     class_best_effort: bool = False
+    #: Its trace (:mod:`apsd.core.tracing`); None: not traced (tracing is off, or not sampled).
+    trace: RequestTrace | None = attrs.field(default=None, repr=False)
 
     @property
     def answered(self) -> bool:

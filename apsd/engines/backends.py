@@ -216,8 +216,9 @@ class BackendClient(Protocol):
         """Its load from its metrics; None when it exports none; raises BackendError when unreachable."""
 
     async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk,
-                       request_id: str = "") -> BackendAnswer:
-        """Send one request (``body`` for ``/v1/<api>``, with ``X-Request-Id: request_id``). Streamed
+                       request_id: str = "", traceparent: str = "") -> BackendAnswer:
+        """Send one request (``body`` for ``/v1/<api>``, with ``X-Request-Id: request_id`` and, when the
+        request is traced, ``traceparent``: the attempt's span, :mod:`apsd.core.tracing`). Streamed
         (``body["stream"]``): ``on_chunk`` is called with each chunk; the answer carries the usage of
         the last one, checked (:class:`UsageBounds`). Raises BackendError, and nothing else for
         anything the backend sends."""
@@ -452,7 +453,7 @@ class HttpBackendClient:
         return None
 
     async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk,
-                       request_id: str = "") -> BackendAnswer:
+                       request_id: str = "", traceparent: str = "") -> BackendAnswer:
         url = backend.config.url.rstrip("/") + _PATHS[api]
         messages = api == "messages"
         settings = self.settings
@@ -460,6 +461,8 @@ class HttpBackendClient:
         headers = [("Content-Type", "application/json"), *self._headers(backend).items()]
         if request_id:
             headers.append(("X-Request-Id", request_id))
+        if traceparent:
+            headers.append(("traceparent", traceparent))
         bounds = UsageBounds.of(api, body, content)
         started = False
         try:
@@ -833,7 +836,7 @@ class SimulatedBackendClient:
         return None if self.servers[backend.name].down else len(_SIMULATED_TOKEN.findall(text))
 
     async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk,
-                       request_id: str = "") -> BackendAnswer:
+                       request_id: str = "", traceparent: str = "") -> BackendAnswer:
         server = self._server(backend)
         server.bodies.append(body)
         await self._stall(server)

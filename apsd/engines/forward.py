@@ -96,6 +96,7 @@ from apsd.core.models import (
 )
 from apsd.core.routing import RoutingPolicy, Target
 from apsd.core.slots import Lease, LocalSlots, SlotTable
+from apsd.core.tracing import AttemptTrace
 from apsd.engines.backends import (
     Backend,
     BackendAnswer,
@@ -566,6 +567,7 @@ class ForwardEngine:
         outcome: Completion | Refusal | None = None
         requeue: str | None = None
         pause = sending = False
+        traced: AttemptTrace | None = None
         try:
             with attempt.scope:
                 try:
@@ -579,8 +581,10 @@ class ForwardEngine:
                         backend.requests += 1
                         api, body, relay = self._prepare(attempt)
                         sending = True
+                        if request.trace is not None:
+                            traced = request.trace.attempt(backend.name, backend.config.url)
                         answer = await self.client.complete(backend, api, body, self._noting(backend, relay),
-                                                            request.request_id)
+                                                            request.request_id, traced.traceparent if traced else "")
                         outcome = self._completed(attempt, answer, start)
                 except BackendError as error:
                     outcome, requeue = self._failed(request, backend, error)
@@ -600,6 +604,9 @@ class ForwardEngine:
                                               kind="failed"), None, False
         finally:
             sent.set()
+            if traced is not None:   # (how the attempt ended: stopped by apsd, failed, sent back, or answered)
+                traced.end(attempt.stop or (outcome.error if isinstance(outcome, Refusal) else None) or
+                           (requeue and "requeued"))
             self._end(attempt, start, outcome, requeue, pause)
 
     def _prepare(self, attempt: _Attempt) -> tuple[str, dict, StreamRelay]:

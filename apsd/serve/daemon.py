@@ -52,6 +52,7 @@ from apsd.serve.http import create_app
 from apsd.serve.http.ui import sampler_for
 from apsd.serve.notify import ProgressProbe, SystemdNotifier, serve_status, serve_watchdog, status_line
 from apsd.serve.server import serve_http
+from apsd.serve.tracing import Tracing
 from apsd.state.keeper import StateKeeper, open_keeper
 from apsd.state.usage import UsageRecorder
 
@@ -183,6 +184,8 @@ class Daemon:
     keeper: StateKeeper | None = None
     #: Budget alerts (:mod:`apsd.serve.alerts`), once the pipeline runs.
     alerts: BudgetAlerts | None = None
+    #: Requests' traces (:mod:`apsd.serve.tracing`) while it runs; None: ``[tracing]`` is off.
+    tracing: Tracing | None = None
     _ready: bool = False
     _stop: trio.Event = attrs.field(factory=trio.Event)
     _hurry: trio.Event = attrs.field(factory=trio.Event)
@@ -197,6 +200,7 @@ class Daemon:
         re-reads and re-applies. Listening beyond loopback without API keys is a ConfigError.
         """
         check_exposure(config)
+        Tracing.check(config.tracing)   # (the SDK is an extra: say so now, not once serving)
         pm = plugin_manager or make_plugin_manager()
         if not pm.is_registered(logs):   # (the daemon's own observer: its event log lines)
             pm.register(logs, name="apsd.serve.logs")
@@ -220,6 +224,16 @@ class Daemon:
                  extra={"event": "start"})
         raise_open_file_limit()
         notifier = self.notifier = SystemdNotifier.from_environ()
+        self.tracing = Tracing.start(self.config.tracing, __version__)
+        try:
+            await self._run(notifier, task_status)
+        finally:
+            if self.tracing is not None:   # (what is left is exported: bounded by its export timeout)
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self.tracing.shutdown)
+        log.info("apsd stopped", extra={"event": "stopped"})
+
+    async def _run(self, notifier: SystemdNotifier, task_status: trio.TaskStatus[list[str]]) -> None:
         async with open_keeper(self.config) as keeper:
             self.keeper = keeper
             effective = keeper.effective()
@@ -232,7 +246,6 @@ class Daemon:
                 self.pipeline = pipeline
                 await self._keep_state(keeper, pipeline, nursery)
                 await self._serve(pipeline, nursery, notifier, task_status)
-        log.info("apsd stopped", extra={"event": "stopped"})
 
     async def _keep_state(self, keeper: StateKeeper, pipeline: Pipeline, nursery: trio.Nursery) -> None:
         """Restore what the state kept (bucket levels, budgets' spend), record usage, and run the
@@ -421,7 +434,7 @@ class Daemon:
         config.graceful_timeout = HTTP_GRACEFUL_TIMEOUT_S
         config.keep_alive_timeout = self.config.server.keep_alive_timeout_s
         config.backlog = self.config.server.backlog
-        app = create_app(pipeline, keeper=self.keeper)
+        app = create_app(pipeline, keeper=self.keeper, tracing=self.tracing)
         # What exists now (config, tenants' books, the app) lives as long as the daemon: leave it out of
         # full collections, whose pauses otherwise grow with the number of tenants. And collect the young
         # generation less often: a relayed chunk makes a few short-lived dicts, and with hundreds of

@@ -166,6 +166,41 @@ async def test_a_key_in_x_api_key_names_the_tenant_as_a_bearer_key_does(nursery)
     live.daemon.request_shutdown()
 
 
+async def test_an_issued_keys_limits_and_usage_hold_on_the_messages_api(nursery):
+    """A key issued through /admin, its models limited, sent as ``x-api-key`` (as Claude Code sends it):
+    /v1/messages holds it to its models (403 ``model_not_allowed``), as /v1/chat/completions does; an
+    unlimited key's messages are counted under its name in the usage."""
+    live = await start(nursery, auth=AuthConfig(admin_key_hashes=[hash_key(ADMIN)]))
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    async with live.client:
+        keys = {}
+        for name, limits in (("limited", {"models": ["apsd-other"]}), ("agent", {})):
+            issued = await live.client.post("/admin/tenants/tenant_a/keys", headers=admin,
+                                            json={"name": name, "owner_kind": "agent", **limits})
+            assert issued.status_code == 201, issued.text
+            keys[name] = issued.json()
+        body = {"model": MODEL, "max_tokens": 2, "messages": HELLO}
+        refused = await live.client.post("/v1/messages", json=body, headers={"x-api-key": keys["limited"]["key"]})
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["details"]["error_code"] == "model_not_allowed"
+        chat = await live.client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {keys['limited']['key']}"},
+                                      json={"model": MODEL, "max_tokens": 2, "messages": HELLO})
+        assert chat.status_code == 403 and chat.json()["error"]["code"] == "model_not_allowed"
+        for _ in range(2):
+            served = await live.client.post("/v1/messages", json=body, headers={"x-api-key": keys["agent"]["key"]})
+            assert served.status_code == 200, served.text
+
+        async def rows() -> list[dict]:
+            answer = await live.client.get("/admin/usage", headers=admin, params={"tenant": "tenant_a", "by": "key"})
+            return answer.json()["rows"]
+
+        with trio.fail_after(10):
+            while sum(r["completed"] for r in await rows() if r["key"] == keys["agent"]["id"]) != 2:
+                await trio.sleep(0.1)
+        assert {r["key_name"] for r in await rows() if r["key"] == keys["agent"]["id"]} == {"agent"}
+    live.daemon.request_shutdown()
+
+
 # -- errors ---------------------------------------------------------------------------------------------
 
 async def test_every_refusal_is_in_anthropics_shape_and_the_client_raises_its_class(apsd):

@@ -41,7 +41,7 @@ class LengthClient(SimulatedBackendClient):
 
     lengths: dict[str, int] = attrs.field(factory=dict)
 
-    async def complete(self, backend, api, body, on_chunk, request_id=""):
+    async def complete(self, backend, api, body, on_chunk, request_id="", traceparent=""):
         limit = int(body.get("max_tokens") or 16)
         body = dict(body, max_tokens=min(limit, self.lengths.get(request_id, limit)))
         return await super().complete(backend, api, body, on_chunk, request_id)

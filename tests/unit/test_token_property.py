@@ -219,7 +219,7 @@ class CountingClient(SimulatedBackendClient):
     violations: list[str] = attrs.field(factory=list)
 
     async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk,
-                       request_id: str = "") -> BackendAnswer:
+                       request_id: str = "", traceparent: str = "") -> BackendAnswer:
         run = self.runs[request_id]
         run.attempts += 1
         resumes = _continues(api, body)

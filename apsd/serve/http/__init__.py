@@ -51,6 +51,7 @@ from apsd.serve.http.common import HttpState, ShieldResponseEnd, error_response,
 from apsd.serve.http.infer import parse_infer_body
 from apsd.serve.http.ops import metrics_document
 from apsd.serve.prometheus import exporter_for
+from apsd.serve.tracing import Tracing
 from apsd.state.keeper import StateKeeper
 
 __all__ = ["create_app", "metrics_document", "parse_infer_body"]
@@ -67,9 +68,9 @@ def _answer_for_path(refusal: Refusal) -> Response:
     return error_response(refusal)
 
 
-def create_app(pipeline: Pipeline, *, keeper: StateKeeper | None = None) -> QuartTrio:
-    """The API over ``pipeline`` (and ``/admin`` over the daemon's ``keeper``); the app is cheap,
-    make one per pipeline."""
+def create_app(pipeline: Pipeline, *, keeper: StateKeeper | None = None, tracing: Tracing | None = None) -> QuartTrio:
+    """The API over ``pipeline`` (and ``/admin`` over the daemon's ``keeper``; requests traced by
+    ``tracing``); the app is cheap, make one per pipeline."""
     app = QuartTrio("apsd")
     app.config["MAX_CONTENT_LENGTH"] = pipeline.config.server.max_body_bytes
     app.config["BODY_TIMEOUT"] = pipeline.config.server.body_timeout_s  # then 408 request_timeout
@@ -79,7 +80,7 @@ def create_app(pipeline: Pipeline, *, keeper: StateKeeper | None = None) -> Quar
                                      send_timeout_s=pipeline.config.server.send_timeout_s)
     # the exporter is made before serving: its histograms see every dispatch
     app.extensions["apsd"] = HttpState(pipeline=pipeline, exporter=exporter_for(pipeline), created=openai.unix_time(),
-                                       keeper=keeper)
+                                       keeper=keeper, tracing=tracing)
     for blueprint in (infer.blueprint, openai.blueprint, anthropic.blueprint, ops.blueprint, admin.blueprint,
                       ui.blueprint):
         app.register_blueprint(blueprint)

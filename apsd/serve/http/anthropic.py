@@ -47,9 +47,11 @@ from apsd.serve.http.common import (
     MAX_TOKENS_REQUESTED,
     BodyError,
     authenticated,
+    begin_trace,
     check_field_types,
     check_prompt_length,
     client_request_id,
+    finish_trace,
     http_state,
     invalid_field,
     is_int,
@@ -378,6 +380,7 @@ async def _events(pipeline: Pipeline, inference: InferenceRequest, body: Message
     finally:
         if not inference.answered:
             pipeline.cancel(inference)
+        finish_trace(inference)
 
 
 def _headers(inference: InferenceRequest) -> dict[str, str]:
@@ -437,20 +440,29 @@ async def messages(caller: Caller) -> Response:
     inference = pipeline.new_request(tenant_id=tenant_id, prompt=body.prompt, tokens_requested=body.max_tokens,
                                      priority_bid=bid, prompt_tokens=body.prompt_tokens, model=body.model,
                                      api=MESSAGES, payload=body.payload, request_id=request_id,
-                                     service_class=class_name)
-    if body.stream:
-        inference.stream = TokenStream()
-    refusal = pipeline.submit_nowait(inference)
-    if refusal is not None:
-        return error_response(refusal)
-    if body.stream:
-        return await _stream_answer(pipeline, inference, body)
-    outcome = await outcome_or_cancel(pipeline, inference)
-    if isinstance(outcome, Refusal):
-        return error_response(outcome)
-    answer = outcome.response if outcome.response is not None else _built_answer(body, outcome)
-    # (not json_response: a backend's floats are relayed as they are, not rounded)
-    return Response(json.dumps(answer), status=200, headers=_headers(inference), content_type="application/json")
+                                     service_class=class_name, key_id=caller.key_id)
+    begin_trace(inference)
+    streams = False   # (a stream's trace ends with its last event: _events)
+    refusal = None
+    try:
+        if body.stream:
+            inference.stream = TokenStream()
+        refusal = pipeline.submit_nowait(inference)
+        if refusal is not None:
+            return error_response(refusal)
+        if body.stream:
+            response = await _stream_answer(pipeline, inference, body)
+            streams = response.status_code == 200
+            return response
+        outcome = await outcome_or_cancel(pipeline, inference)
+        if isinstance(outcome, Refusal):
+            return error_response(outcome)
+        answer = outcome.response if outcome.response is not None else _built_answer(body, outcome)
+        # (not json_response: a backend's floats are relayed as they are, not rounded)
+        return Response(json.dumps(answer), status=200, headers=_headers(inference), content_type="application/json")
+    finally:
+        if not streams:
+            finish_trace(inference, refusal)
 
 
 @blueprint.post("/messages/count_tokens")

@@ -33,6 +33,8 @@ from apsd.serve.auth import API_KEY_HEADER, Caller, KeyRing
 from apsd.serve.prometheus import PrometheusExporter
 
 if TYPE_CHECKING:
+    from apsd.core.models import InferenceRequest
+    from apsd.serve.tracing import Tracing
     from apsd.state.keeper import StateKeeper
 
 __all__ = ["BodyError", "HttpState", "check_field_types", "invalid_field", "is_int", "outcome_or_cancel", "REQUEST_ID_HEADER", "client_request_id", "MAX_TENANT_ID_CHARS", "MAX_TOKENS_REQUESTED", "ShieldResponseEnd",
@@ -79,6 +81,8 @@ class HttpState:
     keyring: KeyRingCache = attrs.field(factory=KeyRingCache)
     #: The daemon's state keeper (tenants and keys managed through ``/admin``); None without a daemon.
     keeper: StateKeeper | None = None
+    #: Requests' traces (:mod:`apsd.serve.tracing`); None: tracing is off.
+    tracing: Tracing | None = None
 
     def identify(self, authorization: list[str], api_keys: list[str] | None = None) -> Caller | Refusal:
         return self.keyring.get(self.pipeline.config).identify_headers(authorization, api_keys)
@@ -87,6 +91,26 @@ class HttpState:
 def http_state() -> HttpState:
     """The current app's :class:`HttpState` (call inside a request)."""
     return current_app.extensions["apsd"]
+
+
+def begin_trace(inference: InferenceRequest) -> None:
+    """Trace ``inference``, which arrived now, when tracing is on (continuing the client's
+    ``traceparent``); it is finished by :func:`finish_trace` once its answer's last byte is written."""
+    state = http_state()
+    if state.tracing is None:
+        return
+    pipeline = state.pipeline
+    key = pipeline.config.keys.get(inference.key_id) if inference.key_id is not None else None
+    inference.trace = state.tracing.begin(inference, request.headers.get("traceparent"),
+                                          request.headers.get("tracestate"), key_name=key.name if key else "",
+                                          time_scale=pipeline.clock.time_scale)
+
+
+def finish_trace(inference: InferenceRequest, refusal: Refusal | None = None) -> None:
+    """End ``inference``'s trace, if it has one, with its outcome (or ``refusal``, when it was refused
+    before it was submitted; neither: its client left)."""
+    if inference.trace is not None:
+        inference.trace.finish(inference, refusal if refusal is not None else inference.reply.outcome)
 
 
 Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])

@@ -20,8 +20,10 @@ from apsd.serve.http.common import (
     MAX_TOKENS_REQUESTED,
     BodyError,
     authenticated,
+    begin_trace,
     check_prompt_length,
     error_response,
+    finish_trace,
     http_state,
     json_response,
     note_tenant,
@@ -125,12 +127,14 @@ async def infer(caller: Caller) -> Response:
     inference = pipeline.new_request(tenant_id=tenant_id, prompt=body.prompt, tokens_requested=body.tokens_requested,
                                      priority_bid=clamp_bid(tenant, body.priority_bid), prompt_tokens=prompt_tokens,
                                      timeout_s=body.timeout_s, service_class=class_name, key_id=caller.key_id)
+    begin_trace(inference)
     refusal = pipeline.submit_nowait(inference)
     try:
         outcome = refusal or await inference.reply.wait()
     finally:  # the client went away (the handler is cancelled): a queued request leaves
         if not inference.answered:
             pipeline.cancel(inference)
+        finish_trace(inference, refusal)
     if isinstance(outcome, Completion):
         headers = pipeline.admission.rate_limit_headers(outcome.tenant_id)
         return json_response({name: getattr(outcome, name) for name in _COMPLETION_FIELDS}, headers=headers)

@@ -56,9 +56,11 @@ from apsd.serve.http.common import (
     MAX_TOKENS_REQUESTED,
     BodyError,
     authenticated,
+    begin_trace,
     check_field_types,
     check_prompt_length,
     client_request_id,
+    finish_trace,
     http_state,
     is_int,
     note_tenant,
@@ -624,6 +626,7 @@ async def _events(pipeline: Pipeline, inference: InferenceRequest, body: OpenAIB
     finally:
         if not inference.answered:
             pipeline.cancel(inference)
+        finish_trace(inference)
 
 
 async def _stream_answer(pipeline: Pipeline, inference: InferenceRequest, body: OpenAIBody) -> Response:
@@ -672,19 +675,28 @@ async def _complete(api: str, caller: Caller) -> Response:
                                      priority_bid=bid, prompt_tokens=body.prompt_tokens, model=body.model,
                                      api=api, payload=body.payload, open_ended=body.open_ended,
                                      request_id=request_id, service_class=class_name, key_id=caller.key_id)
-    if body.stream:
-        inference.stream = TokenStream()
-    refusal = pipeline.submit_nowait(inference)
-    if refusal is not None:
-        return _refused(refusal)
-    if body.stream:
-        return await _stream_answer(pipeline, inference, body)
-    outcome = await outcome_or_cancel(pipeline, inference)
-    if isinstance(outcome, Refusal):
-        return _refused(outcome)
-    headers = {"X-Request-Id": outcome.request_id, **pipeline.admission.rate_limit_headers(outcome.tenant_id),
-               **route_header(inference)}
-    return _answer(outcome.response if outcome.response is not None else _built_answer(body, outcome), headers)
+    begin_trace(inference)
+    streams = False   # (a stream's trace ends with its last event: _events)
+    refusal = None
+    try:
+        if body.stream:
+            inference.stream = TokenStream()
+        refusal = pipeline.submit_nowait(inference)
+        if refusal is not None:
+            return _refused(refusal)
+        if body.stream:
+            response = await _stream_answer(pipeline, inference, body)
+            streams = response.status_code == 200
+            return response
+        outcome = await outcome_or_cancel(pipeline, inference)
+        if isinstance(outcome, Refusal):
+            return _refused(outcome)
+        headers = {"X-Request-Id": outcome.request_id, **pipeline.admission.rate_limit_headers(outcome.tenant_id),
+                   **route_header(inference)}
+        return _answer(outcome.response if outcome.response is not None else _built_answer(body, outcome), headers)
+    finally:
+        if not streams:
+            finish_trace(inference, refusal)
 
 
 def route_header(inference: InferenceRequest) -> dict[str, str]:
