@@ -189,7 +189,7 @@ class Pipeline:
         if takes:
             classes.takes_now = lambda request: any(take(request) for take in takes)
         if config.classes:  # (without classes, nothing listens: the unclassed path pays nothing)
-            classes.subscribe(ledger.events)
+            ledger.keep_books_with(classes)
         admission.classes = classes
         # How a request ends (Ledger.finish): the books, then the tenant's settlement, then the policies.
         ledger.settle, ledger.tell_policies = admission.settle, scheduler.policy_finished
@@ -415,7 +415,7 @@ class Pipeline:
                                               admission=config.admission, prices=config.prices)
         changes += self.classes.reconfigure(config.classes)
         if config.classes:
-            self.classes.subscribe(self.ledger.events)
+            self.ledger.keep_books_with(self.classes)
         self.ledger.add_tenants(config.tenants)
         if policies.names != self.policies.names or config.policy.params != old.policy.params:
             changes.append("policies: " + ", ".join(f"{k}={v}" for k, v in policies.names.items()))

@@ -8,7 +8,8 @@ per output token after it). A tenant may use the classes its ``classes`` lists; 
 Ownership: one :class:`ServiceClasses` per pipeline. Admission calls :meth:`ServiceClasses.resolve`
 (step 2 of its checks) and :meth:`ServiceClasses.refuse_unmeetable` (the last check before the
 bucket); the pipeline runs :meth:`ServiceClasses.serve_deadlines` beside the scheduler's loops; the
-rest is fed by the ledger's events (it observes, and answers only through the ledger).
+ledger calls it at each of a request's steps, in order, as one of its bookkeepers
+(:class:`~apsd.core.ledger.Bookkeeper`); it answers only through the ledger.
 
 Rules:
 
@@ -51,6 +52,7 @@ import trio
 
 from apsd.core.clock import ModelClock
 from apsd.core.config import ServiceClassConfig, TenantConfig
+from apsd.core.ledger import Bookkeeper
 from apsd.core.models import Completion, InferenceRequest, Outcome, Refusal
 
 __all__ = ["ClassFigures", "DEADLINE_UNMEETABLE", "GAP_SAMPLES", "ServiceClasses", "class_result", "urgency"]
@@ -121,8 +123,9 @@ class _Counts:
 
 
 @attrs.define(eq=False)
-class ServiceClasses:
-    """The classes, the wait estimate, the queue deadlines and the attainment counts."""
+class ServiceClasses(Bookkeeper):
+    """The classes, the wait estimate, the queue deadlines and the attainment counts; it follows every
+    request's steps as one of the ledger's bookkeepers (:meth:`~apsd.core.ledger.Ledger.keep_books_with`)."""
 
     classes: dict[str, ServiceClassConfig]
     clock: ModelClock
@@ -149,21 +152,9 @@ class ServiceClasses:
                                                   init=False)
     _gap_sum: float = attrs.field(default=0.0, init=False)
     _last_dispatch: float | None = attrs.field(default=None, init=False)
-    _subscribed: bool = attrs.field(default=False, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._counts = {name: _Counts() for name in self.classes}
-
-    def subscribe(self, events: object) -> None:
-        """Listen to the ledger's events (an :class:`~apsd.core.events.EventBus`); once."""
-        if self._subscribed:
-            return
-        self._subscribed = True
-        events.subscribe("request_admitted", self._admitted, "service classes")  # type: ignore[attr-defined]
-        events.subscribe("request_dispatched", self._dispatched, "service classes")  # type: ignore[attr-defined]
-        events.subscribe("request_requeued", self._requeued, "service classes")  # type: ignore[attr-defined]
-        events.subscribe("request_rejected", self._rejected, "service classes")  # type: ignore[attr-defined]
-        events.subscribe("request_finished", self._finished, "service classes")  # type: ignore[attr-defined]
 
     def reconfigure(self, classes: Mapping[str, ServiceClassConfig]) -> list[str]:
         """Take new classes (a reload); counts of classes kept are kept. Returns what changed."""
@@ -263,7 +254,7 @@ class ServiceClasses:
         if heap[0][2] is request:
             self._earlier_deadline.set()
 
-    # -- the ledger's events -----------------------------------------------------------------------
+    # -- the request's steps (a Bookkeeper's) -------------------------------------------------------
     def _enter(self, request: InferenceRequest) -> None:
         counts = self._counts.get(request.service_class or "")
         if counts is not None and request not in self._in_queue:
@@ -276,15 +267,15 @@ class ServiceClasses:
             self._in_queue.discard(request)
             self._counts[request.service_class or ""].queued -= 1
 
-    def _admitted(self, request: InferenceRequest) -> None:
+    def admitted(self, request: InferenceRequest, now: float) -> None:
         if request.service_class is not None:
             self._enter(request)
 
-    def _requeued(self, request: InferenceRequest) -> None:
+    def requeued(self, request: InferenceRequest, now: float) -> None:
         if request.service_class is not None and request.started_at is None:   # (a paused one met its deadline or not)
             self._enter(request)
 
-    def _dispatched(self, request: InferenceRequest, now: float) -> None:
+    def dispatched(self, request: InferenceRequest, now: float) -> None:
         if request.service_class is not None:
             self._leave(request)
         last = self._last_dispatch
@@ -297,11 +288,11 @@ class ServiceClasses:
             self._gap_sum += gap
         self._last_dispatch = now if self.queued_total() > 0 else None
 
-    def _rejected(self, request: InferenceRequest, refusal: Refusal) -> None:
+    def rejected(self, request: InferenceRequest, refusal: Refusal, now: float) -> None:
         if refusal.error == DEADLINE_UNMEETABLE and request.service_class in self._counts:
             self._counts[request.service_class].refused += 1
 
-    def _finished(self, request: InferenceRequest, outcome: Outcome) -> None:
+    def finished(self, request: InferenceRequest, outcome: Outcome, now: float) -> None:
         name = request.service_class
         if name is None:
             return

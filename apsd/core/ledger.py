@@ -4,9 +4,12 @@ Ownership: the ledger is the only code that resolves a request's reply slot
 (:meth:`Ledger.finish`, :meth:`Ledger.refuse_unadmitted`), and the only code that
 moves a request between queued and running, so counting and answering cannot drift
 apart. :meth:`Ledger.finish` is where every admitted request ends, in one written sequence
-(the books, the tenant's settlement, the policies, the stream, then the observers). Each step
-is also announced on its :class:`~apsd.core.events.EventBus`, which carries observation only
-(the Prometheus histograms, logs, plugins): nothing that must happen hangs off an event.
+(the books, the tenant's settlement, the policies, the stream, the bookkeepers, then the observers).
+What else must follow a request's steps (the service classes' queue and deadlines, the usage history
+for chargeback) is a :class:`Bookkeeper`, called directly at each step, in order, unshielded: its
+failure is the request's step failing, never a log line. Each step is then announced on the
+:class:`~apsd.core.events.EventBus`, which carries observation only (the Prometheus histograms,
+logs, plugins), each listener shielded from the others: nothing that must happen hangs off an event.
 It keeps, per tenant and overall::
 
     admitted == completed + failed + cancelled + queued + running
@@ -48,10 +51,32 @@ from apsd.core.clock import ModelClock
 from apsd.core.events import EventBus
 from apsd.core.models import Completion, Dispatch, InferenceRequest, Outcome, Refusal
 
-__all__ = ["ChangeLog", "KeyStats", "Ledger", "LedgerStatistics", "TenantStats", "jain_index"]
+__all__ = ["Bookkeeper", "ChangeLog", "KeyStats", "Ledger", "LedgerStatistics", "TenantStats", "jain_index"]
 
 FAIRNESS_DEFINITION = ("Jain's index (sum x)^2/(n*sum x^2); x_i = output tokens served to tenant i divided by "
                        "its configured rate, over tenants with at least one admitted request")
+
+
+class Bookkeeper:
+    """What follows a request's steps and must not miss one (see the module docstring): the ledger
+    calls these in the order its bookkeepers were added (:meth:`Ledger.keep_books_with`), after its
+    own books and before the observers, and lets their exceptions propagate. Each does nothing here:
+    a bookkeeper overrides the steps it follows."""
+
+    def admitted(self, request: InferenceRequest, now: float) -> None:
+        """``request`` entered the queue."""
+
+    def dispatched(self, request: InferenceRequest, now: float) -> None:
+        """``request`` left the queue for its engine."""
+
+    def requeued(self, request: InferenceRequest, now: float) -> None:
+        """``request`` went back to the queue (its engine failed before its first token, or preempted it)."""
+
+    def rejected(self, request: InferenceRequest, refusal: Refusal, now: float) -> None:
+        """Admission refused ``request`` (it never entered the queue)."""
+
+    def finished(self, request: InferenceRequest, outcome: Outcome, now: float) -> None:
+        """``request`` ended (:meth:`Ledger.finish`, step 6)."""
 
 
 def jain_index(values: Iterable[float]) -> float | None:
@@ -256,11 +281,18 @@ class Ledger:
     price: Callable[[InferenceRequest], float | None] | None = None
     #: Issued keys' counters, by key id (keys whose requests were admitted since start).
     keys: dict[str, KeyStats] = attrs.field(factory=dict, init=False)
+    #: What follows every step, in order, unshielded (:class:`Bookkeeper`).
+    bookkeepers: list[Bookkeeper] = attrs.field(factory=list, init=False)
     _idle: trio.Event = attrs.field(factory=trio.Event)
 
     def __attrs_post_init__(self) -> None:
         self.tenants = {name: TenantStats() for name in self.tenant_names}
         self._idle.set()
+
+    def keep_books_with(self, bookkeeper: Bookkeeper) -> None:
+        """Call ``bookkeeper`` at every step from now on, after those added before it (once)."""
+        if bookkeeper not in self.bookkeepers:
+            self.bookkeepers.append(bookkeeper)
 
     def add_tenants(self, names: Iterable[str]) -> None:
         """Start counting for newly configured tenants (removed ones keep their counts)."""
@@ -286,7 +318,10 @@ class Ledger:
             if request.stream is not None:
                 request.stream.close(refusal.message)
             self.count_refusal(request.tenant_id, refusal.error)
-            self.events.emit("request_rejected", request=request, refusal=refusal, now=self._now())
+            now = self._now()
+            for bookkeeper in self.bookkeepers:
+                bookkeeper.rejected(request, refusal, now)
+            self.events.emit("request_rejected", request=request, refusal=refusal, now=now)
 
     def count_refusal(self, tenant_id: str | None, error: str) -> None:
         """Count a refusal of a request that never entered the pipeline (e.g. a bad body)."""
@@ -312,7 +347,10 @@ class Ledger:
         if not self.outstanding:
             self._idle = trio.Event()
         self.outstanding[request] = None
-        self.events.emit("request_admitted", request=request, now=self._now())
+        now = self._now()
+        for bookkeeper in self.bookkeepers:
+            bookkeeper.admitted(request, now)
+        self.events.emit("request_admitted", request=request, now=now)
 
     def _to_queue(self, request: InferenceRequest, stats: TenantStats) -> None:
         stats.queued += 1
@@ -334,6 +372,9 @@ class Ledger:
             assert request.dispatched_at is not None
             if request.started_at is None:   # (a resumed request's wait was counted the first time)
                 self.queue_waits_s.append(request.dispatched_at - request.arrival)
+        for bookkeeper in self.bookkeepers:
+            for request in dispatch.requests:
+                bookkeeper.dispatched(request, dispatch.formed_at)
         if self.events.wants("request_dispatched"):
             for request in dispatch.requests:
                 self.events.emit("request_dispatched", request=request, dispatch=dispatch, batch=dispatch,
@@ -363,7 +404,10 @@ class Ledger:
         if not keep_progress:
             request.tokens_generated, request.cost_usd = 0, 0.0
         request.retries += retry
-        self.events.emit("request_requeued", request=request, engine_id=engine_id, reason=reason, now=self._now())
+        now = self._now()
+        for bookkeeper in self.bookkeepers:
+            bookkeeper.requeued(request, now)
+        self.events.emit("request_requeued", request=request, engine_id=engine_id, reason=reason, now=now)
 
     def batch_started(self, batch: Dispatch, engine_id: int) -> None:
         self.events.emit("batch_started", batch=batch, engine_id=engine_id, now=self._now())
@@ -391,10 +435,11 @@ class Ledger:
         3. the tenant's bucket is settled (:attr:`settle`);
         4. the policies are told (:attr:`tell_policies`);
         5. its stream, if any, is closed;
-        6. observers are notified (``request_finished`` on :attr:`events`: metrics, logs,
+        6. the bookkeepers follow it (:class:`Bookkeeper`: service classes, usage history);
+        7. observers are notified (``request_finished`` on :attr:`events`: metrics, logs,
            plugins), each shielded from the others' failures.
 
-        Nothing before step 6 is shielded: an exception in settlement propagates to the caller
+        Nothing before step 7 is shielded: an exception in settlement propagates to the caller
         (an engine's task, then the pipeline), so a billing bug stops the daemon loudly rather
         than becoming a log line. (The scheduler handles its policies' exceptions itself.)
         """
@@ -408,6 +453,8 @@ class Ledger:
             self.tell_policies(request, outcome, now)
         if request.stream is not None:
             request.stream.close(None if isinstance(outcome, Completion) else outcome.message)
+        for bookkeeper in self.bookkeepers:
+            bookkeeper.finished(request, outcome, now)
         self.events.emit("request_finished", request=request, outcome=outcome, now=now)
         return True
 

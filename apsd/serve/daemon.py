@@ -255,7 +255,7 @@ class Daemon:
         if restored:
             log.info("bucket levels restored for %s", ", ".join(restored), extra={"event": "state"})
         keeper.usage = UsageRecorder(lambda: pipeline.config.tenants, keeper.wall)
-        keeper.usage.subscribe(pipeline.ledger.events)
+        pipeline.ledger.keep_books_with(keeper.usage)
         keeper.apply = self.apply_state
         self.alerts = BudgetAlerts(pipeline, keeper)
         await nursery.start(self.alerts.run)

@@ -1,7 +1,7 @@
 """Usage history: what each tenant used, per hour, model and backend, for chargeback.
 
-:class:`UsageRecorder` listens to the ledger's ``request_finished`` and ``request_rejected``
-events and adds each request to its row (:class:`~apsd.state.records.UsageKey`: the UTC hour it
+:class:`UsageRecorder`, one of the ledger's bookkeepers (:class:`~apsd.core.ledger.Bookkeeper`), is
+called as each request ends or is refused, and adds each request to its row (:class:`~apsd.state.records.UsageKey`: the UTC hour it
 ended in, its tenant, model, backend and issued key) as counts of named fields; the keeper takes what was
 gathered every ``[state] flush_interval_s`` and adds it to the store, where rows of several
 flushes and several replicas add up. The fields:
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from apsd.core.clock import calendar_time
-from apsd.core.events import EventBus
+from apsd.core.ledger import Bookkeeper
 from apsd.core.models import Completion, InferenceRequest, Outcome, Refusal
 from apsd.state.records import UsageKey, histogram_bucket, percentile
 
@@ -38,18 +38,16 @@ __all__ = ["CSV_COLUMNS", "UsageRecorder", "summarize", "to_csv"]
 HOUR_S = 3600
 
 
-class UsageRecorder:
-    """Gathers usage between two flushes, in memory (bounded by tenants x models x backends x hours)."""
+class UsageRecorder(Bookkeeper):
+    """Gathers usage between two flushes, in memory (bounded by tenants x models x backends x hours); one
+    of the ledger's bookkeepers (:meth:`~apsd.core.ledger.Ledger.keep_books_with`): a request's usage is a
+    step of its end, not an observation."""
 
     def __init__(self, tenants: Callable[[], Mapping[str, object]], wall: Callable[[], float] = calendar_time) -> None:
         #: The configured tenants now: a refusal of any other name is not a row (a client cannot grow this).
         self._tenants = tenants
         self._wall = wall
         self._rows: dict[UsageKey, dict[str, float]] = {}
-
-    def subscribe(self, bus: EventBus) -> None:
-        bus.subscribe("request_finished", self.request_finished, who="usage")
-        bus.subscribe("request_rejected", self.request_rejected, who="usage")
 
     def _row(self, request: InferenceRequest) -> dict[str, float]:
         hour = int(self._wall()) // HOUR_S * HOUR_S
@@ -63,7 +61,7 @@ class UsageRecorder:
     def _add(row: dict[str, float], field: str, amount: float) -> None:
         row[field] = row.get(field, 0) + amount
 
-    def request_finished(self, request: InferenceRequest, outcome: Outcome) -> None:
+    def finished(self, request: InferenceRequest, outcome: Outcome, now: float = 0.0) -> None:
         if request.tenant_id not in self._tenants():
             return
         row = self._row(request)
@@ -90,7 +88,7 @@ class UsageRecorder:
         if request.unpriced:
             add(row, "unpriced", 1)
 
-    def request_rejected(self, request: InferenceRequest, refusal: Refusal) -> None:
+    def rejected(self, request: InferenceRequest, refusal: Refusal, now: float = 0.0) -> None:
         if request.tenant_id in self._tenants():
             self._add(self._row(request), f"refused.{refusal.error}", 1)
 

@@ -135,12 +135,12 @@ async def test_admission_refuses_when_the_estimated_wait_passes_the_target(autoj
     clock = ModelClock()
     s = services(clock, [])
     for i in range(11):
-        s._dispatched(classed("x", 0.0, None), now=i * 0.1)
+        s.dispatched(classed("x", 0.0, None), now=i * 0.1)
     s._gap_sum = 0.1 * len(s._gaps)  # (exact figures: the test is about the comparison)
     for _ in range(queued):
         r = classed("a", 0.0, None)
         r.service_class, r.class_deadline = "tight", 100.0
-        s._admitted(r)
+        s.admitted(r, 0.0)
     new = classed("a", 0.0, None)
     new.service_class = "tight"
     refusal = s.refuse_unmeetable(new, 0.0)
@@ -149,7 +149,7 @@ async def test_admission_refuses_when_the_estimated_wait_passes_the_target(autoj
     else:
         assert (refusal.status, refusal.error) == (503, DEADLINE_UNMEETABLE)
         assert refusal.headers["Retry-After"] == "2" and "'tight'" in refusal.message and "1 s" in refusal.message
-        s._rejected(new, refusal)
+        s.rejected(new, refusal, 0.0)
         assert s.statistics()[1].refused == 1
 
 
@@ -160,7 +160,7 @@ async def test_best_effort_is_never_refused_for_its_deadline(autojump_clock):
     for _ in range(100):
         r = classed("a", 0.0, None)
         r.service_class = "loose"
-        s._admitted(r)
+        s.admitted(r, 0.0)
     new = classed("a", 0.0, None)
     new.service_class = "loose"
     assert s.refuse_unmeetable(new, 0.0) is None and new.class_best_effort

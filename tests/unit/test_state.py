@@ -279,12 +279,12 @@ def test_usage_is_counted_per_hour_tenant_and_model_and_summarised_with_percenti
     wall = Wall()
     recorder = UsageRecorder(lambda: {"a": None, "b": None}, wall)
     for ttft in [0.1] * 98 + [2.0] * 2:  # (the 99th percentile of 100 is the 99th: a slow one)
-        recorder.request_finished(r := _request(ttft=ttft), _done(r))
-    recorder.request_finished(_request("b", model="n"), Refusal(502, "backend_failed", "x", kind="failed"))
-    recorder.request_rejected(_request("a"), Refusal(429, "rate_limited", "x"))
-    recorder.request_rejected(_request("stranger"), Refusal(404, "unknown_tenant", "x"))  # not a row
+        recorder.finished(r := _request(ttft=ttft), _done(r))
+    recorder.finished(_request("b", model="n"), Refusal(502, "backend_failed", "x", kind="failed"))
+    recorder.rejected(_request("a"), Refusal(429, "rate_limited", "x"))
+    recorder.rejected(_request("stranger"), Refusal(404, "unknown_tenant", "x"))  # not a row
     wall.now += 3600
-    recorder.request_finished(r := _request(), _done(r))
+    recorder.finished(r := _request(), _done(r))
     rows = recorder.take()
     assert recorder.take() == {} and {k.tenant for k in rows} == {"a", "b"}
     hourly = summarize(rows, group_by="hour")
