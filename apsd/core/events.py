@@ -50,7 +50,7 @@ class EventBus:
         if event not in EVENT_HOOKS:
             raise ValueError(f"no event named {event!r} (events: {', '.join(EVENT_HOOKS)})")
         argnames = tuple(inspect.signature(listener).parameters)
-        label = who or getattr(listener, "__qualname__", repr(listener))
+        label = who or str(getattr(listener, "__qualname__", repr(listener)))
         self._subscribers.setdefault(event, []).append((label, listener, argnames))
         self._rebuild()
 

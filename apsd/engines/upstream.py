@@ -31,6 +31,7 @@ import select
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 from urllib.parse import urlsplit
 
 import attrs
@@ -77,7 +78,7 @@ class _Connection:
 
     def close_now(self) -> None:
         """Close without waiting (a connection found dead, or not wanted back)."""
-        stream = self.stream
+        stream: Any = self.stream
         while not isinstance(stream, trio.SocketStream):
             stream = getattr(stream, "transport_stream", None)
             if stream is None:

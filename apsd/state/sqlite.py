@@ -179,7 +179,8 @@ class SqliteState:
     async def audit(self, *, target: str | None = None, limit: int = 100,
                     before_id: int | None = None) -> list[AuditEntry]:
         def read(db: sqlite3.Connection) -> list[AuditEntry]:
-            where, args = ["entry_id < ?"], [before_id if before_id is not None else 2**62]
+            where = ["entry_id < ?"]
+            args: list[int | str] = [before_id if before_id is not None else 2**62]
             if target is not None:
                 where.append("target = ?")
                 args.append(target)

@@ -431,7 +431,7 @@ async def messages(caller: Caller) -> Response:
         note_tenant(tenant_id)
         header_bid = priority_header()
         request_id = client_request_id()
-        body = _parsed(pipeline, await request.get_data(cache=False), counting=False)
+        body = _parsed(pipeline, await request.get_data(cache=False, as_text=False), counting=False)
         class_name = service_class(body.service_class)
     except BodyError as exc:
         pipeline.ledger.count_refusal(None, exc.refusal.error)
@@ -474,7 +474,7 @@ async def count_tokens(caller: Caller) -> Response:
     try:
         tenant_id = tenant_of(caller)
         note_tenant(tenant_id)
-        body = _parsed(pipeline, await request.get_data(cache=False), counting=True)
+        body = _parsed(pipeline, await request.get_data(cache=False, as_text=False), counting=True)
         refusal = _tenant_refusal(pipeline, tenant_id, body.model)
     except BodyError as exc:
         pipeline.ledger.count_refusal(None, exc.refusal.error)

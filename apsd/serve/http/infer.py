@@ -111,7 +111,7 @@ async def infer(caller: Caller) -> Response:
     """
     pipeline = http_state().pipeline
     try:
-        body = parse_infer_body(await request.get_data(cache=False), tenant_required=caller.anonymous)
+        body = parse_infer_body(await request.get_data(cache=False, as_text=False), tenant_required=caller.anonymous)
         tenant_id = body.tenant_id if body.tenant_id is not None else caller.tenant
         if not caller.anonymous and tenant_id != caller.tenant:
             raise BodyError(403, "tenant_mismatch", "tenant_id names a tenant other than the API key's "

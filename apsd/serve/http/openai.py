@@ -659,7 +659,7 @@ async def _complete(api: str, caller: Caller) -> Response:
         if api not in pipeline.apis():
             raise BodyError(404, "unsupported_api", f"/v1/{api} needs an engine that relays to inference servers "
                             f"([[backends]]); this daemon's engines run {' and '.join(pipeline.apis())}")
-        body = parse_openai_body(await request.get_data(cache=False), api, pipeline.config)
+        body = parse_openai_body(await request.get_data(cache=False, as_text=False), api, pipeline.config)
         models = pipeline.models()
         if body.model not in models:
             raise BodyError(404, "model_not_found", f"the model {body.model[:256]!r} is not served here "
