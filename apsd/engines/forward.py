@@ -587,7 +587,7 @@ class ForwardEngine:
                                                             request.request_id, traced.traceparent if traced else "")
                         outcome = self._completed(attempt, answer, start)
                 except BackendError as error:
-                    outcome, requeue = self._failed(request, backend, error)
+                    outcome, requeue = self._failed(request, backend, error, start)
             if attempt.scope.cancelled_caught:
                 outcome, requeue, pause = self._stopped(attempt)
             if (pause or isinstance(outcome, Refusal)) and request.started_at is not None:
@@ -786,12 +786,16 @@ class ForwardEngine:
         self._account(attempt, start, ends=True)
         return completion(request, engine_id=self.engine_id, end=now, response=answer.response)
 
-    def _failed(self, request: InferenceRequest, backend: Backend,
-                error: BackendError) -> tuple[Refusal | None, str | None]:
+    def _failed(self, request: InferenceRequest, backend: Backend, error: BackendError,
+                sent_at: float) -> tuple[Refusal | None, str | None]:
         """The answer, or (before the first token, a failure another backend may not have, retries
-        left) the reason to put it back in the queue."""
+        left) the reason to put it back in the queue. The backend is marked down for an unhealthy
+        error, but for a timeout while it streamed to others (a chunk came since this attempt was sent
+        at ``sent_at``): the request waited in the server's own queue, and the server is busy, not down
+        (a refused or broken connection is another matter)."""
         backend.failures += 1
-        if error.unhealthy and backend.healthy:
+        busy = error.code == "backend_timeout" and backend.streamed_at is not None and backend.streamed_at >= sent_at
+        if error.unhealthy and backend.healthy and not busy:
             self.watch.mark_down(backend, error.message)
         started = request.started_at is not None
         if error.retryable and not started and request.retries < self.settings.max_retries:

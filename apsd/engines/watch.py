@@ -103,7 +103,7 @@ class BackendWatch:
             self._note_served()
             self.on_change()
         elif not healthy and backend.healthy:
-            if self._streaming(backend):   # (alive: a busy server may answer /health late, not be down)
+            if self.streaming(backend):   # (alive: a busy server may answer /health late, not be down)
                 if not backend.health_failing:
                     log.warning("backend %s failed its health check (%s) while it streams to clients: kept up "
                                 "while it streams", backend.name, failure)
@@ -113,7 +113,7 @@ class BackendWatch:
         if healthy:
             backend.health_failing = False
 
-    def _streaming(self, backend: Backend) -> bool:
+    def streaming(self, backend: Backend) -> bool:
         """Whether requests run on ``backend`` and one received a chunk within the last health check's
         time (``health_timeout_s``) and interval."""
         settings = self.settings

@@ -4,6 +4,7 @@ then comes up and goes away again, and a daemon draining."""
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 
@@ -166,6 +167,48 @@ async def test_a_backend_that_fails_its_health_check_while_it_streams_is_kept_up
         await wait_until(lambda: not b0.healthy)
         downs = [m for m in (r.getMessage() for r in caplog.records) if " is down " in m]
         assert downs and "its health check failed: its /health answered 503" in downs[0], downs
+    running.daemon.request_shutdown()
+
+
+async def test_a_request_timing_out_in_a_busy_servers_queue_does_not_mark_the_server_down(nursery, caplog):
+    """A backend streams to one client (a token every 0.1 s) while it leaves a second request without
+    a first token past ``first_token_timeout_s`` (as a server at its ``max_num_seqs`` keeps one in its
+    own queue): that request ends 504 ``backend_timeout``, and the backend stays up, its stream whole.
+    A server silent to everyone is marked down by the same timeout."""
+    caplog.set_level(logging.WARNING, logger="apsd")
+
+    def script(exchange: Exchange) -> Reply:
+        if "stall" in json.dumps(exchange.json):
+            return Reply(stall_s=3.0)
+        return Reply(events=[sse(c) for c in stream_chunks(exchange.json, 30)] + [DONE], gap_s=0.1)
+
+    backend = await start_standin_backend(nursery, script, model="m")
+    running = await start_daemon(nursery, forwarding_config([backend.url], {"t": TenantConfig(rate=1e6, burst=10**6)},
+                                                            first_token_timeout_s=0.5, max_retries=0))
+    await wait_until(backends_up(running.daemon))
+    (b0,) = running.daemon.pipeline.engines[0].backends
+
+    def body(content: str, stream: bool) -> dict:
+        return {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 40, "stream": stream}
+
+    async with running.client as client:
+        async with client.stream("POST", "/v1/chat/completions", headers={"X-Apsd-Tenant": "t"},
+                                 json=body("slow", True)) as answer:
+            lines = answer.aiter_lines()
+            async for line in lines:
+                if '"content":"' in line and '"content":""' not in line:
+                    break
+            stalled = await client.post("/v1/chat/completions", headers={"X-Apsd-Tenant": "t"},
+                                        json=body("stall", False))
+            assert stalled.status_code == 504 and stalled.json()["error"]["code"] == "backend_timeout", stalled.text
+            assert b0.healthy
+            rest = "".join([line async for line in lines])
+        assert rest.rstrip().endswith("data: [DONE]") and rest.count('"content":"') == 29, rest[-300:]
+        assert not any(" is down " in r.getMessage() for r in caplog.records)
+        alone = await client.post("/v1/chat/completions", headers={"X-Apsd-Tenant": "t"}, json=body("stall", False))
+        assert alone.status_code == 504
+        downs = [r.getMessage() for r in caplog.records if " is down " in r.getMessage()]
+        assert downs and "silent before the first token" in downs[0], downs
     running.daemon.request_shutdown()
 
 
