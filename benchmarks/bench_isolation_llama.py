@@ -130,7 +130,8 @@ async def main(args: argparse.Namespace) -> int:
     steady = 10 if args.quick else 30
     with tempfile.TemporaryDirectory() as directory:
         model = write_tiny_model(Path(directory) / "slow.gguf", **SLOW_MODEL)
-        async with open_llama_server(model, alias="slow", binary=binary, parallel=4) as server:
+        async with open_llama_server(model, alias="slow", binary=binary, parallel=4,
+                                     extra_args=args.server_args.split()) as server:
             await warm_up(server.url, "slow", 4)
             floor_p99, solo = await shared_pool(server.url, "slow", "llama.cpp", args)
             tight_s = round(1.5 * floor_p99 / 1000, 3)
@@ -171,4 +172,6 @@ if __name__ == "__main__":
     parser.add_argument("--vllm", action="store_true",
                         help="points 1-3 in front of a real vLLM instead (the virtualenv of .ci/build-vllm)")
     parser.add_argument("--gap", type=float, default=0.5, help="seconds between two newcomers (default 0.5)")
+    parser.add_argument("--server-args", default="", help="more llama-server arguments for the 4-slot server "
+                        "(e.g. '-b 64 -ub 64': smaller prefill batches)")
     sys.exit(trio.run(main, parser.parse_args()))
