@@ -152,7 +152,7 @@ def batch_table(summary: RunSummary) -> str:
 def describe_engine(engine: EngineSummary | Mapping[str, Any], gpus: int | None = None) -> str:
     """An engine in words: "1 `continuous` engine (a100-80gb × llama-3-8b, tp 1)" (a summary's
     ``engine``, or an ``engine`` block: ``kind``, ``count`` and its details)."""
-    if not isinstance(engine, EngineSummary):
+    if isinstance(engine, Mapping):   # (an ``engine`` block read from a file)
         engine = EngineSummary.of(engine)
     return engine.describe(gpus)
 
