@@ -31,9 +31,11 @@ Ownership: the daemon makes one :class:`Tracing` at start (:meth:`Tracing.start`
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
+import trio
+
+from apsd.core.clock import calendar_time
 from apsd.core.config import ConfigError, TracingConfig
 
 if TYPE_CHECKING:
@@ -114,11 +116,12 @@ class Tracing:
                                       "apsd.priority_bid": request.priority_bid}
         if not request.open_ended:
             attributes["gen_ai.request.max_tokens"] = request.tokens_requested
+        start_ns = int(calendar_time() * 1e9)
         span = self._tracer.start_span(f"{operation} {model}", context=parent, kind=self._otel.SpanKind.SERVER,
-                                       attributes=attributes)
+                                       attributes=attributes, start_time=start_ns)
         if key_name:
             span.set_attribute("apsd.key.name", key_name)
-        return _RequestSpan(self, span, time.time_ns(), time.monotonic(), time_scale)
+        return _RequestSpan(self, span, start_ns, trio.current_time(), time_scale)
 
     def shutdown(self) -> None:
         """Export what is left and stop (blocking: run it in a thread)."""
@@ -143,15 +146,16 @@ class _AttemptSpan:
 class _RequestSpan:
     """One request's span (:class:`~apsd.core.tracing.RequestTrace`)."""
 
-    def __init__(self, tracing: Tracing, span: Any, start_ns: int, start_monotonic: float, time_scale: float) -> None:
+    def __init__(self, tracing: Tracing, span: Any, start_ns: int, start_trio: float, time_scale: float) -> None:
         self._tracing, self._span = tracing, span
-        self._start_ns, self._start_monotonic, self._scale = start_ns, start_monotonic, time_scale
+        self._start_ns, self._start_trio, self._scale = start_ns, start_trio, time_scale
         self._first_attempt_ns: int | None = None
         self._finished = False
 
     def _now_ns(self) -> int:
-        """Wall time now, as its span's start plus the monotonic seconds since (never goes back)."""
-        return self._start_ns + int((time.monotonic() - self._start_monotonic) * 1e9)
+        """Wall time now (Unix nanoseconds), as its span's start plus the trio clock's seconds since: never
+        goes back, whatever the calendar does meanwhile."""
+        return self._start_ns + int((trio.current_time() - self._start_trio) * 1e9)
 
     def attempt(self, backend: str, url: str) -> AttemptTrace:
         tracing, otel = self._tracing, self._tracing._otel

@@ -40,14 +40,14 @@ from quart import Blueprint, Response, request
 from apsd.core.admission import estimate_tokens
 from apsd.core.config import AdmissionConfig, Config
 from apsd.core.models import Completion, InferenceRequest, Refusal
-from apsd.core.streams import TokenChunk, TokenStream
+from apsd.core.streams import TokenChunk
 from apsd.pipeline import Pipeline
 from apsd.serve.auth import Caller
 from apsd.serve.http.common import (
     MAX_TOKENS_REQUESTED,
     BodyError,
+    answer_submitted,
     authenticated,
-    begin_trace,
     check_field_types,
     check_prompt_length,
     client_request_id,
@@ -56,7 +56,6 @@ from apsd.serve.http.common import (
     invalid_field,
     is_int,
     note_tenant,
-    outcome_or_cancel,
     parse_json_object,
     service_class,
     shown,
@@ -441,28 +440,14 @@ async def messages(caller: Caller) -> Response:
                                      priority_bid=bid, prompt_tokens=body.prompt_tokens, model=body.model,
                                      api=MESSAGES, payload=body.payload, request_id=request_id,
                                      service_class=class_name, key_id=caller.key_id)
-    begin_trace(inference)
-    streams = False   # (a stream's trace ends with its last event: _events)
-    refusal = None
-    try:
-        if body.stream:
-            inference.stream = TokenStream()
-        refusal = pipeline.submit_nowait(inference)
-        if refusal is not None:
-            return error_response(refusal)
-        if body.stream:
-            response = await _stream_answer(pipeline, inference, body)
-            streams = response.status_code == 200
-            return response
-        outcome = await outcome_or_cancel(pipeline, inference)
-        if isinstance(outcome, Refusal):
-            return error_response(outcome)
+
+    def whole(outcome: Completion) -> Response:
         answer = outcome.response if outcome.response is not None else _built_answer(body, outcome)
         # (not json_response: a backend's floats are relayed as they are, not rounded)
         return Response(json.dumps(answer), status=200, headers=_headers(inference), content_type="application/json")
-    finally:
-        if not streams:
-            finish_trace(inference, refusal)
+
+    return await answer_submitted(pipeline, inference, stream=body.stream, refused=error_response,
+                                  streamed=lambda: _stream_answer(pipeline, inference, body), whole=whole)
 
 
 @blueprint.post("/messages/count_tokens")

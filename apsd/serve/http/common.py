@@ -27,7 +27,8 @@ from werkzeug.exceptions import HTTPException
 
 from apsd.core import strictjson
 from apsd.core.config import Config
-from apsd.core.models import Refusal
+from apsd.core.models import Completion, Refusal
+from apsd.core.streams import TokenStream
 from apsd.pipeline import Pipeline
 from apsd.serve.auth import API_KEY_HEADER, Caller, KeyRing
 from apsd.serve.prometheus import PrometheusExporter
@@ -168,6 +169,34 @@ async def outcome_or_cancel(pipeline: Any, inference: Any) -> Any:
     finally:
         if not inference.answered:
             pipeline.cancel(inference)
+
+
+async def answer_submitted(pipeline: Pipeline, inference: InferenceRequest, *, stream: bool,
+                           refused: Callable[[Refusal], Response],
+                           streamed: Callable[[], Awaitable[Response]],
+                           whole: Callable[[Completion], Response]) -> Response:
+    """Trace, submit and answer ``inference`` (an OpenAI or Anthropic request, its body checked): its
+    refusal (``refused``), its event stream (``streamed``: a 200 whose last event ends the trace), or its
+    whole answer (``whole``); a client that leaves cancels it. The trace ends with the answer, or with
+    the stream's last event (:func:`begin_trace`, :func:`finish_trace`)."""
+    begin_trace(inference)
+    streams = False
+    refusal = None
+    try:
+        if stream:
+            inference.stream = TokenStream()
+        refusal = pipeline.submit_nowait(inference)
+        if refusal is not None:
+            return refused(refusal)
+        if stream:
+            response = await streamed()
+            streams = response.status_code == 200
+            return response
+        outcome = await outcome_or_cancel(pipeline, inference)
+        return refused(outcome) if isinstance(outcome, Refusal) else whole(outcome)
+    finally:
+        if not streams:
+            finish_trace(inference, refusal)
 
 
 def invalid_field(field: str, rule: str, error: str = "invalid_field") -> BodyError:

@@ -48,15 +48,15 @@ from quart import Blueprint, Response, request
 from apsd.core.admission import estimate_tokens
 from apsd.core.config import DEFAULT_BID, AdmissionConfig, Config, TenantConfig, clamp_bid
 from apsd.core.models import LENGTH_ALIASES, OPENAI_APIS, Completion, InferenceRequest, Refusal
-from apsd.core.streams import TokenChunk, TokenStream
+from apsd.core.streams import TokenChunk
 from apsd.pipeline import Pipeline
 from apsd.serve.auth import Caller
 from apsd.serve.http.common import (
     MAX_TENANT_ID_CHARS,
     MAX_TOKENS_REQUESTED,
     BodyError,
+    answer_submitted,
     authenticated,
-    begin_trace,
     check_field_types,
     check_prompt_length,
     client_request_id,
@@ -64,7 +64,6 @@ from apsd.serve.http.common import (
     http_state,
     is_int,
     note_tenant,
-    outcome_or_cancel,
     parse_json_object,
     service_class,
     shown,
@@ -675,28 +674,14 @@ async def _complete(api: str, caller: Caller) -> Response:
                                      priority_bid=bid, prompt_tokens=body.prompt_tokens, model=body.model,
                                      api=api, payload=body.payload, open_ended=body.open_ended,
                                      request_id=request_id, service_class=class_name, key_id=caller.key_id)
-    begin_trace(inference)
-    streams = False   # (a stream's trace ends with its last event: _events)
-    refusal = None
-    try:
-        if body.stream:
-            inference.stream = TokenStream()
-        refusal = pipeline.submit_nowait(inference)
-        if refusal is not None:
-            return _refused(refusal)
-        if body.stream:
-            response = await _stream_answer(pipeline, inference, body)
-            streams = response.status_code == 200
-            return response
-        outcome = await outcome_or_cancel(pipeline, inference)
-        if isinstance(outcome, Refusal):
-            return _refused(outcome)
+
+    def whole(outcome: Completion) -> Response:
         headers = {"X-Request-Id": outcome.request_id, **pipeline.admission.rate_limit_headers(outcome.tenant_id),
                    **route_header(inference)}
         return _answer(outcome.response if outcome.response is not None else _built_answer(body, outcome), headers)
-    finally:
-        if not streams:
-            finish_trace(inference, refusal)
+
+    return await answer_submitted(pipeline, inference, stream=body.stream, refused=_refused,
+                                  streamed=lambda: _stream_answer(pipeline, inference, body), whole=whole)
 
 
 def route_header(inference: InferenceRequest) -> dict[str, str]:
