@@ -10,7 +10,7 @@ weights as safetensors, ``tokenizer.json`` and its config with a ChatML chat tem
   :data:`VOCAB_SIZE`, trained here on generated English-like text, plus the special tokens
   ``<|endoftext|>`` (end of sequence), ``<|im_start|>`` and ``<|im_end|>``;
 * the model: a Llama (hidden 128, 2 layers, 4 heads of 32: vLLM's CPU attention refuses heads
-  smaller than 32) with random weights, in float32.
+  smaller than 32, 8,192 positions) with random weights, in float32.
 
 Its output never ends early and reads like words: the output projection has zero rows for the
 special tokens (their logit is always 0) and for every token that is not a whole word after a
@@ -32,6 +32,8 @@ from pathlib import Path
 
 #: The served vocabulary's size (BPE pieces and special tokens).
 VOCAB_SIZE = 2048
+#: The longest sequence the model takes (a server may serve less: ``--max-model-len``).
+MAX_POSITIONS = 8192
 #: The length of each word's output-projection row (see the module docstring).
 LOGIT_SCALE = 16.0
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -75,7 +77,7 @@ def write(out: Path, *, seed: int = 0) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
                                    pad_token="<|endoftext|>", unk_token=None)
     fast.chat_template = CHAT_TEMPLATE
-    fast.model_max_length = 4096
+    fast.model_max_length = MAX_POSITIONS
     fast.save_pretrained(out)
 
     vocab = tokenizer.get_vocab()
@@ -87,7 +89,7 @@ def write(out: Path, *, seed: int = 0) -> None:
     torch.manual_seed(seed)
     hidden, heads = 128, 4
     config = LlamaConfig(vocab_size=n_vocab, hidden_size=hidden, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=4096,
+                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=MAX_POSITIONS,
                          bos_token_id=None, eos_token_id=vocab["<|endoftext|>"],
                          pad_token_id=vocab["<|endoftext|>"], tie_word_embeddings=False, torch_dtype="float32")
     model = LlamaForCausalLM(config)

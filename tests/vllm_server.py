@@ -14,6 +14,11 @@ What it gives:
   test modules share theirs through module-scoped fixtures, and pytest-trio's async fixtures cannot
   outlive a test.
 - :func:`metrics` reads a server's Prometheus ``/metrics`` as ``{name: value}`` (summed over labels).
+- :func:`pause` and :func:`resume` stop and restart a server's steps (vLLM's dev-mode ``/pause`` with
+  ``mode=keep``), and :func:`resumed_at_exit` makes sure a block leaves it running: a test that needs a
+  request to still be running when it acts freezes the server instead of racing it (on a fast server,
+  or with the test's own process starved, a stream of hundreds of tokens can end before the test's
+  next step).
 
 The virtualenv comes from ``.ci/build-vllm``, which installs the pinned, hashed
 ``.ci/vllm-requirements.txt`` and caches it under ``~/.cache/apsd/vllm/<version>-<hash>/venv``.
@@ -30,13 +35,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import httpx
 import pytest
+import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 #: Environment: the Python of the vLLM virtualenv, overriding the cache.
@@ -167,6 +173,31 @@ async def read_metrics(client: httpx.AsyncClient, url: str) -> dict[str, float]:
         response = await client.get(url + "/metrics", timeout=10)
     response.raise_for_status()
     return _samples(response.text)
+
+
+async def pause(client: httpx.AsyncClient, server: VllmServer) -> None:
+    """Stop ``server``'s scheduler (``POST /pause?mode=keep``, served with ``VLLM_SERVER_DEV_MODE=1``): its
+    running requests keep their sequences and KV cache but take no step, new ones join its queue, and
+    cancellations still end requests. Its metrics do not change while it is paused (they come with steps)."""
+    response = await client.post(server.url + "/pause", params={"mode": "keep"}, timeout=30)
+    response.raise_for_status()
+
+
+async def resume(client: httpx.AsyncClient, server: VllmServer) -> None:
+    """Restart ``server``'s scheduler after :func:`pause` (``POST /resume``)."""
+    response = await client.post(server.url + "/resume", timeout=30)
+    response.raise_for_status()
+
+
+@contextlib.asynccontextmanager
+async def resumed_at_exit(client: httpx.AsyncClient, server: VllmServer) -> AsyncIterator[None]:
+    """Whatever the block paused (:func:`pause`), ``server`` is resumed on exit, whatever happened (a test
+    that fails must not leave the module's shared server frozen for the next)."""
+    try:
+        yield
+    finally:
+        with trio.CancelScope(shield=True):
+            await resume(client, server)
 
 
 def _samples(text: str) -> dict[str, float]:
