@@ -382,12 +382,12 @@ def metrics_page() -> str:
             bounds = list(dict.fromkeys(s.labels["le"] for s in family.samples if "le" in s.labels))
             buckets = f". Buckets (`le`): {', '.join(bounds)}." if bounds else ""
         rows.append([series, family.type, ", ".join(shown) or "none", markdown(family.documentation) + buckets])
-    out = ["# Metrics reference", "", _NOTICE.format(source="`apsd/serve/prometheus.py`"), "",
+    out = ["# Metrics reference", "", _NOTICE.format(source="`apsd/serve/prometheus/`"), "",
            "What `GET /metrics` serves in the Prometheus text format, family by family, in the order a scrape "
            "shows them. The JSON view of the same books (`GET /metrics.json`) is described in the "
            "[HTTP API reference](http-api.md#get-metrics); how the exposition is rendered, and what it costs "
            "at many tenants, is in the docstring of "
-           "[`apsd/serve/prometheus.py`](../../apsd/serve/prometheus.py).", "",
+           "[`apsd/serve/prometheus/__init__.py`](../../apsd/serve/prometheus/__init__.py).", "",
            "- Seconds are model seconds (`[gpu] time_scale` wall seconds each; with the default `time_scale = 1` "
            "they are wall seconds).",
            "- `tenant` is a configured tenant's name. A refusal that names no configured tenant (an unknown "

@@ -160,7 +160,7 @@ async def test_a_scrape_being_rendered_does_not_hold_up_requests(monkeypatch):
     rendering = trio.Event()
     release = threading.Event()
     threads: list[threading.Thread] = []
-    render = apsd.serve.prometheus._render
+    render = apsd.serve.prometheus.lines.render
 
     def held_render(*args: Any, **kwargs: Any) -> bytes:
         threads.append(threading.current_thread())
@@ -171,7 +171,7 @@ async def test_a_scrape_being_rendered_does_not_hold_up_requests(monkeypatch):
             assert release.wait(timeout=30), "the test never released the rendering"
         return render(*args, **kwargs)
 
-    monkeypatch.setattr(apsd.serve.prometheus, "_render", held_render)
+    monkeypatch.setattr(apsd.serve.prometheus.lines, "render", held_render)
     order: list[str] = []
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
