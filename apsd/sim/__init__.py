@@ -1,6 +1,6 @@
 """The simulator: apsd's own pipeline in virtual time (``apsd simulate``, ``apsd research``).
 
-* :mod:`apsd.sim.workloads` — built-in workload generators.
+* :mod:`apsd.sim.workloads` — built-in workload generators (parameters, arrival building blocks, the built-ins).
 * :mod:`apsd.sim.traces` (a package) — trace files (apsd's own, Mooncake / Dynamo, Azure, BurstGPT) read
   as workloads, tenant rules, and a generated Mooncake-format trace.
 * :mod:`apsd.sim.baselines` — other schedulers' rules the benchmark table compares with (least counter

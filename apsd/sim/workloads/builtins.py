@@ -1,214 +1,30 @@
-"""Workloads for ``apsd simulate``: the built-in generators (traces: :mod:`apsd.sim.traces`).
-
-Ownership: this module turns a built-in's name and parameters into a
-:class:`~apsd.sim.records.Workload`: every arrival generated up front, so
-:mod:`apsd.sim.runner` replays the very same requests for every policy. It owns
-parameter handling (defaults, strict types, ranges, the limit of
-:data:`MAX_ARRIVALS` arrivals, shared with traces). Every problem is a
-:class:`WorkloadError` whose one-line message names the workload and the
-parameter (``workload 'poisson': rate: must be > 0, got -1``); a trace's name the
-file, line and field (``trace.csv:7: bid: must be between 1 and 10, got 11``).
-
-Determinism: a built-in draws only from ``numpy.random.default_rng(seed)``, so a
-name, parameters and seed always give the same workload. Arrivals are sorted by
-``at`` with a stable sort: ties keep generation order.
-
-Tenant buckets: no built-in is about throttling, so every tenant a workload
-defines gets :data:`UNTHROTTLED`, ``TenantConfig(rate=1e6 tokens/s,
-burst=10**9)``: far more than any workload here can use, so admission never
-rejects for quota and a comparison measures scheduling alone. A trace's tenants
-get the same bucket.
-
-Sizes: a built-in's requests always fit the batch engine's KV cache of
-:data:`KV_CAPACITY_TOKENS` per batch (``prompt + output <= 32768``); random sizes
-are clipped to ``1..16384`` each. Bids are integers 1..10.
-"""
+"""The built-in workloads: one generator per scenario (and its cross-checks), and :data:`BUILTINS`, the
+table of their names, descriptions, parameters and sizes."""
 
 from __future__ import annotations
 
-import math
-import tomllib
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 import numpy as np
 
-from apsd.core.config import SEED_KV_CAP_TOKENS, TenantConfig, read_toml
 from apsd.core.routing import synthetic_blocks
-from apsd.sim.records import Arrival, Workload
-
-__all__ = [
-    "KV_CAPACITY_TOKENS",
-    "MAX_ARRIVALS",
-    "UNTHROTTLED",
-    "WorkloadError",
-    "build_workload",
-    "list_workloads",
-    "load_params_file",
-    "parse_param_assignments",
-    "tenant_names",
-]
-
-#: The bucket every tenant gets unless a scenario is about throttling (none is yet).
-UNTHROTTLED = TenantConfig(rate=1e6, burst=10**9)
-#: A workload may hold at most this many arrivals (built or loaded).
-MAX_ARRIVALS = 2_000_000
-#: The batch engine's KV cache per batch: every built-in request fits it.
-KV_CAPACITY_TOKENS = SEED_KV_CAP_TOKENS
-#: Random prompt and output sizes are clipped to ``1..MAX_RANDOM_TOKENS`` each.
-MAX_RANDOM_TOKENS = KV_CAPACITY_TOKENS // 2
-
-
-class WorkloadError(Exception):
-    """A workload problem: one line naming the workload and parameter, or ``file:line: field``."""
-
-
-# --------------------------------------------------------------------------- parameters
-
-
-@attrs.frozen
-class Param:
-    """One parameter of a built-in: its default (whose type is the parameter's type) and range."""
-
-    default: int | float
-    low: float = 0
-    high: float = math.inf
-    #: ``True`` when ``low`` itself is refused (``rate`` must be > 0, not >= 0).
-    exclusive_low: bool = False
-
-    def check(self, value: Any) -> int | float:
-        """The value converted to the parameter's type; ``ValueError`` says what is wrong."""
-        given = value
-        if isinstance(self.default, int):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"must be an integer, got {value!r}")
-        else:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"must be a number, got {value!r}")
-            value = float(value)
-            if not math.isfinite(value):
-                raise ValueError(f"must be a finite number, got {value!r}")
-        if self.exclusive_low and value <= self.low:
-            raise ValueError(f"must be > {self.low:g}, got {given!r}")
-        if not self.low <= value <= self.high:
-            if self.high == math.inf:
-                raise ValueError(f"must be >= {self.low:g}, got {given!r}")
-            raise ValueError(f"must be between {self.low:g} and {self.high:g}, got {given!r}")
-        return value
-
-
-def positive(default: float, high: float = 1e6) -> Param:
-    """A number > 0 (a rate or a duration)."""
-    return Param(float(default), 0, high, exclusive_low=True)
-
-
-def count(default: int, low: int = 0, high: int = MAX_ARRIVALS) -> Param:
-    return Param(default, low, high)
-
-
-def tokens(default: int) -> Param:
-    return Param(default, 1, KV_CAPACITY_TOKENS - 1)
-
-
-def bid(default: int) -> Param:
-    return Param(default, 1, 10)
-
-
-def mean_tokens(default: float) -> Param:
-    return Param(float(default), 1, MAX_RANDOM_TOKENS)
-
-
-def sigma(default: float) -> Param:
-    """A lognormal sigma; 0 makes the size fixed at its mean."""
-    return Param(float(default), 0, 3)
-
-
-# --------------------------------------------------------------------------- building blocks
-
-
-def tenant_names(tenants: int) -> list[str]:
-    """``tenant_00`` .. ``tenant_NN``: zero-padded so they sort in order."""
-    width = max(2, len(str(tenants - 1)))
-    return [f"tenant_{i:0{width}d}" for i in range(tenants)]
-
-
-def poisson_times(rng: np.random.Generator, rate: float, duration: float) -> np.ndarray:
-    """A Poisson process on ``[0, duration)``: a Poisson count, then uniform sorted times."""
-    return np.sort(rng.uniform(0.0, duration, rng.poisson(rate * duration)))
-
-
-def lognormal_tokens(rng: np.random.Generator, mean: float, sigma_: float, size: int) -> np.ndarray:
-    """Integer sizes with the given mean, clipped to ``1..MAX_RANDOM_TOKENS``; fixed when sigma is 0."""
-    if sigma_ == 0:
-        return np.full(size, min(max(round(mean), 1), MAX_RANDOM_TOKENS), dtype=np.int64)
-    mu = math.log(mean) - sigma_**2 / 2  # so that the lognormal's mean is ``mean``
-    return np.clip(np.rint(rng.lognormal(mu, sigma_, size)), 1, MAX_RANDOM_TOKENS).astype(np.int64)
-
-
-def uniform_bids(rng: np.random.Generator, size: int) -> np.ndarray:
-    return rng.integers(1, 11, size)
-
-
-def regular_count(rate: float, duration: float) -> int:
-    """How many of the times ``0, 1/rate, 2/rate, ...`` fall before ``duration``."""
-    return max(1, math.ceil(rate * duration - 1e-9))
-
-
-def regular_times(rate: float, duration: float) -> np.ndarray:
-    """The times ``0, 1/rate, 2/rate, ...`` before ``duration`` (at least the first): no randomness."""
-    return np.arange(regular_count(rate, duration)) / rate
-
-
-def ramp_times(rng: np.random.Generator, start_rate: float, end_rate: float, duration: float) -> np.ndarray:
-    """A Poisson process on ``[0, duration)`` whose rate goes linearly from ``start_rate`` to ``end_rate``.
-
-    The expected count by ``t`` is ``L(t) = start_rate*t + (end_rate - start_rate)*t**2/(2*duration)``;
-    a Poisson count of uniform points on ``[0, L(duration))`` mapped through ``L``'s inverse, written
-    ``2u / (b + sqrt(b**2 + 4au))`` so that it holds when either coefficient is 0.
-    """
-    a, b = (end_rate - start_rate) / (2 * duration), start_rate
-    u = np.sort(rng.uniform(0.0, (a * duration + b) * duration, rng.poisson((start_rate + end_rate) / 2 * duration)))
-    return 2 * u / (b + np.sqrt(b * b + 4 * a * u))
-
-
-def make_arrivals(times: Any, tenants: Any, prompt_tokens: Any, output_tokens: Any, bids: Any) -> list[Arrival]:
-    """Arrivals from columns; a scalar column is repeated. Values become plain ``float``/``int``/``str``."""
-    size = len(times)
-
-    def column(values: Any) -> list[Any]:
-        return np.broadcast_to(np.asarray(values), (size,)).tolist()
-
-    return [
-        Arrival(at=float(at), tenant=str(tenant), prompt_tokens=int(prompt), output_tokens=int(output), bid=int(b))
-        for at, tenant, prompt, output, b in zip(
-            column(times), column(tenants), column(prompt_tokens), column(output_tokens), column(bids), strict=True)
-    ]
-
-
-def tenant_arrivals(times: np.ndarray, tenant: str, p: Mapping[str, Any], prefix: str = "") -> list[Arrival]:
-    """``times`` as one tenant's arrivals, of the sizes and bid in ``p[prefix + "prompt_tokens"]``,
-    ``p[prefix + "output_tokens"]`` and ``p[prefix + "bid"]``."""
-    return make_arrivals(times, tenant, p[f"{prefix}prompt_tokens"], p[f"{prefix}output_tokens"], p[f"{prefix}bid"])
-
-
-def fits_kv(p: Mapping[str, Any], prompt: str = "prompt_tokens", output: str = "output_tokens") -> None:
-    """Cross-check: a fixed-size request must fit the KV cache of one batch."""
-    total = p[prompt] + p[output]
-    if total > KV_CAPACITY_TOKENS:
-        raise ValueError(f"{output}: {prompt} + {output} must be <= {KV_CAPACITY_TOKENS}, got {total}")
-
-
-@attrs.frozen
-class Generated:
-    """What a generator returns: its arrivals (any order) and the tenants it defines."""
-
-    arrivals: list[Arrival]
-    tenants: list[str]          # every tenant the scenario defines, in order
-
-
-# --------------------------------------------------------------------------- the built-ins
+from apsd.sim.records import Arrival
+from apsd.sim.workloads.arrivals import (
+    Generated,
+    fits_kv,
+    lognormal_tokens,
+    make_arrivals,
+    poisson_times,
+    ramp_times,
+    regular_count,
+    regular_times,
+    tenant_arrivals,
+    tenant_names,
+    uniform_bids,
+)
+from apsd.sim.workloads.params import KV_CAPACITY_TOKENS, Param, bid, count, mean_tokens, positive, sigma, tokens
 
 
 def seed_stress(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
@@ -617,96 +433,3 @@ BUILTINS: dict[str, Builtin] = {b.name: b for b in [
         check_multi_turn,
     ),
 ]}
-
-
-# --------------------------------------------------------------------------- public API
-
-
-def list_workloads() -> list[tuple[str, str, dict[str, Any]]]:
-    """Every built-in as ``(name, one-line description, default parameters)``."""
-    return [(b.name, b.description, {k: p.default for k, p in b.params.items()}) for b in BUILTINS.values()]
-
-
-def effective_params(builtin: Builtin, given: Mapping[str, Any]) -> dict[str, Any]:
-    """The defaults with ``given`` merged over them, each checked; cross-checks too."""
-    def error(problem: str) -> WorkloadError:
-        return WorkloadError(f"workload {builtin.name!r}: {problem}")
-
-    unknown = sorted(set(given) - set(builtin.params), key=str)
-    if unknown:
-        raise error(f"unknown parameter {unknown[0]!r} (parameters: {', '.join(sorted(builtin.params))})")
-    params: dict[str, Any] = {}
-    for name, param in builtin.params.items():
-        try:
-            params[name] = param.check(given[name]) if name in given else param.default
-        except ValueError as exc:
-            raise error(f"{name}: {exc}") from None
-    try:
-        builtin.check(params)
-    except ValueError as exc:
-        raise error(str(exc)) from None
-    expected, what = builtin.expected_arrivals(params)
-    if expected > MAX_ARRIVALS:
-        raise error(f"{what}: asks for about {expected:,.0f} arrivals (limit {MAX_ARRIVALS:,})")
-    return params
-
-
-def build_workload(name: str, params: Mapping[str, Any] | None = None, seed: int = 0) -> Workload:
-    """Generate built-in ``name`` with ``params`` over its defaults, from ``seed``.
-
-    Raises :class:`WorkloadError` for an unknown name or parameter, a value of the
-    wrong type or out of range, more than :data:`MAX_ARRIVALS` arrivals, or none.
-    """
-    builtin = BUILTINS.get(name)
-    if builtin is None:
-        raise WorkloadError(f"unknown workload {name!r} (built-ins: {', '.join(BUILTINS)})")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise WorkloadError(f"workload {name!r}: seed: must be an integer >= 0, got {seed!r}")
-    if params is not None and not isinstance(params, Mapping):
-        raise WorkloadError(f"workload {name!r}: parameters must be a mapping, got {type(params).__name__}")
-    effective = effective_params(builtin, params or {})
-    generated = builtin.generate(effective, np.random.default_rng(seed))
-    if not generated.arrivals:
-        raise WorkloadError(f"workload {name!r}: generated no arrivals (raise the rate, duration or counts)")
-    if len(generated.arrivals) > MAX_ARRIVALS:
-        raise WorkloadError(f"workload {name!r}: {builtin.expected_arrivals(effective)[1]}: generated "
-                            f"{len(generated.arrivals):,} arrivals (limit {MAX_ARRIVALS:,})")
-    return Workload(
-        name=name,
-        description=builtin.description,
-        arrivals=tuple(sorted(generated.arrivals, key=lambda a: a.at)),
-        tenants={tenant: UNTHROTTLED for tenant in generated.tenants},
-        params=effective,
-        seed=seed,
-    )
-
-
-def load_params_file(path: str | Path) -> dict[str, Any]:
-    """The top-level keys of TOML file ``path`` as workload parameters (checked by :func:`build_workload`)."""
-    return read_toml(Path(path), "parameter file", WorkloadError)
-
-
-def parse_param_assignments(items: Sequence[str]) -> dict[str, Any]:
-    """``["rate=5", "name=x"]`` -> ``{"rate": 5, "name": "x"}``: TOML values, else the bare string.
-
-    A later assignment to the same key wins. An item without ``=`` or with an
-    empty key is a :class:`WorkloadError`.
-    """
-    params: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise WorkloadError(f"parameter {item!r}: expected key=value (e.g. rate=5)")
-        params[key] = toml_value(value.strip())
-    return params
-
-
-def toml_value(text: str) -> Any:
-    """``text`` read as a TOML value (``5``, ``1.5``, ``true``, ``"x"``), or itself when it is not one."""
-    if "\n" in text or "\r" in text:
-        return text
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
