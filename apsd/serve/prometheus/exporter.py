@@ -92,8 +92,8 @@ class PrometheusExporter:
         changed = stats if len(chunks.counters) != len(stats) else ledger.changes.since(chunks.counters_mark)
         counters = {tenant: counter_row(stats[tenant]) for tenant in changed if tenant in stats}
         every = observer.tenants
-        changed = every if len(chunks.histograms) != len(every) else observer.changes.since(chunks.histograms_mark)
-        histograms = {tenant: every[tenant].share() for tenant in changed}
+        moved = every if len(chunks.histograms) != len(every) else observer.changes.since(chunks.histograms_mark)
+        histograms = {tenant: every[tenant].share() for tenant in moved}
         return Scrape(tenants=list(stats), counters=counters, counters_mark=ledger.changes.mark,
                       unattributed=counter_row(ledger.unattributed), histogram_tenants=list(histogram_tenants),
                       histograms=histograms, histograms_mark=observer.changes.mark, middle=middle, end=end,

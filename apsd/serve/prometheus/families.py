@@ -7,7 +7,7 @@ not per tenant, the bytes every scrape serves. Each function reads the pipeline'
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -54,7 +54,7 @@ WINDOW_FAMILIES = (
                                   "window: the share fair-share policies give it while it stays backlogged")),
 )
 #: Where each of ``WINDOW_FAMILIES``' values is in a :data:`~apsd.core.service_window.WorkingRow`.
-WINDOW_FIELDS = (2, 3, 4)
+WINDOW_FIELDS: tuple[Literal[2, 3, 4], ...] = (2, 3, 4)
 
 
 class Families:
@@ -314,7 +314,7 @@ def _store(store: StoreStatistics) -> Iterator[Metric]:
 
 
 def _engines(engines: Sequence[EngineStatistics]) -> Iterator[Metric]:
-    gauges = {
+    gauges: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
         "running": GaugeMetricFamily("apsd_engine_running_sequences", "Sequences the engine runs now",
                                      labels=["engine"]),
         "waiting": GaugeMetricFamily("apsd_engine_waiting_sequences",
@@ -347,7 +347,7 @@ def _engines(engines: Sequence[EngineStatistics]) -> Iterator[Metric]:
 def _backends(backends: Sequence[BackendStatistics]) -> Iterator[Metric]:
     """The forward engine's backends (no samples for the simulated engines)."""
     labels = ["backend"]
-    families = {
+    families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
         "up": GaugeMetricFamily("apsd_backend_up", "1 while the backend passes its health checks",
                                 labels=labels),
         "saturated": GaugeMetricFamily("apsd_backend_saturated", "1 while the backend takes no more work "

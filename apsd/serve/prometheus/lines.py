@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.utils import floatToGoString
 
@@ -103,7 +103,8 @@ def _number(value: float) -> str:
     return floatToGoString(value)
 
 
-def _header(kind: type[Metric], name: str, documentation: str) -> bytes:
+def _header(kind: type[CounterMetricFamily] | type[GaugeMetricFamily] | type[HistogramMetricFamily], name: str,
+            documentation: str) -> bytes:
     """A family's ``# HELP`` and ``# TYPE`` lines, as prometheus_client renders them."""
     return generate_latest(Families([kind(name, documentation, labels=["tenant"])]))
 
@@ -125,7 +126,7 @@ def _counter_chunks(tenant: str, row: CounterRow, attributed: bool = True) -> tu
     unattributed row has only its non-zero outcomes (and ``rejected``) and its rejections."""
     label = f'tenant="{_escape(tenant)}"'
     requests = "".join([f'apsd_requests_total{{outcome="{outcome}",{label}}} {_number(value)}\n'
-                        for outcome, value in zip(OUTCOMES, row) if attributed or value or outcome == "rejected"])
+                        for outcome, value in zip(OUTCOMES, row[:5]) if attributed or value or outcome == "rejected"])
     rejections = "".join([f'apsd_rejections_total{{error="{_escape(error)}",{label}}} {_number(count)}\n'
                           for error, count in row[5]])
     if not attributed:
