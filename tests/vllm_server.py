@@ -177,8 +177,10 @@ async def read_metrics(client: httpx.AsyncClient, url: str) -> dict[str, float]:
 
 async def pause(client: httpx.AsyncClient, server: VllmServer) -> None:
     """Stop ``server``'s scheduler (``POST /pause?mode=keep``, served with ``VLLM_SERVER_DEV_MODE=1``): its
-    running requests keep their sequences and KV cache but take no step, new ones join its queue, and
-    cancellations still end requests. Its metrics do not change while it is paused (they come with steps)."""
+    running requests take no step, new ones join its queue, and cancellations still end requests. Its
+    metrics do not change while it is paused (they come with steps). On :func:`resume` vLLM schedules anew:
+    across pauses with requests waiting it preempted running ones and started waiting ones, so a test that
+    looks at what vLLM runs must not pause it."""
     response = await client.post(server.url + "/pause", params={"mode": "keep"}, timeout=30)
     response.raise_for_status()
 
