@@ -44,6 +44,9 @@ on first use into its own venv under ~/.cache/apsd, which needs the network once
     .venv/bin/python benchmarks/bench_dataplane.py --litellm-venv /tmp/litellm-venv --json out.json
     .venv/bin/python benchmarks/bench_dataplane.py --apsd-config-extra $'[engine]\\nisolation = false'
     .venv/bin/python benchmarks/bench_dataplane.py --floor          # also empty apps on apsd's HTTP stack
+    .venv/bin/python benchmarks/bench_dataplane.py --no-litellm --measures latency --max-cpu-ratio 1.6
+                                        # CI's check (.ci/run): exit 1 when apsd's CPU per request is above
+                                        # 1.6x the empty Quart-Trio handler's, measured in the same run
 
 Most of the time goes to LiteLLM, whose streams relay a few hundred chunks per second here
 (``--measures latency,rate`` leaves the streams out). ``--no-apsd`` measures direct and LiteLLM
@@ -99,6 +102,8 @@ RATES = (25, 50, 100, 200, 300, 400, 600, 800, 1000, 1200, 1600, 2000)
 STREAMS = (64, 256)
 STREAM_TOKENS = 256
 P99_LIMIT_MS = 1000.0
+#: The empty Quart-Trio handler (``--floor``): the reference of ``--max-cpu-ratio``.
+FLOOR_QUART = "Quart-Trio, empty"
 
 
 def log(message: str) -> None:
@@ -672,7 +677,7 @@ def run(args: argparse.Namespace) -> int:
             url, pid = start_litellm(processes, venv, standin)
             targets.append(Target("LiteLLM", url, {"Authorization": f"Bearer {LITELLM_KEY}"}, pid))
         if args.floor:
-            for kind, name in (("quart", "Quart-Trio, empty"), ("asgi", "Hypercorn, empty")):
+            for kind, name in (("quart", FLOOR_QUART), ("asgi", "Hypercorn, empty")):
                 url, pid = start_floor(processes, kind)
                 targets.append(Target(name, url, {}, pid, floor=True))
         names = [t.name for t in targets]
@@ -711,7 +716,24 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
         print(f"\nresults written to {args.json}")
+    if args.max_cpu_ratio is not None:
+        return check_cpu_ratio(results, args.max_cpu_ratio)
     return 0
+
+
+def check_cpu_ratio(results: dict[str, Any], limit: float) -> int:
+    """``--max-cpu-ratio``: 1 (and why) when apsd's CPU per non-streamed request is above ``limit`` times
+    the empty Quart-Trio handler's, both measured in this run; else 0."""
+    per_1k = results.get("cpu", {}).get("per_1k_requests", {})
+    mine, floor = per_1k.get("apsd"), per_1k.get(FLOOR_QUART)
+    if not mine or not floor:
+        print(f"\nCPU check: not measured (apsd {mine}, {FLOOR_QUART} {floor})", file=sys.stderr)
+        return 1
+    ratio = mine / floor
+    verdict = "within" if ratio <= limit else "ABOVE"
+    print(f"\nCPU check: apsd {mine / 1000:.2f} ms per non-streamed request, {ratio:.2f}x the empty Quart-Trio "
+          f"handler's {floor / 1000:.2f} ms: {verdict} the limit of {limit:g}x")
+    return 0 if ratio <= limit else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -732,7 +754,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-rounds", type=int, help="rounds of streams (default 2, --quick 1)")
     parser.add_argument("--requests", type=int, help="requests per target per round at c=1 (default 300, --quick 150)")
     parser.add_argument("--rate-duration", type=float, help="seconds per rate step (default 4, --quick 2)")
+    parser.add_argument("--max-cpu-ratio", type=float, metavar="X",
+                        help="exit 1 when apsd's CPU per non-streamed request is above X times the empty Quart-Trio "
+                             "handler's in this run (implies --floor; .ci/run uses it)")
     args = parser.parse_args(argv)
+    if args.max_cpu_ratio is not None:
+        args.floor = True
     if shutil.which("taskset") is None:
         parser.error("needs taskset (util-linux)")
     if (os.cpu_count() or 1) < 2:

@@ -141,7 +141,8 @@ class Engine(Protocol):
         that the pipeline does not report itself."""
 
 
-def completion(request: InferenceRequest, *, engine_id: int, end: float, response: dict | None = None) -> Completion:
+def completion(request: InferenceRequest, *, engine_id: int, end: float, response: dict | None = None,
+               response_bytes: bytes | None = None) -> Completion:
     """The :class:`~apsd.core.models.Completion` of a request its engine finished at model time ``end``,
     from the times stamped on it (dispatched, first token) and its progress (tokens, cost)."""
     assert request.dispatched_at is not None and request.started_at is not None
@@ -155,4 +156,4 @@ def completion(request: InferenceRequest, *, engine_id: int, end: float, respons
         prefill_ms=(request.started_at - request.dispatched_at) * 1000.0, decode_ms=decode * 1000.0,
         latency_ms=(end - request.arrival) * 1000.0, batch_id=request.dispatch_id or 0,
         batch_size=request.dispatch_size, engine_id=engine_id, effective_priority=request.effective_priority or 0.0,
-        cost_usd=request.cost_usd, response=response)
+        cost_usd=request.cost_usd, response=response, response_bytes=response_bytes)

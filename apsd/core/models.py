@@ -66,6 +66,8 @@ class Completion:
     #: The backend's own JSON answer (a forwarded request that did not stream), usage included;
     #: None for the simulated engines.
     response: dict | None = None
+    #: ``response`` as the backend sent it (relayed byte for byte); None when there is none.
+    response_bytes: bytes | None = None
 
 
 #: How a refused request is counted in the ledger.

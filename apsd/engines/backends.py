@@ -93,6 +93,8 @@ class BackendAnswer:
     response: dict | None = None
     #: Prompt tokens the backend found in its prefix cache, as it says (:func:`cached_tokens`).
     cached_tokens: int = 0
+    #: ``response`` as the backend sent it, relayed to the client byte for byte.
+    raw: bytes | None = None
 
 
 @attrs.define
@@ -474,7 +476,7 @@ class HttpBackendClient:
                 data = _json_object(answer)
                 prompt, completion = bounds.check(backend, data.get("usage"))
                 return BackendAnswer(prompt, completion, data, cached_tokens(data.get("usage"), data.get("timings"),
-                                                                             prompt))
+                                                                             prompt), raw=bytes(answer))
             usage: Any = None
             timings: Any = None
             # One scope for the whole exchange: until the first token (headers included: llama.cpp

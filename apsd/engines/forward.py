@@ -784,7 +784,8 @@ class ForwardEngine:
         if request.started_at is None:  # not streamed: its first token is seen with its last
             self.ledger.started(request, now)
         self._account(attempt, start, ends=True)
-        return completion(request, engine_id=self.engine_id, end=now, response=answer.response)
+        return completion(request, engine_id=self.engine_id, end=now, response=answer.response,
+                          response_bytes=answer.raw)
 
     def _failed(self, request: InferenceRequest, backend: Backend, error: BackendError,
                 sent_at: float) -> tuple[Refusal | None, str | None]:

@@ -36,7 +36,7 @@ import hashlib
 import hmac
 import ipaddress
 import re
-from collections.abc import Mapping
+from typing import Protocol
 
 import attrs
 
@@ -44,7 +44,7 @@ from apsd.core.config import KEY_HASH_PATTERN, Config, ConfigError
 from apsd.core.keys import MIN_KEY_CHARS, TOKEN, hash_key, is_usable_key, new_key
 from apsd.core.models import Refusal
 
-__all__ = ["API_KEY_HEADER", "Caller", "KeyRing", "METRICS_READER", "OPEN_ACCESS", "check_exposure", "cross_site_refusal", "hash_key",
+__all__ = ["API_KEY_HEADER", "Caller", "HeaderFields", "KeyRing", "METRICS_READER", "OPEN_ACCESS", "check_exposure", "cross_site_refusal", "hash_key",
            "is_allowed_host", "is_loopback",
            "is_usable_key", "new_key", "KEY_HASH_PATTERN", "MIN_KEY_CHARS"]
 
@@ -224,7 +224,16 @@ def is_allowed_host(authority: str, listen_host: str) -> bool:
     return host == _hostname(listen_host) or host.endswith(".localhost") or is_loopback(host)
 
 
-def cross_site_refusal(method: str, headers: Mapping[str, str], listen_host: str) -> Refusal | None:
+class HeaderFields(Protocol):
+    """A request's header fields as both werkzeug's ``Headers`` (the Quart app's) and the data plane's
+    (:class:`apsd.serve.http.exchange.Headers`) give them: by name, in any case."""
+
+    def get(self, name: str, /) -> str | None: ...
+
+    def getlist(self, name: str, /) -> list[str]: ...
+
+
+def cross_site_refusal(method: str, headers: HeaderFields, listen_host: str) -> Refusal | None:
     """Without API keys anyone who reaches apsd may act as the admin and as any tenant, so a browser
     must not be made to act for a page from elsewhere (the daemon runs on the operator's machine):
     403 ``host_not_allowed`` for a ``Host`` that is not this daemon's own (:func:`is_allowed_host`),
@@ -233,7 +242,7 @@ def cross_site_refusal(method: str, headers: Mapping[str, str], listen_host: str
     ``Origin`` other than the ``Host`` it was sent to). Clients that are not browsers send neither
     header and pass. (With keys, a cross-site page cannot send ``Authorization`` without a CORS
     preflight, which apsd never grants.)"""
-    host = headers.get("Host", "")
+    host = headers.get("Host") or ""
     if not is_allowed_host(host, listen_host):
         return Refusal(403, "host_not_allowed", f"without API keys apsd answers only requests addressed to it by a "
                        f"loopback name or its listen address, not {host[:100]!r} (a DNS-rebinding page?)")

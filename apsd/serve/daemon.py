@@ -48,7 +48,7 @@ from apsd.policies.fair import tenant_weights
 from apsd.serve import logs
 from apsd.serve.alerts import BudgetAlerts
 from apsd.serve.auth import KeyRing, check_exposure
-from apsd.serve.http import create_app
+from apsd.serve.http import create_app, create_asgi
 from apsd.serve.http.ui import sampler_for
 from apsd.serve.notify import ProgressProbe, SystemdNotifier, serve_status, serve_watchdog, status_line
 from apsd.serve.server import serve_http
@@ -443,7 +443,7 @@ class Daemon:
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLDS)
         try:
-            await serve_http(app, config, shutdown_trigger=stop.wait, task_status=task_status)
+            await serve_http(create_asgi(app), config, shutdown_trigger=stop.wait, task_status=task_status)
         finally:
             done.set()
 

@@ -247,6 +247,7 @@ async def serve_http(app: Framework, config: Config, *, shutdown_trigger: Callab
             binds = []
             ssl_context = config.create_ssl_context()
             for sock in sockets.secure_sockets:
+                assert ssl_context is not None   # (hypercorn makes secure sockets only with a certificate)
                 sock.listen(config.backlog)
                 listeners.append(trio.SSLListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)),
                                                   ssl_context, https_compatible=True))

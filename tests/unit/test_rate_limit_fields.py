@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 
+import httpx
 import trio
 import trio.testing
 
@@ -17,7 +18,7 @@ from apsd.core.ledger import Ledger
 from apsd.core.models import InferenceRequest
 from apsd.pipeline import open_pipeline
 from apsd.policies.batching import MicroBatching, MicroParams
-from apsd.serve.http import create_app
+from apsd.serve.http import create_app, create_asgi
 from tests.helpers import build_policies, make_config
 
 FIELDS = re.compile(r'"tokens";r=(\d+);t=(\d+)')
@@ -59,17 +60,17 @@ async def test_the_seconds_are_wall_seconds(autojump_clock):
 
 
 async def test_http_answers_carry_the_bucket_as_of_the_answer(autojump_clock):
-    """Through the app (its test client, in virtual time): a message's 200 carries the bucket after its
+    """Through the app (the ASGI app the daemon serves, called in process, in virtual time): a message's 200 carries the bucket after its
     settlement, at the moment of the answer; a 429's and a 413's the bucket at the refusal."""
     config = make_config(gpu=GpuConfig(time_scale=1.0), tenants={"t": TenantConfig(rate=2.0, burst=1000)})
     async with open_pipeline(config, build_policies(config)) as pipeline:
-        app = create_app(pipeline)
-        http = app.test_client()
+        transport = httpx.ASGITransport(app=create_asgi(create_app(pipeline)))
+        http = httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1")
         body = {"model": "apsd-batch", "max_tokens": 400, "messages": [{"role": "user", "content": "Hi"}]}
         sent_at = pipeline.clock.now()   # (admitted at once: nothing waits in virtual time before admission)
         answer = await http.post("/v1/messages", json=body, headers={"X-Apsd-Tenant": "t"})
         assert answer.status_code == 200
-        cost = (await answer.get_json())["usage"]["input_tokens"] + 400
+        cost = answer.json()["usage"]["input_tokens"] + 400
         now, bucket = pipeline.clock.now(), pipeline.admission.buckets["t"]
         level = 1000 - cost + 2.0 * (now - sent_at)   # (taken at admission, refilling at 2 a second since)
         assert now > sent_at and level < 1000

@@ -1,6 +1,10 @@
-"""HTTP API (Quart-Trio on Hypercorn): turns requests into pipeline submissions and outcomes into answers.
+"""HTTP API (Hypercorn; Quart-Trio for the control API): turns requests into pipeline submissions and
+outcomes into answers.
 
-One blueprint per protocol:
+The ``/v1`` API, where a pool's traffic goes, is served below the web framework, straight from ASGI
+(:mod:`apsd.serve.http.dataplane`, with :mod:`apsd.serve.http.exchange`: a request and its answer);
+everything else by a Quart-Trio app, one blueprint per concern. :func:`create_asgi` joins the two in the
+one ASGI app the daemon serves. The protocols:
 
 * :mod:`apsd.serve.http.infer`: apsd's own ``POST /infer``;
 * :mod:`apsd.serve.http.openai`: the OpenAI-compatible ``/v1/chat/completions``, ``/v1/completions``,
@@ -10,7 +14,9 @@ One blueprint per protocol:
 * :mod:`apsd.serve.http.admin`: the operator's ``/admin`` (tenants, keys, audit, usage);
 * :mod:`apsd.serve.http.ui`: the status page, ``/ui``, and the ``/admin/status`` it reads.
 
-What they share (the app's state, the :func:`~apsd.serve.http.common.authenticated` decorator, body
+The ``/v1`` handlers take an :class:`~apsd.serve.http.exchange.Exchange` and return an
+:class:`~apsd.serve.http.exchange.Answer`; the blueprints use Quart's request and responses. What they
+share (the app's state, the :func:`~apsd.serve.http.common.authenticated` decorator, body
 parsing, answers) is in :mod:`apsd.serve.http.common`.
 
 Ownership: the app owns no tasks and no state of its own beyond :class:`~apsd.serve.http.common.HttpState`;
@@ -46,43 +52,34 @@ from werkzeug.exceptions import HTTPException
 from apsd.core.models import Refusal
 from apsd.pipeline import Pipeline
 from apsd.serve.auth import API_KEY_HEADER, cross_site_refusal
-from apsd.serve.http import admin, anthropic, infer, openai, ops, ui
+from apsd.serve.http import admin, infer, ops, ui
 from apsd.serve.http.common import HttpState, ShieldResponseEnd, error_response, noted_tenant, read_unread_body
+from apsd.serve.http.dataplane import DataPlane
 from apsd.serve.http.infer import parse_infer_body
+from apsd.serve.http.openai import unix_time
 from apsd.serve.http.ops import metrics_document
 from apsd.serve.prometheus import exporter_for
 from apsd.serve.tracing import Tracing
 from apsd.state.keeper import StateKeeper
 
-__all__ = ["create_app", "metrics_document", "parse_infer_body"]
+__all__ = ["create_app", "create_asgi", "metrics_document", "parse_infer_body"]
 
 log = logging.getLogger("apsd.serve.http")
 
 
-def _answer_for_path(refusal: Refusal) -> Response:
-    """``refusal`` in the shape of the protocol the request's path belongs to."""
-    if request.path == "/v1/messages" or request.path.startswith("/v1/messages/"):
-        return anthropic.error_response(refusal)
-    if request.path.startswith("/v1/"):
-        return openai.error_response(refusal)
-    return error_response(refusal)
-
-
 def create_app(pipeline: Pipeline, *, keeper: StateKeeper | None = None, tracing: Tracing | None = None) -> QuartTrio:
-    """The API over ``pipeline`` (and ``/admin`` over the daemon's ``keeper``; requests traced by
-    ``tracing``); the app is cheap, make one per pipeline."""
+    """The control API over ``pipeline`` (and ``/admin`` over the daemon's ``keeper``; requests traced by
+    ``tracing``): every path but ``/v1/*``, which :func:`create_asgi` adds. The app is cheap, make one per
+    pipeline."""
     app = QuartTrio("apsd")
     app.config["MAX_CONTENT_LENGTH"] = pipeline.config.server.max_body_bytes
     app.config["BODY_TIMEOUT"] = pipeline.config.server.body_timeout_s  # then 408 request_timeout
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.url_map.merge_slashes = False  # an empty path segment ("a//b") is a 404, not an HTML 308 redirect
-    app.asgi_app = ShieldResponseEnd(app.asgi_app,  # type: ignore[method-assign]
-                                     send_timeout_s=pipeline.config.server.send_timeout_s)
     # the exporter is made before serving: its histograms see every dispatch
-    app.extensions["apsd"] = HttpState(pipeline=pipeline, exporter=exporter_for(pipeline), created=openai.unix_time(),
+    app.extensions["apsd"] = HttpState(pipeline=pipeline, exporter=exporter_for(pipeline), created=unix_time(),
                                        keeper=keeper, tracing=tracing)
-    for blueprint in (infer.blueprint, openai.blueprint, anthropic.blueprint, ops.blueprint, admin.blueprint,
-                      ui.blueprint):
+    for blueprint in (infer.blueprint, ops.blueprint, admin.blueprint, ui.blueprint):
         app.register_blueprint(blueprint)
 
     @app.before_request
@@ -96,7 +93,7 @@ def create_app(pipeline: Pipeline, *, keeper: StateKeeper | None = None, tracing
         if refusal is None:
             return None
         pipeline.ledger.count_refusal(None, refusal.error)
-        return _answer_for_path(refusal)
+        return error_response(refusal)
 
     @app.before_request
     async def confine_metrics_keys() -> Response | None:
@@ -111,7 +108,7 @@ def create_app(pipeline: Pipeline, *, keeper: StateKeeper | None = None, tracing
                                                                   request.headers.getlist(API_KEY_HEADER)):
             return None
         pipeline.ledger.count_refusal(None, "metrics_only")
-        return _answer_for_path(Refusal(403, "metrics_only", "a metrics key may only read /metrics and /metrics.json"))
+        return error_response(Refusal(403, "metrics_only", "a metrics key may only read /metrics and /metrics.json"))
 
     @app.after_request
     async def rate_limit_fields(response: Response) -> Response:
@@ -149,13 +146,21 @@ def create_app(pipeline: Pipeline, *, keeper: StateKeeper | None = None, tracing
             message = (f"the request body did not arrive within {pipeline.config.server.body_timeout_s:g} s "
                        "(server.body_timeout_s)")
             headers["Connection"] = "close"  # the rest of that body is not worth waiting for
-        return _answer_for_path(Refusal(code, names.get(code, exc.name.lower().replace(" ", "_")), message,
+        return error_response(Refusal(code, names.get(code, exc.name.lower().replace(" ", "_")), message,
                                         headers=headers))
 
     @app.errorhandler(Exception)
     async def internal_error(exc: Exception) -> Response:
         log.exception("internal error answering %s %s", request.method, request.path)
         pipeline.ledger.count_refusal(None, "internal_error")
-        return _answer_for_path(Refusal(500, "internal_error", "internal error; see the daemon's log"))
+        return error_response(Refusal(500, "internal_error", "internal error; see the daemon's log"))
 
     return app
+
+
+def create_asgi(app: QuartTrio) -> ShieldResponseEnd:
+    """The one ASGI app the daemon serves: the ``/v1`` data plane (:class:`~apsd.serve.http.dataplane.DataPlane`)
+    in front of ``app`` (:func:`create_app`), sharing its state, each answer's last message shielded
+    (:class:`~apsd.serve.http.common.ShieldResponseEnd`, which also hands the server its send timeout)."""
+    state: HttpState = app.extensions["apsd"]
+    return ShieldResponseEnd(DataPlane(state, app), send_timeout_s=state.pipeline.config.server.send_timeout_s)

@@ -95,10 +95,10 @@ async def _body() -> dict[str, Any]:
     CORS preflight, never granted. (With keys, the ``Authorization`` header does that already.)"""
     state = http_state()
     if request.mimetype != "application/json" and not state.keyring.get(state.pipeline.config).enabled:
-        await request.get_data(cache=False, as_text=False)  # (read it: the connection stays usable)
+        await request.get_data(cache=False, as_text=False, parse_form_data=False)  # (read it: the connection stays usable)
         raise BodyError(415, "unsupported_media_type", "an /admin body must be JSON, sent with 'Content-Type: "
                         f"application/json' (got {request.headers.get('Content-Type', 'none')[:80]!r})")
-    return parse_json_object(await request.get_data(cache=False, as_text=False))
+    return parse_json_object(await request.get_data(cache=False, as_text=False, parse_form_data=False))
 
 
 def budget_document(budgets: Budgets, limit: BudgetLimit | None) -> dict[str, Any] | None:

@@ -31,11 +31,10 @@ body field at fault: 400, as Anthropic answers it, where the OpenAI API says 422
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import attrs
-from quart import Blueprint, Response, request
 
 from apsd.core.admission import estimate_tokens
 from apsd.core.config import AdmissionConfig, Config
@@ -46,20 +45,18 @@ from apsd.serve.auth import Caller
 from apsd.serve.http.common import (
     MAX_TOKENS_REQUESTED,
     BodyError,
-    answer_submitted,
-    authenticated,
+    HttpState,
     check_field_types,
     check_prompt_length,
     client_request_id,
     finish_trace,
-    http_state,
     invalid_field,
     is_int,
-    note_tenant,
     parse_json_object,
     service_class,
     shown,
 )
+from apsd.serve.http.exchange import Answer, Exchange, json_answer
 from apsd.serve.http.openai import (
     MEDIA_PART_TOKENS,
     MESSAGE_OVERHEAD_TOKENS,
@@ -70,11 +67,10 @@ from apsd.serve.http.openai import (
     route_header,
     tenant_of,
 )
+from apsd.serve.http.submission import answer_submitted
 
-__all__ = ["MESSAGES", "MessagesBody", "blueprint", "error_body", "error_response", "error_type",
-           "parse_messages_body"]
-
-blueprint = Blueprint("anthropic", __name__, url_prefix="/v1")
+__all__ = ["MESSAGES", "MessagesBody", "count_tokens", "error_body", "error_response", "error_type",
+           "messages", "parse_messages_body"]
 
 #: The API's name on a request (``request.api``).
 MESSAGES = "messages"
@@ -104,13 +100,12 @@ def error_body(refusal: Refusal) -> dict[str, Any]:
                                        "details": {"error_code": refusal.error}}}
 
 
-def error_response(refusal: Refusal) -> Response:
+def error_response(refusal: Refusal) -> Answer:
     """An error answer in Anthropic's shape, with the refusal's headers (``Retry-After``,
     ``WWW-Authenticate``); the tenant's ``RateLimit`` fields are added by the app."""
     if refusal.field == "tenant_id":   # (its tenant came from a header, not a field)
         refusal = attrs.evolve(refusal, field=TENANT_HEADER)
-    return Response(json.dumps(error_body(refusal)), status=_status(refusal), headers=refusal.headers,
-                    content_type="application/json")
+    return json_answer(error_body(refusal), _status(refusal), dict(refusal.headers))
 
 
 # -- request bodies ------------------------------------------------------------------------------
@@ -325,7 +320,7 @@ class _EventMaker:
     sent: int = 0
 
     def start(self) -> bytes:
-        message = {"id": "msg_" + self.request_id, "type": "message", "role": "assistant", "model": self.body.model,
+        message: dict[str, Any] = {"id": "msg_" + self.request_id, "type": "message", "role": "assistant", "model": self.body.model,
                    "content": [], "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}
         return sse_event({"type": "message_start", "message": message}) + sse_event(
@@ -346,7 +341,7 @@ class _EventMaker:
 
 
 async def _events(pipeline: Pipeline, inference: InferenceRequest, body: MessagesBody,
-                  first: TokenChunk | None) -> AsyncIterator[bytes]:
+                  first: TokenChunk | None) -> AsyncGenerator[bytes, None]:
     """The SSE body of a streamed message, from its first chunk on; a client that leaves cancels the
     request (in ``finally``: quart closes this generator when its send is cancelled)."""
     stream = inference.stream
@@ -386,7 +381,7 @@ def _headers(inference: InferenceRequest) -> dict[str, str]:
     return {"X-Request-Id": inference.request_id, REQUEST_ID_HEADER: inference.request_id, **route_header(inference)}
 
 
-async def _stream_answer(pipeline: Pipeline, inference: InferenceRequest, body: MessagesBody) -> Response:
+async def _stream_answer(pipeline: Pipeline, inference: InferenceRequest, body: MessagesBody) -> Answer:
     """Wait for the first token (or the outcome), then answer with the event stream; an outcome
     before any token is an ordinary HTTP error."""
     assert inference.stream is not None
@@ -400,10 +395,8 @@ async def _stream_answer(pipeline: Pipeline, inference: InferenceRequest, body: 
     if first is None and isinstance(outcome, Refusal):
         return error_response(outcome)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **_headers(inference)}
-    response = Response(_events(pipeline, inference, body, first), status=200, headers=headers,
-                        content_type="text/event-stream")
-    response.timeout = None  # (quart's RESPONSE_TIMEOUT, 60 s, would cut a long stream silently)
-    return response
+    return Answer(200, headers=headers, content_type="text/event-stream",
+                  stream=_events(pipeline, inference, body, first))
 
 
 def _parsed(pipeline: Pipeline, raw: bytes, *, counting: bool) -> MessagesBody:
@@ -420,18 +413,16 @@ def _parsed(pipeline: Pipeline, raw: bytes, *, counting: bool) -> MessagesBody:
     return body
 
 
-@blueprint.post("/messages")
-@authenticated(submits=True, answer=error_response)
-async def messages(caller: Caller) -> Response:
-    """``POST /v1/messages``: one message, streamed or whole (see the module docstring)."""
-    pipeline = http_state().pipeline
+async def messages(state: HttpState, exchange: Exchange, caller: Caller) -> Answer:
+    """``POST /v1/messages`` for ``caller``: one message, streamed or whole (see the module docstring)."""
+    pipeline = state.pipeline
+    headers = exchange.headers
     try:
-        tenant_id = tenant_of(caller)
-        note_tenant(tenant_id)
-        header_bid = priority_header()
-        request_id = client_request_id()
-        body = _parsed(pipeline, await request.get_data(cache=False, as_text=False), counting=False)
-        class_name = service_class(body.service_class)
+        tenant_id = exchange.tenant_id = tenant_of(caller, headers)
+        header_bid = priority_header(headers)
+        request_id = client_request_id(headers)
+        body = _parsed(pipeline, await exchange.body(), counting=False)
+        class_name = service_class(body.service_class, headers)
     except BodyError as exc:
         pipeline.ledger.count_refusal(None, exc.refusal.error)
         return error_response(exc.refusal)
@@ -441,25 +432,23 @@ async def messages(caller: Caller) -> Response:
                                      api=MESSAGES, payload=body.payload, request_id=request_id,
                                      service_class=class_name, key_id=caller.key_id)
 
-    def whole(outcome: Completion) -> Response:
+    def whole(outcome: Completion) -> Answer:
+        if outcome.response_bytes is not None:   # (a backend's answer, relayed as it sent it)
+            return Answer(200, outcome.response_bytes, _headers(inference))
         answer = outcome.response if outcome.response is not None else _built_answer(body, outcome)
-        # (not json_response: a backend's floats are relayed as they are, not rounded)
-        return Response(json.dumps(answer), status=200, headers=_headers(inference), content_type="application/json")
+        return json_answer(answer, 200, _headers(inference))
 
-    return await answer_submitted(pipeline, inference, stream=body.stream, refused=error_response,
+    return await answer_submitted(state, inference, headers, stream=body.stream, refused=error_response,
                                   streamed=lambda: _stream_answer(pipeline, inference, body), whole=whole)
 
 
-@blueprint.post("/messages/count_tokens")
-@authenticated(submits=True, answer=error_response)
-async def count_tokens(caller: Caller) -> Response:
+async def count_tokens(state: HttpState, exchange: Exchange, caller: Caller) -> Answer:
     """``POST /v1/messages/count_tokens``: ``{"input_tokens": n}``, by a backend serving the model when
     one can count (its own ``/v1/messages/count_tokens``), else apsd's estimate; never charged."""
-    pipeline = http_state().pipeline
+    pipeline = state.pipeline
     try:
-        tenant_id = tenant_of(caller)
-        note_tenant(tenant_id)
-        body = _parsed(pipeline, await request.get_data(cache=False, as_text=False), counting=True)
+        tenant_id = exchange.tenant_id = tenant_of(caller, exchange.headers)
+        body = _parsed(pipeline, await exchange.body(), counting=True)
         refusal = _tenant_refusal(pipeline, tenant_id, body.model)
     except BodyError as exc:
         pipeline.ledger.count_refusal(None, exc.refusal.error)
@@ -473,7 +462,7 @@ async def count_tokens(caller: Caller) -> Response:
             counted = await engine.count_message_tokens(body.model, body.payload)
             break
     tokens = counted if counted is not None else body.prompt_tokens
-    return Response(json.dumps({"input_tokens": tokens}), status=200, content_type="application/json")
+    return json_answer({"input_tokens": tokens})
 
 
 def _tenant_refusal(pipeline: Pipeline, tenant_id: str, model: str) -> Refusal | None:

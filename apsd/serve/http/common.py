@@ -27,10 +27,9 @@ from werkzeug.exceptions import HTTPException
 
 from apsd.core import strictjson
 from apsd.core.config import Config
-from apsd.core.models import Completion, Refusal
-from apsd.core.streams import TokenStream
+from apsd.core.models import Refusal
 from apsd.pipeline import Pipeline
-from apsd.serve.auth import API_KEY_HEADER, Caller, KeyRing
+from apsd.serve.auth import API_KEY_HEADER, Caller, HeaderFields, KeyRing
 from apsd.serve.prometheus import PrometheusExporter
 
 if TYPE_CHECKING:
@@ -38,9 +37,11 @@ if TYPE_CHECKING:
     from apsd.serve.tracing import Tracing
     from apsd.state.keeper import StateKeeper
 
-__all__ = ["BodyError", "HttpState", "check_field_types", "invalid_field", "is_int", "outcome_or_cancel", "REQUEST_ID_HEADER", "client_request_id", "MAX_TENANT_ID_CHARS", "MAX_TOKENS_REQUESTED", "ShieldResponseEnd",
-           "authenticated", "check_prompt_length", "error_response", "http_state", "json_response",
-           "note_tenant", "noted_tenant", "parse_json_object", "read_unread_body", "rounded", "shown"]
+__all__ = ["BodyError", "HeaderFields", "HttpState", "MAX_TENANT_ID_CHARS", "MAX_TOKENS_REQUESTED", "REQUEST_ID_HEADER",
+           "ShieldResponseEnd", "authenticated", "begin_trace", "check_field_types", "check_prompt_length",
+           "client_request_id", "error_response", "finish_trace", "http_state", "identify_caller", "invalid_field",
+           "is_int", "json_response", "note_tenant", "noted_tenant", "outcome_or_cancel", "parse_json_object",
+           "read_unread_body", "rounded", "service_class", "shown"]
 
 MAX_TENANT_ID_CHARS = 256
 #: Far beyond any real request; bounds client integers before any arithmetic or formatting.
@@ -94,17 +95,15 @@ def http_state() -> HttpState:
     return current_app.extensions["apsd"]
 
 
-def begin_trace(inference: InferenceRequest) -> None:
-    """Trace ``inference``, which arrived now, when tracing is on (continuing the client's
+def begin_trace(state: HttpState, inference: InferenceRequest, headers: HeaderFields) -> None:
+    """Trace ``inference``, which arrived now with ``headers``, when tracing is on (continuing the client's
     ``traceparent``); it is finished by :func:`finish_trace` once its answer's last byte is written."""
-    state = http_state()
     if state.tracing is None:
         return
     pipeline = state.pipeline
     key = pipeline.config.keys.get(inference.key_id) if inference.key_id is not None else None
-    inference.trace = state.tracing.begin(inference, request.headers.get("traceparent"),
-                                          request.headers.get("tracestate"), key_name=key.name if key else "",
-                                          time_scale=pipeline.clock.time_scale)
+    inference.trace = state.tracing.begin(inference, headers.get("traceparent"), headers.get("tracestate"),
+                                          key_name=key.name if key else "", time_scale=pipeline.clock.time_scale)
 
 
 def finish_trace(inference: InferenceRequest, refusal: Refusal | None = None) -> None:
@@ -115,6 +114,19 @@ def finish_trace(inference: InferenceRequest, refusal: Refusal | None = None) ->
 
 
 Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
+
+
+def identify_caller(state: HttpState, headers: HeaderFields, *, admin: bool = False,
+                    submits: bool = False) -> Caller | Refusal:
+    """Who sends a request with ``headers``, or why the endpoint refuses them (see :func:`authenticated`;
+    the refusal is not counted here)."""
+    caller = state.identify(headers.getlist("Authorization"), headers.getlist(API_KEY_HEADER))
+    if isinstance(caller, Caller):
+        if admin and not caller.admin:
+            return Refusal(403, "admin_only", "this endpoint needs the admin key")
+        if submits and not caller.anonymous and caller.tenant is None:
+            return Refusal(403, "admin_cannot_submit", "the admin key cannot submit requests; use the tenant's own key")
+    return caller
 
 
 def authenticated(*, admin: bool = False, submits: bool = False,
@@ -134,13 +146,7 @@ def authenticated(*, admin: bool = False, submits: bool = False,
         @functools.wraps(handler)
         async def guarded(*args: Any, **kwargs: Any) -> Any:
             state = http_state()
-            caller = state.identify(request.headers.getlist("Authorization"), request.headers.getlist(API_KEY_HEADER))
-            if isinstance(caller, Caller):
-                if admin and not caller.admin:
-                    caller = Refusal(403, "admin_only", "this endpoint needs the admin key")
-                elif submits and not caller.anonymous and caller.tenant is None:
-                    caller = Refusal(403, "admin_cannot_submit",
-                                     "the admin key cannot submit requests; use the tenant's own key")
+            caller = identify_caller(state, request.headers, admin=admin, submits=submits)
             if isinstance(caller, Refusal):
                 state.pipeline.ledger.count_refusal(None, caller.error)
                 return render(caller)
@@ -169,34 +175,6 @@ async def outcome_or_cancel(pipeline: Any, inference: Any) -> Any:
     finally:
         if not inference.answered:
             pipeline.cancel(inference)
-
-
-async def answer_submitted(pipeline: Pipeline, inference: InferenceRequest, *, stream: bool,
-                           refused: Callable[[Refusal], Response],
-                           streamed: Callable[[], Awaitable[Response]],
-                           whole: Callable[[Completion], Response]) -> Response:
-    """Trace, submit and answer ``inference`` (an OpenAI or Anthropic request, its body checked): its
-    refusal (``refused``), its event stream (``streamed``: a 200 whose last event ends the trace), or its
-    whole answer (``whole``); a client that leaves cancels it. The trace ends with the answer, or with
-    the stream's last event (:func:`begin_trace`, :func:`finish_trace`)."""
-    begin_trace(inference)
-    streams = False
-    refusal = None
-    try:
-        if stream:
-            inference.stream = TokenStream()
-        refusal = pipeline.submit_nowait(inference)
-        if refusal is not None:
-            return refused(refusal)
-        if stream:
-            response = await streamed()
-            streams = response.status_code == 200
-            return response
-        outcome = await outcome_or_cancel(pipeline, inference)
-        return refused(outcome) if isinstance(outcome, Refusal) else whole(outcome)
-    finally:
-        if not streams:
-            finish_trace(inference, refusal)
 
 
 def invalid_field(field: str, rule: str, error: str = "invalid_field") -> BodyError:
@@ -264,11 +242,11 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 REQUEST_ID_HEADER = "X-Request-Id"
 
 
-def client_request_id() -> str | None:
+def client_request_id(headers: HeaderFields) -> str | None:
     """The client's ``X-Request-Id`` (one header, 1-128 of letters, digits and ``-_.:``), or None
     when it sent none; BodyError 400 ``invalid_header`` for anything else. apsd names the request
     by it in its log and answers, and sends it to the backend."""
-    values = request.headers.getlist(REQUEST_ID_HEADER)
+    values = headers.getlist(REQUEST_ID_HEADER)
     if not values:
         return None
     if len(values) > 1 or not _REQUEST_ID.fullmatch(values[0]):
@@ -283,12 +261,12 @@ CLASS_HEADER = "X-Apsd-Class"
 _CLASS_NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
-def service_class(body_value: Any) -> str | None:
-    """The service class a request names: the :data:`CLASS_HEADER` header, else ``body_value`` (the
+def service_class(body_value: Any, headers: HeaderFields) -> str | None:
+    """The service class a request names: its :data:`CLASS_HEADER` header (in ``headers``), else ``body_value`` (the
     body's ``service_class``; None: absent). BodyError 400 ``invalid_header`` / 422 ``invalid_field``
     for one that is not a name of 1-64 letters, digits and ``-_.:``. Whether the class exists and the
     tenant may use it, admission says (400 ``unknown_class``, 403 ``class_not_allowed``)."""
-    values = request.headers.getlist(CLASS_HEADER)
+    values = headers.getlist(CLASS_HEADER)
     if values:
         if len(values) > 1 or not _CLASS_NAME.fullmatch(values[0].strip()):
             raise BodyError(400, "invalid_header", f"{CLASS_HEADER} must name one class (1-64 letters, digits "

@@ -111,15 +111,16 @@ async def infer(caller: Caller) -> Response:
     """
     pipeline = http_state().pipeline
     try:
-        body = parse_infer_body(await request.get_data(cache=False, as_text=False), tenant_required=caller.anonymous)
+        body = parse_infer_body(await request.get_data(cache=False, as_text=False, parse_form_data=False), tenant_required=caller.anonymous)
         tenant_id = body.tenant_id if body.tenant_id is not None else caller.tenant
+        assert tenant_id is not None   # (parse_infer_body requires it of an anonymous caller; a key has one)
         if not caller.anonymous and tenant_id != caller.tenant:
             raise BodyError(403, "tenant_mismatch", "tenant_id names a tenant other than the API key's "
                             "(leave it out, or name the key's own tenant)", field="tenant_id")
         note_tenant(tenant_id)
         prompt_tokens = pipeline.estimate_prompt_tokens(body.prompt)
         check_prompt_length(prompt_tokens, len(body.prompt), pipeline)
-        class_name = service_class(body.service_class)
+        class_name = service_class(body.service_class, request.headers)
     except BodyError as exc:
         pipeline.ledger.count_refusal(None, exc.refusal.error)
         return error_response(exc.refusal)
@@ -127,7 +128,7 @@ async def infer(caller: Caller) -> Response:
     inference = pipeline.new_request(tenant_id=tenant_id, prompt=body.prompt, tokens_requested=body.tokens_requested,
                                      priority_bid=clamp_bid(tenant, body.priority_bid), prompt_tokens=prompt_tokens,
                                      timeout_s=body.timeout_s, service_class=class_name, key_id=caller.key_id)
-    begin_trace(inference)
+    begin_trace(http_state(), inference, request.headers)
     refusal = pipeline.submit_nowait(inference)
     try:
         outcome = refusal or await inference.reply.wait()

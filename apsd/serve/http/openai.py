@@ -16,7 +16,7 @@ API") states the rules for clients; the contract with engines is:
 * ``X-Request-Id``: a client's own id (1-128 characters of letters, digits and ``-_.:``) names
   the request in apsd's log and answers and is sent upstream; without one apsd numbers it.
 * Not streaming: a :class:`~apsd.core.models.Completion` with a ``response`` (a forwarding engine's
-  backend answer) is relayed as it is; without one (the simulated engines) the answer is built
+  backend answer) is relayed as it is, the bytes the backend sent (``response_bytes``); without one (the simulated engines) the answer is built
   here, with placeholder text of ``tokens_generated`` tokens (:func:`placeholder_text`).
 * Streaming: the handler sets ``request.stream`` before submitting. A chunk with ``data`` (a
   forwarding engine: the backend's SSE chunk, usage already stripped unless the client asked)
@@ -39,15 +39,14 @@ import datetime
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import attrs
-from quart import Blueprint, Response, request
 
 from apsd.core.admission import estimate_tokens
 from apsd.core.config import DEFAULT_BID, AdmissionConfig, Config, TenantConfig, clamp_bid
-from apsd.core.models import LENGTH_ALIASES, OPENAI_APIS, Completion, InferenceRequest, Refusal
+from apsd.core.models import LENGTH_ALIASES, Completion, InferenceRequest, Refusal
 from apsd.core.streams import TokenChunk
 from apsd.pipeline import Pipeline
 from apsd.serve.auth import Caller
@@ -55,26 +54,24 @@ from apsd.serve.http.common import (
     MAX_TENANT_ID_CHARS,
     MAX_TOKENS_REQUESTED,
     BodyError,
-    answer_submitted,
-    authenticated,
+    HeaderFields,
+    HttpState,
     check_field_types,
     check_prompt_length,
     client_request_id,
     finish_trace,
-    http_state,
     is_int,
-    note_tenant,
     parse_json_object,
     service_class,
     shown,
 )
+from apsd.serve.http.exchange import Answer, Exchange, json_answer
+from apsd.serve.http.submission import answer_submitted
 
 __all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "MEDIA_PART_TOKENS", "MESSAGE_OVERHEAD_TOKENS", "RESPONSES", "OpenAIBody",
-           "PRIORITY_HEADER", "TENANT_HEADER", "blueprint", "error_body", "error_response", "error_type",
-           "parse_openai_body", "placeholder_text", "priority_bid", "priority_header", "route_header", "tenant_of",
-           "unix_time"]
-
-blueprint = Blueprint("openai", __name__, url_prefix="/v1")
+           "PRIORITY_HEADER", "TENANT_HEADER", "complete", "error_body", "error_response", "error_type",
+           "models", "parse_openai_body", "placeholder_text", "priority_bid", "priority_header", "route_header",
+           "tenant_of", "unix_time"]
 
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
@@ -126,16 +123,10 @@ def error_body(refusal: Refusal) -> dict[str, Any]:
                       "code": refusal.error}}
 
 
-def error_response(refusal: Refusal) -> Response:
+def error_response(refusal: Refusal) -> Answer:
     """An error answer in OpenAI's shape, with the refusal's status and headers (``Retry-After``,
     ``RateLimit``, ``WWW-Authenticate``)."""
-    return Response(json.dumps(error_body(refusal)), status=refusal.status, headers=refusal.headers,
-                    content_type="application/json")
-
-
-def _answer(data: dict[str, Any], headers: dict[str, str]) -> Response:
-    # (not json_response: a backend's floats, logprobs for one, are relayed as they are, not rounded)
-    return Response(json.dumps(data), status=200, headers=headers, content_type="application/json")
+    return json_answer(error_body(refusal), refusal.status, dict(refusal.headers))
 
 
 # -- request bodies ------------------------------------------------------------------------------
@@ -435,9 +426,10 @@ def priority_bid(tenant: TenantConfig | None, *, priority: int | None = None, he
     return clamp_bid(tenant, header if header is not None else default_bid - (priority or 0))
 
 
-def tenant_of(caller: Caller) -> str:
-    """The tenant a request runs as: the key's, or (no keys) the one :data:`TENANT_HEADER` names."""
-    named = request.headers.getlist(TENANT_HEADER)
+def tenant_of(caller: Caller, headers: HeaderFields) -> str:
+    """The tenant a request with ``headers`` runs as: the key's, or (no keys) the one
+    :data:`TENANT_HEADER` names."""
+    named = headers.getlist(TENANT_HEADER)
     if len(named) > 1:
         raise BodyError(400, "invalid_header", f"more than one {TENANT_HEADER} header", field=TENANT_HEADER)
     name = _utf8(named[0]) if named else None
@@ -466,8 +458,9 @@ def _utf8(value: str) -> str:
         return value
 
 
-def priority_header() -> int | None:
-    values = request.headers.getlist(PRIORITY_HEADER)
+def priority_header(headers: HeaderFields) -> int | None:
+    """The bid :data:`PRIORITY_HEADER` in ``headers`` gives (None: none given); BodyError 400 if it is not one integer."""
+    values = headers.getlist(PRIORITY_HEADER)
     if not values:
         return None
     if len(values) > 1 or not _INTEGER.fullmatch(values[0].strip()):
@@ -476,7 +469,7 @@ def priority_header() -> int | None:
     return int(values[0])
 
 
-def _refused(refusal: Refusal) -> Response:
+def _refused(refusal: Refusal) -> Answer:
     """The pipeline's refusal of a ``/v1`` request: its tenant came from a header, not a field."""
     if refusal.field == "tenant_id":
         refusal = attrs.evolve(refusal, field=TENANT_HEADER)
@@ -583,7 +576,7 @@ async def _first_chunk(inference: InferenceRequest) -> TokenChunk | None:
 
 
 async def _events(pipeline: Pipeline, inference: InferenceRequest, body: OpenAIBody,
-                  first: TokenChunk | None) -> AsyncIterator[bytes]:
+                  first: TokenChunk | None) -> AsyncGenerator[bytes, None]:
     """The SSE body of a streamed answer, from its first chunk on; a client that leaves cancels
     the request (in ``finally``: quart closes this generator when its send is cancelled)."""
     stream = inference.stream
@@ -628,7 +621,7 @@ async def _events(pipeline: Pipeline, inference: InferenceRequest, body: OpenAIB
         finish_trace(inference)
 
 
-async def _stream_answer(pipeline: Pipeline, inference: InferenceRequest, body: OpenAIBody) -> Response:
+async def _stream_answer(pipeline: Pipeline, inference: InferenceRequest, body: OpenAIBody) -> Answer:
     """Wait for the first token (or the outcome), then answer with the event stream; an outcome
     before any token is an ordinary HTTP error."""
     try:
@@ -642,30 +635,30 @@ async def _stream_answer(pipeline: Pipeline, inference: InferenceRequest, body: 
         return _refused(outcome)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": inference.request_id,
                **pipeline.admission.rate_limit_headers(inference.tenant_id), **route_header(inference)}
-    response = Response(_events(pipeline, inference, body, first), status=200, headers=headers,
-                        content_type="text/event-stream")
-    response.timeout = None  # (quart's RESPONSE_TIMEOUT, 60 s, would cut a long stream silently)
-    return response
+    return Answer(200, headers=headers, content_type="text/event-stream",
+                  stream=_events(pipeline, inference, body, first))
 
 
-async def _complete(api: str, caller: Caller) -> Response:
-    pipeline = http_state().pipeline
+async def complete(state: HttpState, exchange: Exchange, caller: Caller, api: str) -> Answer:
+    """``POST /v1/<api>`` (chat completions, completions, embeddings, responses) for ``caller``: the
+    body checked, submitted, answered whole or streamed (see the module docstring)."""
+    pipeline = state.pipeline
+    headers = exchange.headers
     try:
-        tenant_id = tenant_of(caller)
-        note_tenant(tenant_id)
-        header_bid = priority_header()
-        request_id = client_request_id()
+        tenant_id = exchange.tenant_id = tenant_of(caller, headers)
+        header_bid = priority_header(headers)
+        request_id = client_request_id(headers)
         if api not in pipeline.apis():
             raise BodyError(404, "unsupported_api", f"/v1/{api} needs an engine that relays to inference servers "
                             f"([[backends]]); this daemon's engines run {' and '.join(pipeline.apis())}")
-        body = parse_openai_body(await request.get_data(cache=False, as_text=False), api, pipeline.config)
+        body = parse_openai_body(await exchange.body(), api, pipeline.config)
         models = pipeline.models()
         if body.model not in models:
             raise BodyError(404, "model_not_found", f"the model {body.model[:256]!r} is not served here "
                             f"(GET /v1/models lists them: {', '.join(models)})", field="model")
         check_prompt_length(body.prompt_tokens, len(body.prompt), pipeline,
                             field={CHAT: "messages", COMPLETIONS: "prompt"}.get(api, "input"))
-        class_name = service_class(body.service_class)
+        class_name = service_class(body.service_class, headers)
     except BodyError as exc:
         pipeline.ledger.count_refusal(None, exc.refusal.error)
         return error_response(exc.refusal)
@@ -675,12 +668,15 @@ async def _complete(api: str, caller: Caller) -> Response:
                                      api=api, payload=body.payload, open_ended=body.open_ended,
                                      request_id=request_id, service_class=class_name, key_id=caller.key_id)
 
-    def whole(outcome: Completion) -> Response:
-        headers = {"X-Request-Id": outcome.request_id, **pipeline.admission.rate_limit_headers(outcome.tenant_id),
-                   **route_header(inference)}
-        return _answer(outcome.response if outcome.response is not None else _built_answer(body, outcome), headers)
+    def whole(outcome: Completion) -> Answer:
+        fields = {"X-Request-Id": outcome.request_id, **pipeline.admission.rate_limit_headers(outcome.tenant_id),
+                  **route_header(inference)}
+        if outcome.response_bytes is not None:   # (a backend's answer, relayed as it sent it)
+            return Answer(200, outcome.response_bytes, fields)
+        return json_answer(outcome.response if outcome.response is not None else _built_answer(body, outcome), 200,
+                           fields)
 
-    return await answer_submitted(pipeline, inference, stream=body.stream, refused=_refused,
+    return await answer_submitted(state, inference, headers, stream=body.stream, refused=_refused,
                                   streamed=lambda: _stream_answer(pipeline, inference, body), whole=whole)
 
 
@@ -690,31 +686,15 @@ def route_header(inference: InferenceRequest) -> dict[str, str]:
     return {ROUTE_HEADER: inference.route} if inference.route else {}
 
 
-def _endpoint(api: str) -> Callable[..., Awaitable[Response]]:
-    """The handler of ``POST /v1/<api>`` (one for every API: they differ only in their body)."""
-    @authenticated(submits=True, answer=error_response)
-    async def handle(caller: Caller) -> Response:
-        return await _complete(api, caller)
-    return handle
-
-
-for _api in OPENAI_APIS:   # /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses
-    blueprint.add_url_rule("/" + _api.replace(".", "/"), endpoint=_api.replace(".", "_"), methods=["POST"],
-                           view_func=_endpoint(_api))
-
-
-@blueprint.get("/models")
-@authenticated(answer=error_response)
-async def models(caller: Caller) -> Response:
+async def models(state: HttpState, exchange: Exchange, caller: Caller) -> Answer:
     """The models the engines serve that the caller may use, in OpenAI's list shape (Anthropic's for a
     request with the ``anthropic-version`` header, which Anthropic's clients send): a tenant's key
     (or, without keys, the tenant ``X-Apsd-Tenant`` names) sees only its tenant's ``models`` when it
     has a list, and an issued key with a ``models`` list of its own only those; the admin key, and a
     keyless caller naming no tenant, see every model."""
-    state = http_state()
     names = state.pipeline.models()
     if caller.anonymous:
-        named = request.headers.getlist(TENANT_HEADER)
+        named = exchange.headers.getlist(TENANT_HEADER)
         tenant_id = _utf8(named[0]) if len(named) == 1 else None
     else:
         tenant_id = caller.tenant
@@ -724,11 +704,11 @@ async def models(caller: Caller) -> Response:
     key = state.pipeline.config.keys.get(caller.key_id) if caller.key_id is not None else None
     if key is not None and key.limits.models:
         names = [name for name in names if name in key.limits.models]
-    if request.headers.get(ANTHROPIC_VERSION_HEADER) is not None:   # (an Anthropic client: its list's shape)
+    if exchange.headers.get(ANTHROPIC_VERSION_HEADER) is not None:   # (an Anthropic client: its list's shape)
         created = datetime.datetime.fromtimestamp(state.created, datetime.UTC).isoformat()
-        return _answer({"data": [{"type": "model", "id": name, "display_name": name, "created_at": created}
+        return json_answer({"data": [{"type": "model", "id": name, "display_name": name, "created_at": created}
                                  for name in names],
                         "has_more": False, "first_id": names[0] if names else None,
-                        "last_id": names[-1] if names else None}, {})
-    return _answer({"object": "list", "data": [{"id": name, "object": "model", "created": state.created,
-                                                "owned_by": "apsd"} for name in names]}, {})
+                        "last_id": names[-1] if names else None})
+    return json_answer({"object": "list", "data": [{"id": name, "object": "model", "created": state.created,
+                                                "owned_by": "apsd"} for name in names]})
