@@ -93,7 +93,7 @@ burst = {TENANTS["ünï cødé"]}
 ALLOWED_STATUSES = {200, 400, 401, 403, 404, 405, 413, 422, 429, 503, 504}
 FIELDS = {"tenant_id": str, "prompt": str, "tokens_requested": int, "priority_bid": int}
 OPTIONAL_FIELDS = {"timeout_s"}
-COMPLETION_KEYS = {field.name for field in attrs.fields(Completion)} - {"response"}  # (an OpenAI-only field)
+COMPLETION_KEYS = {field.name for field in attrs.fields(Completion)} - {"response", "response_bytes"}  # (/v1 only)
 
 FUZZ = settings(max_examples=300, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,

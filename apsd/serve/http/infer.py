@@ -42,7 +42,8 @@ _INFER_FIELDS = {"tenant_id": str, "prompt": str, "tokens_requested": int, "prio
 #: ``service_class``: the request's service class (``X-Apsd-Class`` takes precedence).
 _OPTIONAL_INFER_FIELDS = ("timeout_s", "service_class")
 #: The fields of a 200 answer, in order (cheaper than attrs.asdict on every answer: no recursion).
-_COMPLETION_FIELDS = tuple(field.name for field in attrs.fields(Completion) if field.name != "response")
+_COMPLETION_FIELDS = tuple(field.name for field in attrs.fields(Completion)
+                           if field.name not in ("response", "response_bytes"))
 #: A day, the largest ``[queue] timeout_s``: larger client values are cut to it before any arithmetic.
 MAX_TIMEOUT_S = 86_400.0
 
