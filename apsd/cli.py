@@ -37,7 +37,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import trio
@@ -340,7 +340,10 @@ def _budget_rows(get: Any, tenant: str | None, key_id: str | None) -> list[list[
     def cells(owner: str, key: str, budget: dict[str, Any]) -> list[str]:
         usd = budget["unit"] == "usd"
         spent, limit = (budget["spent_usd"], budget["limit_usd"]) if usd else (budget["spent"], budget["limit"])
-        amount = (lambda v: f"${v:,.4f}") if usd else (lambda v: f"{v:,}")
+
+        def amount(value: float) -> str:
+            return f"${value:,.4f}" if usd else f"{value:,}"
+
         resets = datetime.datetime.fromtimestamp(budget["resets_at"], datetime.UTC).strftime("%Y-%m-%dT%H:%MZ")
         return [owner, key, budget["unit"], amount(spent), amount(limit), f"{budget['used_ratio']:.1%}",
                 budget["period"], resets]
@@ -524,12 +527,14 @@ def _progress(total: int, quiet: bool) -> Iterator[Callable[[int], None] | None]
     try:
         from tqdm import tqdm
     except ImportError:
-        tqdm = None
-    if quiet or tqdm is None:
+        quiet = True  # (no bar without tqdm)
+    if quiet:
         yield None
         return
     with tqdm(total=total, unit="req", desc="simulating", file=sys.stderr, leave=False, disable=None) as bar:
-        yield bar.update
+        def advance(n: int) -> None:
+            bar.update(n)
+        yield advance
 
 
 def _positive_int(text: str) -> int:
@@ -808,7 +813,10 @@ def _main(argv: Sequence[str] | None) -> int:
     return 0
 
 
-def _leaf(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+E = TypeVar("E", bound=BaseException)
+
+
+def _leaf(exc: BaseException, kind: type[E]) -> E | None:
     """The first ``kind`` exception in ``exc`` or, for an exception group, in its leaves."""
     if isinstance(exc, kind):
         return exc

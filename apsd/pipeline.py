@@ -29,6 +29,7 @@ import math
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import attrs
 import trio
@@ -238,7 +239,7 @@ class Pipeline:
 
     def new_request(self, *, tenant_id: str, prompt: str, tokens_requested: int, priority_bid: int,
                     prompt_tokens: int | None = None, timeout_s: float | None = None, model: str | None = None,
-                    api: str | None = None, payload: dict | None = None, open_ended: bool = False,
+                    api: str | None = None, payload: dict[str, Any] | None = None, open_ended: bool = False,
                     request_id: str | None = None, prefix_blocks: tuple[int, ...] | None = None,
                     service_class: str | None = None, prefix_block_tokens: int = BLOCK_TOKENS,
                     key_id: str | None = None) -> InferenceRequest:
@@ -397,9 +398,6 @@ class Pipeline:
         """
         old = self.config
         kept_engine = attrs.evolve(old.engine, max_retries=config.engine.max_retries)
-        fixed = {"server": old.server, "engine": kept_engine, "store": old.store, "tracing": old.tracing,
-                 "gpu": attrs.evolve(config.gpu, time_scale=old.gpu.time_scale),
-                 "queue": attrs.evolve(config.queue, ingress_buffer=old.queue.ingress_buffer)}
         changes = [f"{name} needs a restart to change (kept as before)"
                    for name, now, then in (("[server]", config.server, old.server),
                                            ("[store]", config.store, old.store),
@@ -410,7 +408,9 @@ class Pipeline:
                                            ("queue.ingress_buffer", config.queue.ingress_buffer,
                                             old.queue.ingress_buffer))
                    if now != then]
-        config = attrs.evolve(config, **fixed)
+        config = attrs.evolve(config, server=old.server, engine=kept_engine, store=old.store, tracing=old.tracing,
+                              gpu=attrs.evolve(config.gpu, time_scale=old.gpu.time_scale),
+                              queue=attrs.evolve(config.queue, ingress_buffer=old.queue.ingress_buffer))
         changes += self.admission.reconfigure(config.tenants, policies.batching, config.queue, keys=config.keys,
                                               admission=config.admission, prices=config.prices)
         changes += self.classes.reconfigure(config.classes)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import os
+from types import EllipsisType
 from typing import Any
 
 import pluggy
@@ -79,7 +80,7 @@ def _load_entry_points(pm: pluggy.PluginManager, allowed: set[str] | None) -> No
 
 
 def make_plugin_manager(*, load_entry_points: bool = True,
-                        allow: str | None | type[Ellipsis] = ...) -> pluggy.PluginManager:
+                        allow: str | None | EllipsisType = ...) -> pluggy.PluginManager:
     """A new manager with the hookspecs, the built-ins and (by default) installed plugins.
 
     ``allow`` is an ``APSD_PLUGINS``-style string; by default the environment variable is read.
@@ -89,7 +90,7 @@ def make_plugin_manager(*, load_entry_points: bool = True,
     for module_name in DEFAULT_PLUGINS:
         pm.register(importlib.import_module(module_name), name=module_name)
     if load_entry_points:
-        allowed = _allow_list(os.environ.get(ALLOW_LIST_VARIABLE) if allow is ... else allow)  # type: ignore[arg-type]
+        allowed = _allow_list(os.environ.get(ALLOW_LIST_VARIABLE) if isinstance(allow, EllipsisType) else allow)
         _load_entry_points(pm, allowed)
     try:
         pm.check_pending()

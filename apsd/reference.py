@@ -167,7 +167,7 @@ _NAMED_VALIDATORS: dict[str, Callable[[], str]] = {
 }
 
 
-def allowed_values(field: attrs.Attribute) -> str:
+def allowed_values(field: attrs.Attribute[Any]) -> str:
     """What ``field``'s validator accepts, in words."""
     validator = field.validator
     if validator is None:
@@ -189,11 +189,11 @@ def allowed_values(field: attrs.Attribute) -> str:
                     "add it to _NAMED_VALIDATORS")
 
 
-def default_of(field: attrs.Attribute) -> str:
-    default = field.default
+def default_of(field: attrs.Attribute[Any]) -> str:
+    default: Any = field.default  # (a value, or an attrs.Factory)
     if default is attrs.NOTHING:
         return "required"
-    if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+    if isinstance(default, attrs.Factory):  # type: ignore[arg-type]  # a class at run time; the stubs: a function
         default = default.factory()
     return code(toml_value(default))
 
@@ -280,7 +280,7 @@ def config_page() -> str:
     from apsd.core.config import BackendConfig, PolicyConfig, PriceConfig, ServiceClassConfig, TenantConfig
 
     fields = [f for f in attrs.fields(attrs.resolve_types(Config)) if f.metadata.get("toml", True)]
-    sections = [f.name for f in fields if attrs.has(f.type)]
+    sections = [f.name for f in fields if f.type is not None and attrs.has(f.type)]
     contents = [f"[`[{name}]`](#{name})" for name in sections]
     contents += ["[`[[backends]]`](#backends)", "[`[tenants.<name>]`](#tenantsname)",
                  "[`[prices.<model>]`](#pricesmodel)", "[`[classes.<name>]`](#classesname)"]
@@ -299,7 +299,7 @@ def config_page() -> str:
            "says wall seconds (see `[gpu] time_scale`).", "",
            "Sections: " + ", ".join(contents) + ".", ""]
     for field in fields:
-        if not attrs.has(field.type):
+        if field.type is None or not attrs.has(field.type):
             continue
         name = field.name
         if field.type is PolicyConfig:
@@ -440,8 +440,9 @@ def _invocation(action: argparse.Action) -> str:
         return metavar
     if action.nargs == 0:
         return ", ".join(action.option_strings)
-    argument = {None: metavar, "?": f"[{metavar}]", "*": f"[{metavar} ...]", "+": f"{metavar} [...]"}.get(
-        action.nargs, metavar)  # type: ignore[call-overload]
+    forms: dict[int | str | None, str] = {None: metavar, "?": f"[{metavar}]", "*": f"[{metavar} ...]",
+                                          "+": f"{metavar} [...]"}
+    argument = forms.get(action.nargs, metavar)
     return ", ".join(f"{option} {argument}" for option in action.option_strings)
 
 
@@ -455,7 +456,7 @@ def _help(action: argparse.Action, prog: str) -> str:
 
 
 def command_section(parser: argparse.ArgumentParser, level: str = "##") -> str:
-    parser.formatter_class = functools.partial(argparse.HelpFormatter, width=100)  # type: ignore[assignment]
+    parser.formatter_class = functools.partial(argparse.HelpFormatter, width=100)
     prefix = "usage: "
     usage = parser.format_usage().strip()
     if usage.startswith(prefix):  # (continuation lines are indented to follow the prefix)

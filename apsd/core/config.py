@@ -15,9 +15,9 @@ import textwrap
 import tomllib
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
@@ -70,23 +70,23 @@ class ConfigError(Exception):
     """A configuration problem; ``str()`` names the source and the key."""
 
 
-def between(low: float, high: float):
+def between(low: float, high: float) -> Callable[[object, attrs.Attribute[Any], float], None]:
     """A validator for ``low <= value <= high`` (the ranges keep later arithmetic finite)."""
-    def check(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
         if not low <= value <= high:
             raise ValueError(f"must be between {low:g} and {high:g}, got {value!r}")
     return check
 
 
-def off_or_between(low: float, high: float):
+def off_or_between(low: float, high: float) -> Callable[[object, attrs.Attribute[Any], float], None]:
     """A validator for ``0`` (the feature is off) or ``low <= value <= high``."""
-    def check(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
         if value != 0 and not low <= value <= high:
             raise ValueError(f"must be 0 (off) or between {low:g} and {high:g}, got {value!r}")
     return check
 
 
-def non_empty(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+def non_empty(_inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
     if not value.strip():
         raise ValueError("must not be empty")
 
@@ -98,7 +98,7 @@ KEY_HASH_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
 _KEY_HASHES_RULE = "must be an array of 'sha256:<64 hex digits>' strings, as 'apsd hash-key' prints"
 
 
-def key_hashes(_inst: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+def key_hashes(_inst: object, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
     # (never echo the value: a key pasted where its hash belongs must not reach a terminal or the log)
     for i, item in enumerate(value):
         if not KEY_HASH_PATTERN.fullmatch(item):
@@ -119,7 +119,7 @@ SECRET_NAMED = {"secret": "must be a table of names and 'sha256:<64 hex digits>'
 KEY_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 
 
-def named_key_hashes(_inst: object, attribute: attrs.Attribute, value: dict[str, str]) -> None:
+def named_key_hashes(_inst: object, attribute: attrs.Attribute[Any], value: dict[str, str]) -> None:
     for name, item in value.items():
         if not KEY_NAME_PATTERN.fullmatch(name):
             raise ValueError(f"{name[:70]!r}: a key's name is 1-64 letters, digits and '.', '_', '@' or '-', "
@@ -131,22 +131,22 @@ def named_key_hashes(_inst: object, attribute: attrs.Attribute, value: dict[str,
         raise ValueError("the same key hash is listed twice")
 
 
-def either(first: str, second: str):
+def either(first: str, second: str) -> Callable[[object, attrs.Attribute[Any], str], None]:
     """A validator: the value is ``first`` or ``second``."""
-    def check(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
         if value not in (first, second):
             raise ValueError(f"must be \"{first}\" or \"{second}\", got {value!r}")
     return check
 
 
-def one_of(*choices: str) -> Callable[[object, attrs.Attribute, str], None]:
-    def check(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+def one_of(*choices: str) -> Callable[[object, attrs.Attribute[Any], str], None]:
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
         if value not in choices:
             raise ValueError(f"must be one of {', '.join(choices)}, got {value!r}")
     return check
 
 
-def model_names(_inst: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+def model_names(_inst: object, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
     for i, item in enumerate(value):
         if not item.strip():
             raise ValueError(f"entry [{i}] is empty: a model name is needed")
@@ -154,7 +154,7 @@ def model_names(_inst: object, attribute: attrs.Attribute, value: tuple[str, ...
         raise ValueError("the same model is listed twice")
 
 
-def class_names(_inst: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+def class_names(_inst: object, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
     for i, item in enumerate(value):
         if not item.strip():
             raise ValueError(f"entry [{i}] is empty: a class name is needed")
@@ -162,7 +162,17 @@ def class_names(_inst: object, attribute: attrs.Attribute, value: tuple[str, ...
         raise ValueError("the same class is listed twice")
 
 
-def port_number(_inst: object, attribute: attrs.Attribute, value: int) -> None:
+def strings(value: Iterable[str]) -> tuple[str, ...]:
+    """A converter: the strings as a tuple (a TOML array arrives as a list). The validators check the items."""
+    return tuple(value)
+
+
+def numbers(value: Iterable[float]) -> tuple[float, ...]:
+    """A converter: the numbers as a tuple (a TOML array arrives as a list). The validators check the items."""
+    return tuple(value)
+
+
+def port_number(_inst: object, attribute: attrs.Attribute[Any], value: int) -> None:
     if not 0 <= value <= 65535:
         raise ValueError(f"must be a port number 0-65535, got {value!r}")
 
@@ -213,7 +223,7 @@ class TenantConfig:
     #: 413 ``exceeds_tenant_burst``.
     burst: int = attrs.field(validator=between(1, 10**12))
     #: Hashes of this tenant's API keys (several, so a key can be rotated without downtime).
-    api_key_hashes: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=key_hashes,
+    api_key_hashes: tuple[str, ...] = attrs.field(default=(), converter=strings, validator=key_hashes,
                                                   metadata=SECRET)
     #: The highest bid its requests get (1-10): a higher ``priority_bid``, ``X-Apsd-Priority`` or
     #: vLLM ``priority`` is served at this bid (clamped, not refused).
@@ -226,7 +236,7 @@ class TenantConfig:
     weight: float = attrs.field(default=1.0, validator=between(1e-3, 1e6))
     #: The models its requests may name (the OpenAI ``model``); empty: every model. Another is
     #: refused 403 ``model_not_allowed``.
-    models: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=model_names)
+    models: tuple[str, ...] = attrs.field(default=(), converter=strings, validator=model_names)
     #: Tokens (prompt + output) it may use per ``budget_period``, across replicas; 0: no budget.
     #: Admission reserves a request's whole cost against it and settles what the request used, as
     #: for the bucket: a request that would pass it is refused 429 ``budget_exhausted``.
@@ -253,7 +263,7 @@ class TenantConfig:
     disabled: bool = False
     #: The service classes (``[classes.<name>]``) its requests may name (``X-Apsd-Class`` or
     #: ``service_class``); empty: none. Another is refused 403 ``class_not_allowed``.
-    classes: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=class_names)
+    classes: tuple[str, ...] = attrs.field(default=(), converter=strings, validator=class_names)
     #: The class of its requests that name none (one of its ``classes``); empty: such requests have
     #: no class (no deadline).
     default_class: str = ""
@@ -289,11 +299,11 @@ class AuthConfig:
 
     #: Hashes (``apsd hash-key``) of the operator's keys: they read ``/metrics``, ``/metrics.json``
     #: and any tenant's status, and cannot submit requests.
-    admin_key_hashes: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=key_hashes,
+    admin_key_hashes: tuple[str, ...] = attrs.field(default=(), converter=strings, validator=key_hashes,
                                                     metadata=SECRET)
     #: Keys that read ``/metrics`` and ``/metrics.json`` and nothing else (403 ``metrics_only``
     #: everywhere else): what a scraper holds instead of the admin key.
-    metrics_key_hashes: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=key_hashes,
+    metrics_key_hashes: tuple[str, ...] = attrs.field(default=(), converter=strings, validator=key_hashes,
                                                       metadata=SECRET)
     #: Named operator keys (``[auth.admin_keys]``: ``alice = "sha256:..."``): the same rights as
     #: ``admin_key_hashes``, and the audit log names the change's author ``admin:alice`` rather than by
@@ -357,7 +367,7 @@ class AdmissionConfig:
     output_estimate_window: int = attrs.field(default=200, validator=between(1, 100_000))
 
 
-def redis_url(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+def redis_url(_inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
     if value and not re.fullmatch(r"(redis|rediss|unix)://\S+", value):
         raise ValueError(f"must be a redis://, rediss:// or unix:// URL, got {value!r}")
 
@@ -509,7 +519,7 @@ REPLACED_KEYS = {
 }
 
 
-def engine_kind(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+def engine_kind(_inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
     if value in RENAMED_ENGINE_KINDS:
         raise ValueError(f"{value!r} is now called {RENAMED_ENGINE_KINDS[value]!r}")
     if value not in ENGINE_KINDS:
@@ -581,12 +591,12 @@ class EngineConfig:
 
 
 
-def http_url(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+def http_url(_inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
     if not re.fullmatch(r"[!-~]+", value) or not re.fullmatch(r"https?://[^/?#]+(/[^?#]*)?", value):
         raise ValueError(f"must be an http:// or https:// URL of printable ASCII characters, got {value!r}")
 
 
-def header_safe(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+def header_safe(_inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
     """A name that apsd sends in response headers (``X-Apsd-Route``) and metrics labels: printable
     ASCII (letters, digits, punctuation, spaces inside), at most 128 characters."""
     if value and (not re.fullmatch(r"[!-~]([ -~]{0,126}[!-~])?", value)):
@@ -608,7 +618,7 @@ class BackendConfig:
     #: The environment variable holding that key (e.g. set by systemd's ``EnvironmentFile=``).
     api_key_env: str = ""
     #: The models it serves; empty: discovered from its ``/v1/models``.
-    models: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    models: tuple[str, ...] = attrs.field(default=(), converter=strings)
     #: Requests apsd sends it at once, at most.
     max_concurrency: int = attrs.field(default=8, validator=between(1, 100_000))
     #: Cost, either per GPU-hour of the backend (``gpus`` of them; a request pays its share:
@@ -757,7 +767,7 @@ class ServiceClassConfig:
     on_miss: str = attrs.field(default="refuse", validator=either("refuse", "best_effort"))
 
 
-def optional_price(_inst: object, attribute: attrs.Attribute, value: float | None) -> None:
+def optional_price(_inst: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
     if value is not None and not 0 <= value <= 1e6:
         raise ValueError(f"must be between 0 and 1e+06 (or left out), got {value!r}")
 
@@ -788,7 +798,7 @@ class PriceConfig:
 ANY_MODEL = "*"
 
 
-def alert_thresholds(_inst: object, attribute: attrs.Attribute, value: tuple[float, ...]) -> None:
+def alert_thresholds(_inst: object, attribute: attrs.Attribute[Any], value: tuple[float, ...]) -> None:
     for i, item in enumerate(value):
         if not 0 < item <= 10:
             raise ValueError(f"entry [{i}]: a share of the budget above 0 and at most 10, got {item!r}")
@@ -796,7 +806,7 @@ def alert_thresholds(_inst: object, attribute: attrs.Attribute, value: tuple[flo
         raise ValueError("the same threshold is listed twice")
 
 
-def http_url_or_empty(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+def http_url_or_empty(_inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
     if value:
         http_url(_inst, attribute, value)
 
@@ -809,7 +819,7 @@ class AlertsConfig:
     ``webhook_url``, a signed JSON POST (:mod:`apsd.serve.alerts`; docs/how-to/manage-tenants.md)."""
 
     #: Shares of a budget at which to alert (1.0: the budget is spent).
-    thresholds: tuple[float, ...] = attrs.field(default=(0.8, 1.0), converter=tuple, validator=alert_thresholds)
+    thresholds: tuple[float, ...] = attrs.field(default=(0.8, 1.0), converter=numbers, validator=alert_thresholds)
     #: Where to POST each alert (JSON); empty: log line and gauge only.
     webhook_url: str = attrs.field(default="", validator=http_url_or_empty)
     #: The environment variable holding the shared secret the POST is signed with (HMAC-SHA256 of the
@@ -848,7 +858,7 @@ class TracingConfig:
     export_interval_s: float = attrs.field(default=5.0, validator=between(0.05, 3600))
 
 
-def _owner_kind(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+def _owner_kind(_inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
     if value not in ("", "person", "agent"):
         raise ValueError(f"must be \"person\", \"agent\" or empty, got {value!r}")
 
@@ -871,7 +881,7 @@ class KeyLimits:
     #: Its requests in flight at once (0: only the tenant's limit).
     max_concurrency: int = attrs.field(default=0, validator=between(0, 10**6))
     #: The models it may use, among its tenant's (empty: every model its tenant may use).
-    models: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=model_names)
+    models: tuple[str, ...] = attrs.field(default=(), converter=strings, validator=model_names)
 
 
 @attrs.frozen
@@ -996,7 +1006,11 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
-def parse_section(cls: type, table: dict[str, Any], prefix: str = "") -> Any:
+#: An attrs class that a TOML table is parsed into (:func:`parse_section`).
+Section = TypeVar("Section", bound=attrs.AttrsInstance)
+
+
+def parse_section(cls: type[Section], table: dict[str, Any], prefix: str = "") -> Section:
     """Build attrs class ``cls`` from a TOML table, naming ``prefix.key`` on error.
 
     Unknown keys, wrong types (no silent coercion: ``"80"`` is not a port) and

@@ -21,7 +21,7 @@ never magnified into model time by ``gpu.time_scale``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 import trio
@@ -132,7 +132,7 @@ class Engine(Protocol):
     def route_decisions(self) -> dict[tuple[str, str], int]:
         """(backend, reason) -> requests its routing sent there for that reason (empty: it chooses none)."""
 
-    async def count_message_tokens(self, model: str, body: dict) -> int | None:
+    async def count_message_tokens(self, model: str, body: dict[str, Any]) -> int | None:
         """An Anthropic Messages request's prompt tokens as the engine's server for ``model`` counts them
         (``/v1/messages/count_tokens``); None when it cannot say (apsd's estimate stands)."""
 
@@ -141,7 +141,7 @@ class Engine(Protocol):
         that the pipeline does not report itself."""
 
 
-def completion(request: InferenceRequest, *, engine_id: int, end: float, response: dict | None = None,
+def completion(request: InferenceRequest, *, engine_id: int, end: float, response: dict[str, Any] | None = None,
                response_bytes: bytes | None = None) -> Completion:
     """The :class:`~apsd.core.models.Completion` of a request its engine finished at model time ``end``,
     from the times stamped on it (dispatched, first token) and its progress (tokens, cost)."""

@@ -48,6 +48,7 @@ import numpy as np
 import trio
 
 from apsd.core.clock import ModelClock
+from apsd.core.config import strings
 from apsd.core.events import EventBus
 from apsd.core.models import Completion, Dispatch, InferenceRequest, Outcome, Refusal
 
@@ -242,7 +243,7 @@ def _recent() -> collections.deque[float]:
 class Ledger:
     """Counts, outstanding requests, GPU busy time and cost."""
 
-    tenant_names: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    tenant_names: tuple[str, ...] = attrs.field(default=(), converter=strings)
     tenants: dict[str, TenantStats] = attrs.field(init=False)
     #: Refusals that name no configured tenant (unknown tenant, malformed body): counted, but
     #: never as a new entry per name, so a client cannot grow this dict.

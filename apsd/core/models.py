@@ -22,7 +22,7 @@ While it runs, its engine updates its progress fields (``tokens_generated``,
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import trio
@@ -65,7 +65,7 @@ class Completion:
     cost_usd: float
     #: The backend's own JSON answer (a forwarded request that did not stream), usage included;
     #: None for the simulated engines.
-    response: dict | None = None
+    response: dict[str, Any] | None = None
     #: ``response`` as the backend sent it (relayed byte for byte); None when there is none.
     response_bytes: bytes | None = None
 
@@ -175,7 +175,7 @@ class InferenceRequest:
     api: str | None = None
     #: The client's request body (OpenAI's or Anthropic's), which a forwarding engine relays (parameters
     #: apsd does not interpret pass through untouched).
-    payload: dict | None = attrs.field(default=None, repr=False)
+    payload: dict[str, Any] | None = attrs.field(default=None, repr=False)
     #: The client set no output limit: ``tokens_requested`` is only admission's estimate
     #: (``[gateway] default_max_tokens``), and a forwarding engine sends no limit: the backend
     #: generates until it stops, and the tenant is charged what it generated (its bucket may go

@@ -260,8 +260,9 @@ class PolicyRegistry:
             if table not in known:
                 raise ConfigError(f"{source}: policy.{table}: no policy of that name has parameters "
                                   f"(policies: {', '.join(sorted(known))})")
-        for (kind, name), entry in self.entries.items():  # catch typos in unselected tables too
-            if name in config.policy.params and name != names[kind]:
+        selected = {**names, "routing": config.routing.policy}
+        for (entry_kind, name), entry in self.entries.items():  # catch typos in unselected tables too
+            if name in config.policy.params and name != selected[entry_kind]:
                 _call_factory(entry, dict(config.policy.params[name]), config)
         built = {}
         for kind in POLICY_KINDS:

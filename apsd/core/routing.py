@@ -86,7 +86,7 @@ class RoutingPolicy(Protocol):
         """``request`` was sent to ``target`` (what a cache-aware policy remembers)."""
 
 
-def render_conversation(model: str | None, payload: dict | None, prompt: str) -> str:
+def render_conversation(model: str | None, payload: dict[str, Any] | None, prompt: str) -> str:
     """The text a request's routing key is cut from: its model, its tools, then every message with its
     role (chat), its prompt (completions) or its input (responses), in the order the server renders
     them, so that a conversation's next turn renders as an extension of this one."""

@@ -375,10 +375,10 @@ class Scheduler:
     def _set_deadline(self, request: InferenceRequest) -> None:
         """Stamp ``request.deadline`` (the shorter of the two timeouts, from its arrival) and
         remember it for :meth:`serve_timeouts`. A timeout longer than the config's is clamped."""
-        config, own = self.queue_timeout_s, request.timeout_s
-        if not (config or own):  # the default: no limit, nothing to remember
+        timeouts = [t for t in (self.queue_timeout_s, request.timeout_s) if t]
+        if not timeouts:  # the default: no limit, nothing to remember
             return
-        request.deadline = request.arrival + (min(config, own) if config and own else config or own)
+        request.deadline = request.arrival + min(timeouts)
         heap = self._deadlines
         if len(heap) >= self._compact_deadlines_at:  # amortised O(1): sweep out who left the queue
             heap[:] = [entry for entry in heap if self._still_queued(entry[2])]
@@ -420,8 +420,8 @@ class Scheduler:
         needless wake-ups keeps the simulator fast; when in doubt, wake."""
         try:
             now = self.clock.now()
-            engine, scope = self._asking, self._wait_scope
-            if engine is None or scope is None or self._backlog_since is None \
+            engine, scope, waiting_until = self._asking, self._wait_scope, self._waiting_until
+            if engine is None or scope is None or waiting_until is None or self._backlog_since is None \
                     or self.policies.batching.is_full(self.queue, now, engine.free()):
                 self._wake()
                 return
@@ -429,7 +429,7 @@ class Scheduler:
             cut_at = self._backlog_since + window
             if not 0.0 <= window < math.inf or self.clock.reached(cut_at):
                 self._wake()
-            elif cut_at < self._waiting_until:
+            elif cut_at < waiting_until:
                 self._waiting_until = cut_at
                 scope.deadline = self.clock.deadline(cut_at)
         except Exception:  # the dispatcher will meet (and handle) the same failure

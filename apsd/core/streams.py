@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import AsyncIterator
+from typing import Any
 
 import attrs
 import trio
@@ -38,7 +39,7 @@ class TokenChunk:
     tokens: int
     text: str = ""
     at: float = 0.0
-    data: dict | None = None
+    data: dict[str, Any] | None = None
     raw: bytes | None = None
 
 

@@ -90,7 +90,7 @@ class BackendAnswer:
 
     prompt_tokens: int | None
     completion_tokens: int | None
-    response: dict | None = None
+    response: dict[str, Any] | None = None
     #: Prompt tokens the backend found in its prefix cache, as it says (:func:`cached_tokens`).
     cached_tokens: int = 0
     #: ``response`` as the backend sent it, relayed to the client byte for byte.
@@ -103,7 +103,7 @@ class BackendChunk:
     frozen class costs more to make, once per streamed chunk)."""
 
     #: The chunk's JSON object, as the server sent it.
-    data: dict
+    data: dict[str, Any]
     #: Output tokens it carries, when the client knows (a simulated server does); None: one if it
     #: has text, as an OpenAI-compatible server sends a token per chunk.
     tokens: int | None = None
@@ -217,7 +217,7 @@ class BackendClient(Protocol):
     async def read_load(self, backend: Backend) -> BackendLoad | None:
         """Its load from its metrics; None when it exports none; raises BackendError when unreachable."""
 
-    async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk,
+    async def complete(self, backend: Backend, api: str, body: dict[str, Any], on_chunk: OnChunk,
                        request_id: str = "", traceparent: str = "") -> BackendAnswer:
         """Send one request (``body`` for ``/v1/<api>``, with ``X-Request-Id: request_id`` and, when the
         request is traced, ``traceparent``: the attempt's span, :mod:`apsd.core.tracing`). Streamed
@@ -225,7 +225,7 @@ class BackendClient(Protocol):
         the last one, checked (:class:`UsageBounds`). Raises BackendError, and nothing else for
         anything the backend sends."""
 
-    async def count_prompt_tokens(self, backend: Backend, api: str, body: dict) -> int | None:
+    async def count_prompt_tokens(self, backend: Backend, api: str, body: dict[str, Any]) -> int | None:
         """The backend's own count of the prompt of ``body`` (chat: as its template renders it), or
         None when it cannot say (no such endpoint, or no answer within ``health_timeout_s``). Never
         raises. Used to charge a request that ended without the backend's usage."""
@@ -381,7 +381,7 @@ class HttpBackendClient:
                 backend.tokenizer = "llama.cpp"
         return backend.tokenizer
 
-    async def count_prompt_tokens(self, backend: Backend, api: str, body: dict) -> int | None:
+    async def count_prompt_tokens(self, backend: Backend, api: str, body: dict[str, Any]) -> int | None:
         base = backend.config.url.rstrip("/")
         headers = self._headers(backend)
         model = body.get("model")
@@ -411,7 +411,7 @@ class HttpBackendClient:
         except (httpx.HTTPError, trio.TooSlowError, ValueError, AttributeError, RecursionError):
             return None
 
-    async def _count_message_tokens(self, backend: Backend, body: dict) -> int | None:
+    async def _count_message_tokens(self, backend: Backend, body: dict[str, Any]) -> int | None:
         """An Anthropic request's prompt tokens, by its ``/v1/messages/count_tokens``."""
         ask = {key: body[key] for key in _COUNTED_FIELDS if key in body}
         try:
@@ -443,7 +443,8 @@ class HttpBackendClient:
         except (httpx.HTTPError, trio.TooSlowError, ValueError, AttributeError, RecursionError):
             return None
 
-    async def _vllm_count(self, backend: Backend, base: str, headers: dict[str, str], ask: dict) -> int | None:
+    async def _vllm_count(self, backend: Backend, base: str, headers: dict[str, str],
+                          ask: dict[str, Any]) -> int | None:
         """vLLM's ``/tokenize`` count of ``ask``; a backend that answers it otherwise counts nothing from
         now on (``backend.tokenizer`` becomes "")."""
         answer = await self._client.post(base + "/tokenize", json=ask, headers=headers)
@@ -454,7 +455,7 @@ class HttpBackendClient:
         backend.tokenizer = backend.tokenizer or ""
         return None
 
-    async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk,
+    async def complete(self, backend: Backend, api: str, body: dict[str, Any], on_chunk: OnChunk,
                        request_id: str = "", traceparent: str = "") -> BackendAnswer:
         url = backend.config.url.rstrip("/") + _PATHS[api]
         messages = api == "messages"
@@ -492,11 +493,11 @@ class HttpBackendClient:
                     if response.status != 200:
                         _raise_for_status(backend, response.status, await response.read())
                     async for block in response.iter_bytes():
-                        for data in splitter.feed(block):
-                            if data.strip() == b"[DONE]":
+                        for event in splitter.feed(block):
+                            if event.strip() == b"[DONE]":
                                 done = True
                                 break
-                            chunk = _json_object(data)
+                            chunk = _json_object(event)
                             if not isinstance(chunk.get("choices") or [], list):
                                 raise MalformedAnswer("a stream chunk's choices are not a list")
                             if "error" in chunk:
@@ -518,7 +519,7 @@ class HttpBackendClient:
                                 usage = chunk["response"].get("usage")
                             started = True
                             # (relayed as sent, but for an event whose JSON spans several data lines)
-                            on_chunk(BackendChunk(chunk, raw=data if b"\n" not in data else None))
+                            on_chunk(BackendChunk(chunk, raw=event if b"\n" not in event else None))
                             if done:
                                 break
                         now = trio.current_time()
@@ -546,7 +547,7 @@ class HttpBackendClient:
                                retryable=False, unhealthy=True) from None
 
 
-def _dumps(body: dict) -> bytes:
+def _dumps(body: dict[str, Any]) -> bytes:
     """``body`` as JSON (orjson; the standard library for what it refuses: an integer past 64 bits)."""
     try:
         return orjson.dumps(body)
@@ -558,7 +559,7 @@ class MalformedAnswer(ValueError):
     """A backend's answer is not the JSON object it should be."""
 
 
-def _json_object(text: str | bytes) -> dict:
+def _json_object(text: str | bytes) -> dict[str, Any]:
     """A backend's JSON answer or stream chunk, which must be one object (MalformedAnswer otherwise:
     not JSON, ``NaN``/``Infinity`` or a number too large to be finite, which apsd would otherwise
     relay to clients that cannot read them, a lone surrogate, nested deeper than 1,024 levels, or
@@ -604,7 +605,7 @@ class UsageBounds:
     also_prompt: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, api: str, body: dict, content: bytes) -> UsageBounds:
+    def of(cls, api: str, body: dict[str, Any], content: bytes) -> UsageBounds:
         limit = body.get("max_output_tokens" if api == "responses" else "max_tokens")
         completion = limit if isinstance(limit, int) and not isinstance(limit, bool) else MAX_REPORTED_TOKENS
         if api == "embeddings":
@@ -654,7 +655,7 @@ def cached_tokens(usage: Any, timings: Any, prompt_tokens: int | None) -> int:
     return min(value, prompt_tokens)
 
 
-def _count(backend: Backend, usage: dict, key: str, bound: int) -> int | None:
+def _count(backend: Backend, usage: dict[str, Any], key: str, bound: int) -> int | None:
     value = usage.get(key)
     if value is None:
         return None
@@ -715,13 +716,13 @@ def _raise_for_status(backend: Backend, status: int, text: str | bytes) -> None:
                        retryable=False)
 
 
-def _llama_output_count(tokens: list, text: str) -> int:
+def _llama_output_count(tokens: list[Any], text: str) -> int:
     """llama.cpp's count of ``text`` from its ``/tokenize`` answer with pieces: a SentencePiece
     tokenizer puts a space before the text (its ``add_space_prefix``), which the model did not generate
     when it came as a token of its own (a first piece that is that space alone); one merged into the
     first word is kept."""
-    pieces = [t.get("piece") if isinstance(t, dict) else None for t in tokens]
-    if (len(pieces) > 1 and all(isinstance(p, str) for p in pieces) and pieces[0] == " "
+    pieces = [t["piece"] for t in tokens if isinstance(t, dict) and isinstance(t.get("piece"), str)]
+    if (len(pieces) > 1 and len(pieces) == len(tokens) and pieces[0] == " "
             and "".join(pieces) == " " + text):
         return len(tokens) - 1
     return len(tokens)
@@ -767,7 +768,7 @@ class SimulatedServer:
     #: Whether it serves Anthropic's ``/v1/messages`` (a request there is refused 404 otherwise).
     messages: bool = True
     says_chunk_tokens: bool = True
-    bodies: list[dict] = attrs.field(factory=list)
+    bodies: list[dict[str, Any]] = attrs.field(factory=list[Any])
     bad_continuations: int = 0
     running: int = 0
     waiting: int = 0
@@ -821,7 +822,7 @@ class SimulatedBackendClient:
         server = self._server(backend)
         return BackendLoad(server.waiting, server.running, None) if server.with_metrics else None
 
-    async def count_prompt_tokens(self, backend: Backend, api: str, body: dict) -> int | None:
+    async def count_prompt_tokens(self, backend: Backend, api: str, body: dict[str, Any]) -> int | None:
         await trio.lowlevel.checkpoint()
         return None if self.servers[backend.name].down else _simulated_prompt_tokens(body)
 
@@ -837,7 +838,7 @@ class SimulatedBackendClient:
         await trio.lowlevel.checkpoint()
         return None if self.servers[backend.name].down else len(_SIMULATED_TOKEN.findall(text))
 
-    async def complete(self, backend: Backend, api: str, body: dict, on_chunk: OnChunk,
+    async def complete(self, backend: Backend, api: str, body: dict[str, Any], on_chunk: OnChunk,
                        request_id: str = "", traceparent: str = "") -> BackendAnswer:
         server = self._server(backend)
         server.bodies.append(body)
@@ -909,7 +910,7 @@ class SimulatedBackendClient:
             server.semaphore().release()
 
 
-def _simulated_prompt_tokens(body: dict) -> int:
+def _simulated_prompt_tokens(body: dict[str, Any]) -> int:
     """A simulated server's tokenizer: a token per 4 bytes of the prompt's JSON (an Anthropic request's
     ``system`` with its messages)."""
     prompt = body.get("prompt") or body.get("messages") or ""
@@ -928,7 +929,7 @@ _SIMULATED_TOKENS = re.compile(r"(?: t\d+)+$")
 _SIMULATED_TOKEN = re.compile(r" t\d+")
 
 
-def _continued_from(server: SimulatedServer, api: str, body: dict) -> tuple[str, int]:
+def _continued_from(server: SimulatedServer, api: str, body: dict[str, Any]) -> tuple[str, int]:
     """(the prefill a ``llama.cpp`` server echoes first, "" for none; the token a simulated answer starts
     from): after the run of its tokens that ends the text a continuation gives (a final assistant
     message, continued as ``server`` does it; a text completion's prompt), 0 for a new answer. A run that
@@ -957,7 +958,7 @@ def _continued_from(server: SimulatedServer, api: str, body: dict) -> tuple[str,
     return echo, count
 
 
-def _simulated_chunk(api: str, first: int, tokens: int, echo: str = "") -> dict:
+def _simulated_chunk(api: str, first: int, tokens: int, echo: str = "") -> dict[str, Any]:
     text = echo + _simulated_text(first, tokens)
     if api == "chat.completions":
         return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]}
@@ -966,7 +967,7 @@ def _simulated_chunk(api: str, first: int, tokens: int, echo: str = "") -> dict:
     return {"object": "text_completion", "choices": [{"index": 0, "text": text}]}
 
 
-def _message_start(message_id: str, model: Any, prompt_tokens: int) -> list[dict]:
+def _message_start(message_id: str, model: Any, prompt_tokens: int) -> list[dict[str, Any]]:
     """The events that open an Anthropic stream, as llama.cpp sends them (and a ping)."""
     return [{"type": "message_start", "message": {
                 "id": message_id, "type": "message", "role": "assistant", "content": [], "model": model,
@@ -975,7 +976,7 @@ def _message_start(message_id: str, model: Any, prompt_tokens: int) -> list[dict
             {"type": "ping"}]
 
 
-def _message_end(tokens: int) -> list[dict]:
+def _message_end(tokens: int) -> list[dict[str, Any]]:
     """The events that close an Anthropic stream of ``tokens`` output tokens that reached its limit."""
     return [{"type": "content_block_stop", "index": 0},
             {"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": None},

@@ -29,6 +29,7 @@ import logging
 import math
 import random
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import trio
@@ -166,7 +167,7 @@ class BatchEngine:
     def route_decisions(self) -> dict[tuple[str, str], int]:
         return {}
 
-    async def count_message_tokens(self, model: str, body: dict) -> int | None:
+    async def count_message_tokens(self, model: str, body: dict[str, Any]) -> int | None:
         return None   # (apsd's estimate is this engine's count)
 
     def statistics(self) -> EngineStatistics:

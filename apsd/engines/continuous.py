@@ -107,6 +107,7 @@ import itertools
 import logging
 import math
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import trio
@@ -152,7 +153,7 @@ def first_token_bound_s(deployment: Deployment, max_sequences: int, max_batched_
     longest step the engine takes beside ``max_sequences - 1`` decodes reading the whole KV cache."""
     d = deployment
     chunk = min(chunk, max_batched_tokens)
-    longest = d.step_s([(chunk, d.max_context)], max_sequences - 1, d.kv_capacity_tokens)
+    longest = d.step_s([(chunk, d.context_limit)], max_sequences - 1, d.kv_capacity_tokens)
     fast = d.step_s([(min(max_batched_tokens, prompt_tokens + chunk), 0)], 0, 0)
     return max(longest, d.step_s([(max_batched_tokens, 0)], 0, 0)) + longest + fast
 
@@ -269,7 +270,7 @@ class ContinuousEngine:
     #: The scope of the wait the engine is in (for an answer, or to the end of a run): a cancellation
     #: cancels it so the engine acts at once.
     _wait_scope: trio.CancelScope | None = attrs.field(default=None, init=False)
-    _tiebreak: itertools.count = attrs.field(factory=itertools.count, init=False)
+    _tiebreak: itertools.count[int] = attrs.field(factory=itertools.count, init=False)
     #: KV tokens kept free when admitting or resuming (set from the deployment).
     _watermark: int = attrs.field(default=0, init=False)
     # -- statistics ----------------------------------------------------------------------------
@@ -309,10 +310,10 @@ class ContinuousEngine:
         """413 for a request that could never fit: beyond the model's context or the KV cache."""
         d = self.deployment
         total = request.cost_tokens
-        if total > d.max_context:
+        if total > d.context_limit:
             return Refusal(413, "exceeds_context_length",
                            f"request needs {total} tokens of context (prompt {request.prompt_tokens} + requested "
-                           f"{request.tokens_requested}) but {d.model.name} serves at most {d.max_context}")
+                           f"{request.tokens_requested}) but {d.model.name} serves at most {d.context_limit}")
         if total > d.kv_capacity_tokens:
             return Refusal(413, "exceeds_kv_capacity",
                            f"request needs {total} KV tokens (prompt {request.prompt_tokens} + requested "
@@ -498,9 +499,10 @@ class ContinuousEngine:
         if not over:
             return 0, 0
         usable = self.deployment.kv_capacity_tokens - self._watermark
-        if not self.weights:
-            sequences = sum(max(0, self._per_tenant[t] - self.max_sequences // tenants) for t in over)
-            kv = sum(max(0, round(shares[t] * usable) - usable // tenants) for t in over)
+        if not self.weights:  # (then the weights' sum is the count of tenants: an int)
+            count = len(shares) + 1
+            sequences = sum(max(0, self._per_tenant[t] - self.max_sequences // count) for t in over)
+            kv = sum(max(0, round(shares[t] * usable) - usable // count) for t in over)
             return sequences, kv
         weight = self.weights.get
         sequences = sum(max(0, self._per_tenant[t] - math.floor(self.max_sequences * weight(t, 1.0) / tenants))
@@ -545,7 +547,7 @@ class ContinuousEngine:
     def route_decisions(self) -> dict[tuple[str, str], int]:
         return {}
 
-    async def count_message_tokens(self, model: str, body: dict) -> int | None:
+    async def count_message_tokens(self, model: str, body: dict[str, Any]) -> int | None:
         return None   # (apsd's estimate is this engine's count)
 
     def statistics(self) -> EngineStatistics:

@@ -77,6 +77,7 @@ import collections
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import attrs
 import trio
@@ -231,7 +232,7 @@ class ForwardEngine:
                            field="model")
         return None
 
-    async def count_message_tokens(self, model: str, body: dict) -> int | None:
+    async def count_message_tokens(self, model: str, body: dict[str, Any]) -> int | None:
         """An Anthropic request's prompt tokens as a healthy backend serving ``model`` and ``/v1/messages``
         counts them (``/v1/messages/count_tokens``, within ``health_timeout_s``); None when none can say."""
         for backend in self._serving(model):
@@ -609,7 +610,7 @@ class ForwardEngine:
                            (requeue and "requeued"))
             self._end(attempt, start, outcome, requeue, pause)
 
-    def _prepare(self, attempt: _Attempt) -> tuple[str, dict, StreamRelay]:
+    def _prepare(self, attempt: _Attempt) -> tuple[str, dict[str, Any], StreamRelay]:
         """The API, the body (a continuation for a resumed request) and the stream relay of an attempt."""
         request, backend, lease = attempt.request, attempt.backend, attempt.lease
         polarity = backend.config.priority
@@ -698,8 +699,8 @@ class ForwardEngine:
                         backend, body.get("model"), unsaid))
         if progress is not None and progress.prompt_tokens is not None:
             request.prompt_tokens = progress.prompt_tokens
-        elif counts.get("prompt") is not None:
-            request.prompt_tokens = counts["prompt"]  # type: ignore[assignment]
+        elif (counted := counts.get("prompt")) is not None:
+            request.prompt_tokens = counted
         if progress is not None:
             progress.prompt_tokens = request.prompt_tokens
         output = counts.get("output")
@@ -843,8 +844,9 @@ def _urgent_ttft(request: InferenceRequest, now: float, rules: PreemptionRules) 
     is nearer than ``preempt_min_run_s`` (a looser class is served by slots that free and the share rule),
     else ``math.inf``."""
     deadline = request.class_deadline
-    urgent = deadline is not None and now < deadline < now + rules.min_run_s and request.started_at is None
-    return deadline - request.arrival if urgent else math.inf  # type: ignore[operator]
+    if deadline is None or not now < deadline < now + rules.min_run_s or request.started_at is not None:
+        return math.inf
+    return deadline - request.arrival
 
 
 #: A lease that could not be confirmed: its slot went to another sender's request.

@@ -48,6 +48,7 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -140,7 +141,7 @@ def resumable(request: InferenceRequest) -> bool:
     return True
 
 
-def _message_resumable(body: dict) -> bool:
+def _message_resumable(body: dict[str, Any]) -> bool:
     """An Anthropic message that thinks first (``thinking`` enabled), must call a tool (``tool_choice``
     ``any`` or ``tool``) or follows a schema (``output_format``, ``output_config.format``) streams what a
     continuation of its text could not carry on."""

@@ -14,7 +14,7 @@ deployment of ``tp`` GPUs is :class:`apsd.engines.roofline.Deployment`).
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import attrs
 
@@ -37,27 +37,27 @@ class ProfileError(Exception):
     """An unknown or duplicate profile name, or a deployment that cannot run; ``str()`` says which."""
 
 
-def _positive(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+def _positive(_inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise ValueError(f"{attribute.name}: must be a finite number > 0, got {value!r}")
 
 
-def _non_negative(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+def _non_negative(_inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
         raise ValueError(f"{attribute.name}: must be a finite number >= 0, got {value!r}")
 
 
-def _fraction(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+def _fraction(_inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if not (isinstance(value, (int, float)) and 0 < value <= 1):
         raise ValueError(f"{attribute.name}: must be in (0, 1], got {value!r}")
 
 
-def _positive_int(_inst: object, attribute: attrs.Attribute, value: int) -> None:
+def _positive_int(_inst: object, attribute: attrs.Attribute[Any], value: int) -> None:
     if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
         raise ValueError(f"{attribute.name}: must be an integer > 0, got {value!r}")
 
 
-def _name(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+def _name(_inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
     if not (isinstance(value, str) and value.strip() and value == value.strip()):
         raise ValueError(f"{attribute.name}: must be a non-empty name without surrounding spaces, got {value!r}")
 
@@ -258,6 +258,8 @@ BUILTIN_MODELS: tuple[ModelProfile, ...] = (
 )
 
 ProfileKind = Literal["gpu", "model"]
+#: A GPU or a model profile (what a table of :class:`ProfileRegistry` holds).
+P = TypeVar("P", GpuProfile, ModelProfile)
 
 
 @attrs.define(eq=False)
@@ -288,7 +290,7 @@ class ProfileRegistry:
                                "profile; expected apsd.engines.profiles.ModelProfile")
         self._add("model", self._models, profile.name, profile)
 
-    def _add(self, kind: ProfileKind, table: dict, name: str, profile: object) -> None:
+    def _add(self, kind: ProfileKind, table: dict[str, tuple[P, str]], name: str, profile: P) -> None:
         if name in table:
             raise ProfileError(f"{kind} profile {name!r} is registered twice: by {table[name][1]} "
                                f"and by {self.current_plugin}")
@@ -296,15 +298,16 @@ class ProfileRegistry:
 
     def get_gpu(self, name: str) -> GpuProfile:
         """The GPU profile called ``name``; :class:`ProfileError` listing the known ones if none is."""
-        return self._get("gpu", self._gpus, name)
+        return self._entry("gpu", self._gpus, name)[0]
 
     def get_model(self, name: str) -> ModelProfile:
         """The model profile called ``name``; :class:`ProfileError` listing the known ones if none is."""
-        return self._get("model", self._models, name)
+        return self._entry("model", self._models, name)[0]
 
-    def _get(self, kind: ProfileKind, table: dict, name: str):
+    def _entry(self, kind: ProfileKind, table: dict[str, tuple[P, str]], name: str) -> tuple[P, str]:
+        """(the profile, the plugin that registered it); :class:`ProfileError` listing the known ones if none is."""
         try:
-            return table[name][0]
+            return table[name]
         except KeyError:
             known = ", ".join(sorted(table)) or "none"
             raise ProfileError(f"unknown {kind} profile {name!r} (known: {known})") from None
@@ -319,10 +322,9 @@ class ProfileRegistry:
 
     def registered_by(self, kind: ProfileKind, name: str) -> str:
         """Which plugin registered the profile (for ``apsd plugins``-style listings)."""
-        table = self._gpus if kind == "gpu" else self._models
-        if name not in table:
-            self._get(kind, table, name)
-        return table[name][1]
+        if kind == "gpu":
+            return self._entry(kind, self._gpus, name)[1]
+        return self._entry(kind, self._models, name)[1]
 
 
 def builtin_profiles(registry: ProfileRegistry) -> None:

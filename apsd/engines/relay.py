@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 
@@ -77,7 +78,7 @@ def priority_for(request: InferenceRequest, outstanding: int, polarity: str, now
     return rank if polarity == "lower-first" else (CLASS_TIERS + 1) * (PRIORITY_DEPTH + 1) * (MAX_BID + 1) - rank
 
 
-def request_body(request: InferenceRequest, model: str, priority: int | None) -> tuple[str, dict, bool]:
+def request_body(request: InferenceRequest, model: str, priority: int | None) -> tuple[str, dict[str, Any], bool]:
     """The API, the body to send, and whether the client asked for usage in its stream.
 
     The client's body is copied one level deep (only top-level keys change; nothing of the client's
@@ -116,7 +117,7 @@ def request_body(request: InferenceRequest, model: str, priority: int | None) ->
     return api, body, wants_usage
 
 
-def _set_limit(body: dict, request: InferenceRequest, limit: int) -> None:
+def _set_limit(body: dict[str, Any], request: InferenceRequest, limit: int) -> None:
     if request.open_ended:
         return
     if "max_completion_tokens" not in body:
@@ -135,8 +136,8 @@ def continues(api: str, server: str | None) -> bool:
     return True   # (a text completion: its prompt and the text so far, on any server)
 
 
-def continuation(api: str, body: dict, text: str, request: InferenceRequest, server: str | None, *,
-                 echoed: bool = False) -> dict | None:
+def continuation(api: str, body: dict[str, Any], text: str, request: InferenceRequest, server: str | None, *,
+                 echoed: bool = False) -> dict[str, Any] | None:
     """``body`` (from :func:`request_body`) made to resume from ``text``, the output so far, for a
     ``server`` (``llama.cpp``, ``vllm``, ``sglang``; None: not known); None when that server cannot
     continue a request of ``api`` (:func:`continues`). ``echoed``: the first attempt ran on a server
@@ -158,7 +159,7 @@ def continuation(api: str, body: dict, text: str, request: InferenceRequest, ser
     return body
 
 
-def _prefilled(messages: list, text: str, *, echoed: bool) -> list:
+def _prefilled(messages: list[Any], text: str, *, echoed: bool) -> list[Any]:
     """``messages`` ending with an assistant message that holds ``text``: the client's own final
     assistant message (its prefill) continued by ``text``, or replaced by it when the server echoed that
     prefill at the start of ``text``; else ``text`` as a new final assistant message."""
@@ -176,7 +177,7 @@ def _prefilled(messages: list, text: str, *, echoed: bool) -> list:
     return messages
 
 
-def _text_of(content: str | list) -> str:
+def _text_of(content: str | list[Any]) -> str:
     """The text of a message's content (a string, or a list of parts or blocks: their ``text``)."""
     if isinstance(content, str):
         return content
@@ -184,7 +185,7 @@ def _text_of(content: str | list) -> str:
                    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str))
 
 
-def prefill_text(body: dict) -> str:
+def prefill_text(body: dict[str, Any]) -> str:
     """The text of ``body``'s final assistant message (what a server that echoes the prefill streams
     back first), "" when its last message is not the assistant's."""
     messages = body.get("messages")
@@ -194,7 +195,7 @@ def prefill_text(body: dict) -> str:
     return _text_of(last["content"])
 
 
-def chunk_text(chunk: dict) -> str:
+def chunk_text(chunk: dict[str, Any]) -> str:
     """The text a stream chunk adds (chat ``delta.content``, completion ``text``, a Responses
     ``response.output_text.delta`` event's ``delta``, or an Anthropic ``content_block_delta`` event's
     ``text_delta``)."""
@@ -228,7 +229,7 @@ def chunk_text(chunk: dict) -> str:
     return "".join(text)
 
 
-def _continues_safely(chunk: dict) -> bool:
+def _continues_safely(chunk: dict[str, Any]) -> bool:
     """Whether a chunk leaves its stream resumable from its text: no tool call, function call or
     reasoning being streamed (a continuation could not carry them on); for Anthropic events, nothing but
     text blocks, and the answer not complete yet (after its last block there is nothing to resume)."""
@@ -250,7 +251,7 @@ def _continues_safely(chunk: dict) -> bool:
 _NEUTRAL_EVENTS = frozenset({"message_start", "ping", "message_stop"})
 
 
-def _event_continues_safely(kind: str, chunk: dict) -> bool:
+def _event_continues_safely(kind: str, chunk: dict[str, Any]) -> bool:
     if kind in _NEUTRAL_EVENTS:
         return True
     if kind == "content_block_start":
@@ -263,7 +264,7 @@ def _event_continues_safely(kind: str, chunk: dict) -> bool:
     return kind.startswith("response.")   # (the Responses API's events are never resumed anyway)
 
 
-def _delta_tokens(chunk: dict) -> int:
+def _delta_tokens(chunk: dict[str, Any]) -> int:
     """Output tokens an event without text carries: an Anthropic ``thinking_delta`` (at least one)."""
     if chunk.get("type") != "content_block_delta":
         return 0
@@ -292,7 +293,7 @@ class Progress:
     prompt_tokens: int | None = None
     #: An Anthropic stream's first ``message_start`` usage (a resumed stream's last ``message_delta``
     #: reports its input figures), and the content blocks its client has seen start.
-    message_usage: dict | None = None
+    message_usage: dict[str, Any] | None = None
     blocks: set[int] = attrs.field(factory=set)
 
     @property
@@ -325,7 +326,7 @@ class StreamRelay:
     #: some chunks with no text and some with several tokens, so one per chunk with text is only a live
     #: count), for the backend's own count when the attempt ends without its usage.
     unsaid: list[str] = attrs.field(factory=list, init=False)
-    _held: list[tuple[dict, bytes | None]] = attrs.field(factory=list, init=False)
+    _held: list[tuple[dict[str, Any], bytes | None]] = attrs.field(factory=list[Any], init=False)
     #: Output tokens the request had when this attempt began.
     _base: int = attrs.field(default=0, init=False)
 
@@ -379,7 +380,7 @@ class StreamRelay:
         self._held.clear()
         stream.push_nowait(TokenChunk(tokens=tokens, text=text, at=now, data=chunk, raw=raw))
 
-    def _stitch(self, chunk: dict, text: str) -> tuple[dict | None, bytes | None, str]:
+    def _stitch(self, chunk: dict[str, Any], text: str) -> tuple[dict[str, Any] | None, bytes | None, str]:
         """A resumed attempt's chunk as the first attempt's stream would have carried it (None: drop it)."""
         if self.echo and text:   # (a server that echoes the prefill first: that text was sent already)
             if text and self.echo.startswith(text):
@@ -406,7 +407,7 @@ class StreamRelay:
                               "total_tokens": prompt + completion}
         return chunk, None, text
 
-    def _note_event(self, chunk: dict) -> None:
+    def _note_event(self, chunk: dict[str, Any]) -> None:
         """A first attempt's Anthropic event: what a resumed attempt needs of it (its usage, which
         counts the original prompt; the blocks the client has seen start)."""
         progress = self.progress
@@ -423,7 +424,8 @@ class StreamRelay:
         elif kind == "content_block_start" and type(chunk.get("index")) is int:
             progress.blocks.add(chunk["index"])
 
-    def _stitch_event(self, chunk: dict, raw: bytes | None, text: str) -> tuple[dict | None, bytes | None, str]:
+    def _stitch_event(self, chunk: dict[str, Any], raw: bytes | None,
+                      text: str) -> tuple[dict[str, Any] | None, bytes | None, str]:
         """A resumed attempt's Anthropic event as the first attempt's stream would have carried it
         (None: drop it)."""
         progress = self.progress
@@ -454,7 +456,7 @@ class StreamRelay:
         return chunk, raw, text
 
 
-def _anthropic_prompt(usage: dict) -> int:
+def _anthropic_prompt(usage: dict[str, Any]) -> int:
     """The prompt tokens an Anthropic usage counts: ``input_tokens`` (which leaves out what was read
     from or written to the cache) and the cache's two figures; 0 when they are not whole numbers."""
     total = 0
@@ -472,7 +474,7 @@ def _finishes(choices: object) -> bool:
     return type(choices) is list and any(type(c) is dict and c.get("finish_reason") for c in choices)
 
 
-def _with_text(chunk: dict, text: str) -> dict:
+def _with_text(chunk: dict[str, Any], text: str) -> dict[str, Any]:
     """``chunk`` (one choice) with its text replaced."""
     choice = dict(chunk["choices"][0])
     if type(choice.get("delta")) is dict:

@@ -60,6 +60,8 @@ class Deployment:
         KV cache of one token across the deployment:
         ``2 · layers · max(kv_heads, tp) · head_dim · kv_bytes_per_value`` (K and V; when
         ``tp`` exceeds the KV heads each GPU keeps a copy of one head, as vLLM does).
+    ``context_limit``
+        ``max_context``, resolved: the longest sequence served (the model's when none was given).
     ``kv_capacity_tokens``
         ``floor((memory_fraction · memory · tp − weights) / kv_bytes_per_token)``: memory is
         per GPU, weights are ``params · bytes_per_param``; activations and CUDA graphs are
@@ -84,6 +86,7 @@ class Deployment:
     #: Longest sequence (prompt + output) this deployment serves; ``None``: the model's.
     max_context: int | None = None
 
+    context_limit: int = attrs.field(init=False, eq=False)
     kv_bytes_per_token: float = attrs.field(init=False, eq=False)
     kv_capacity_tokens: int = attrs.field(init=False, eq=False)
     price_per_hour_usd: float = attrs.field(init=False, eq=False)
@@ -126,6 +129,7 @@ class Deployment:
             object.__setattr__(self, name, value)
 
         put("max_context", max_context)
+        put("context_limit", max_context)
 
         kv_replicas = max(1, tp // model.kv_heads)
         kv_bytes_per_token = model.kv_bytes_per_token * kv_replicas
@@ -181,7 +185,8 @@ class Deployment:
             return 0.0
         tc = tokens * self.compute_s_per_token
         tm = self.weight_stream_s
-        return (tc * math.sqrt(tc) + tm * math.sqrt(tm)) ** (2 / 3) + self._fixed_s + tokens * self._comm_s_per_token
+        combined = math.pow(tc * math.sqrt(tc) + tm * math.sqrt(tm), 2 / 3)  # (math.pow: a float, as ** is not typed)
+        return combined + self._fixed_s + tokens * self._comm_s_per_token
 
     def prefill_attention_s(self, chunk: int, context_before: int) -> float:
         """Seconds of attention for a prefill chunk of ``chunk`` tokens after ``context_before``
@@ -312,9 +317,9 @@ def estimate_static_batch(deployment: Deployment, batch: int, prompt_tokens: int
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     d = deployment
-    if prompt_tokens + output_tokens > d.max_context:
+    if prompt_tokens + output_tokens > d.context_limit:
         raise DeploymentError(f"{prompt_tokens} prompt + {output_tokens} output tokens exceed the "
-                              f"deployment's max_context ({d.max_context})")
+                              f"deployment's max_context ({d.context_limit})")
     if batch * (prompt_tokens + output_tokens) > d.kv_capacity_tokens:
         raise DeploymentError(f"{batch} × ({prompt_tokens} + {output_tokens}) tokens of KV cache exceed the "
                               f"capacity of {d.model.name} on {d.tp} × {d.gpu.name} "

@@ -135,7 +135,8 @@ class _BodyDecoder:
     #: Bytes still to come of a Content-Length body (None: chunked or until close).
     length: int | None
     chunked: bool
-    _buffer: bytes = b""
+    #: (a TLS stream's reads are bytearrays: so may this be, in a chunked body)
+    _buffer: bytes | bytearray = b""
     #: Chunked: bytes left of the current chunk's data (0: a size line comes next); -1: the
     #: CRLF after a chunk's data; -2: the trailers.
     _left: int = 0
@@ -147,7 +148,7 @@ class _BodyDecoder:
     def until_close(self) -> bool:
         return self.length is None and not self.chunked
 
-    def feed(self, data: bytes) -> bytes:
+    def feed(self, data: bytes | bytearray) -> bytes:
         """The body's bytes that ``data`` (received after what was fed before) completes."""
         if self.done:
             self.overrun = self.overrun or bool(data)
@@ -155,9 +156,9 @@ class _BodyDecoder:
         if not self.chunked:
             if self.length is None:
                 return self._take_all(data)
-            buffer = self._take_all(data)
-            piece = buffer[:self.length]
-            self.overrun = len(buffer) > self.length   # (more than announced: not ours to read)
+            whole = self._take_all(data)
+            piece = whole[:self.length]
+            self.overrun = len(whole) > self.length   # (more than announced: not ours to read)
             self.length -= len(piece)
             self.done = self.length == 0
             return piece
@@ -166,10 +167,10 @@ class _BodyDecoder:
         at = 0
         while True:
             if self._left > 0:
-                piece = buffer[at:at + self._left]
-                out.append(piece)
-                self._left -= len(piece)
-                at += len(piece)
+                chunk_bytes = buffer[at:at + self._left]
+                out.append(chunk_bytes)
+                self._left -= len(chunk_bytes)
+                at += len(chunk_bytes)
                 if self._left:
                     break
                 self._left = -1
@@ -209,8 +210,8 @@ class _BodyDecoder:
         self._buffer = buffer[at:]
         return b"".join(out)
 
-    def _take_all(self, data: bytes) -> bytes:
-        buffer, self._buffer = self._buffer + data, b""
+    def _take_all(self, data: bytes | bytearray) -> bytes:
+        buffer, self._buffer = bytes(self._buffer) + data, b""
         return buffer
 
 
@@ -247,7 +248,7 @@ class UpstreamPool:
                 await stream.do_handshake()
                 sock = None
         self.opened += 1
-        return _Connection(stream=stream, sock=sock)  # type: ignore[arg-type]
+        return _Connection(stream=stream, sock=sock)
 
     def _take_idle(self, origin: tuple[str, str, int]) -> _Connection | None:
         idle = self._idle.get(origin)

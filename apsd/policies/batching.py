@@ -95,7 +95,7 @@ class MicroBatching:
                    takes: Callable[[InferenceRequest], bool]) -> InferenceRequest | None:
         """The first request, in queue order, that the free room should go to before ``head``
         (``Capacity.prefer``), if ``head`` is not one and the queue can find one (``pop_first``)."""
-        prefer, pop_first = free.prefer, getattr(queue, "pop_first", None)
+        prefer, pop_first = free.prefer, _pop_first(queue)
         if prefer is None or pop_first is None or prefer(head):
             return None
         return pop_first(lambda r: prefer(r) and takes(r), now)
@@ -105,11 +105,22 @@ class MicroBatching:
                      takes: Callable[[InferenceRequest], bool]) -> InferenceRequest | None:
         """The first request, in queue order, of a tenant below its share that fits, if the queue can
         find one (``pop_first``: the fair-share queues); the others keep their place."""
-        pop_first = getattr(queue, "pop_first", None)
+        pop_first = _pop_first(queue)
         under_share = free.under_share
         if pop_first is None or under_share is None:
             return None
         return pop_first(lambda r: under_share(r) and takes(r), now)
+
+
+#: A queue's ``pop_first(accept, now)``: the first request in queue order that ``accept`` takes, removed
+#: from the queue (None: none); the others keep their place.
+PopFirst = Callable[[Callable[[InferenceRequest], bool], float], InferenceRequest | None]
+
+
+def _pop_first(queue: OrderingPolicy) -> PopFirst | None:
+    """``queue``'s ``pop_first``, if it has one (the fair-share queues: an optional method of the protocol)."""
+    method: PopFirst | None = getattr(queue, "pop_first", None)
+    return method
 
 
 def _micro(params: dict[str, Any], config: Config) -> MicroBatching:

@@ -254,9 +254,10 @@ class FairShareQueue:
         queue = tenant.queue
         while queue:
             key, seq, charge, request = queue[0]
-            if key >= _PUNCTUAL or not request.class_best_effort or request.class_deadline > now:  # type: ignore[operator]
+            deadline = request.class_deadline
+            if key >= _PUNCTUAL or not request.class_best_effort or deadline is None or deadline > now:
                 break
-            _heapreplace(queue, (request.class_deadline - _TIER, seq, charge, request))
+            _heapreplace(queue, (deadline - _TIER, seq, charge, request))
         if queue and queue[0][0] < _PUNCTUAL:
             self._head_changed(tenant)
 
@@ -274,7 +275,7 @@ class FairShareQueue:
             queue = other.queue
             if not queue or queue[0][3] is not request or queue[0][0] >= _PUNCTUAL:
                 _heappop(edf)  # stale: no longer its tenant's punctual head
-            elif request.class_best_effort and request.class_deadline <= now:  # type: ignore[operator]
+            elif request.class_best_effort and request.class_deadline is not None and request.class_deadline <= now:
                 _heappop(edf)
                 self._demote_late(other, now)
             else:

@@ -129,7 +129,7 @@ class KeepAliveTCPServer(TCPServer):
         Raises what ``send_all`` raises when the connection is closed or broken."""
         timeout = self.send_timeout
         assert timeout is not None
-        stream = self.stream
+        stream: trio.abc.Stream = self.stream   # (hypercorn declares the TLS kind; plain sockets come too)
         if not isinstance(stream, trio.SocketStream):   # TLS: the write as a whole
             with trio.move_on_after(timeout):
                 await stream.send_all(data)

@@ -70,14 +70,16 @@ def profile_deployment(gpu: str, model: str, *, tp: int = 1, batch: int, prompt_
             outcomes = [await request.reply.wait() for request in requests]
             [engine] = pipeline.engines
             statistics = engine.statistics()
-        for outcome in outcomes:
+        done: list[tuple[float, float, float]] = []  # (arrival, first token, last token) of each request
+        for request, outcome in zip(requests, outcomes):
             if not isinstance(outcome, Completion):
                 raise ValueError(f"{outcome.error}: {outcome.message}")
-        done = [r for r in requests]
-        makespan = max(r.finished_at for r in done)
-        tpots = [(r.finished_at - r.started_at) / (output_tokens - 1) for r in done] if output_tokens > 1 else [0.0]
+            assert request.started_at is not None and request.finished_at is not None  # (it completed)
+            done.append((request.arrival, request.started_at, request.finished_at))
+        makespan = max(end for _, _, end in done)
+        tpots = [(end - first) / (output_tokens - 1) for _, first, end in done] if output_tokens > 1 else [0.0]
         return ProfileResult(
-            ttft_ms=sum(r.started_at - r.arrival for r in done) / batch * 1000.0,
+            ttft_ms=sum(first - arrival for arrival, first, _ in done) / batch * 1000.0,
             tpot_ms=sum(tpots) / len(tpots) * 1000.0,
             output_tokens_per_s=batch * output_tokens / makespan,
             kv_capacity_tokens=statistics.kv_tokens_capacity,

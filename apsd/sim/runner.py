@@ -27,7 +27,7 @@ import contextlib
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import attrs
 import numpy as np
@@ -87,8 +87,9 @@ def simulation_config(base: Config, workload: Workload, choice: PolicyChoice) ->
     The choice decides every kind (its preset, then its overrides); ``base`` contributes the
     policies' parameters (``[policy.<name>]``), not ``[policy] aging/governor/batching``.
     """
-    kinds = {kind: choice.overrides.get(kind) for kind in POLICY_KINDS}
-    policy = attrs.evolve(base.policy, preset=choice.preset, **kinds)
+    chosen = choice.overrides.get  # (one name or None for each of POLICY_KINDS)
+    policy = attrs.evolve(base.policy, preset=choice.preset, aging=chosen("aging"), governor=chosen("governor"),
+                          batching=chosen("batching"))
     return attrs.evolve(base, tenants=dict(workload.tenants), policy=policy,
                         gpu=attrs.evolve(base.gpu, time_scale=1.0),
                         source=f"{base.source} (simulating {workload.name})")
@@ -279,11 +280,22 @@ def _sample(records: Sequence[RequestRecord], governor: Any, duration: float) ->
     return tuple(samples), interval
 
 
+class _RecordFields(TypedDict):
+    """The fields of a :class:`RequestRecord` that every outcome has."""
+
+    tenant: str
+    bid: int
+    prompt_tokens: int
+    output_tokens: int
+    arrival: float
+    service_class: str | None
+
+
 def record_of(at: float, request: InferenceRequest) -> RequestRecord:
     """What happened to ``request``, which arrived at ``at`` (model seconds), as a record."""
     outcome = request.reply.outcome
-    common = dict(tenant=request.tenant_id, bid=request.priority_bid, prompt_tokens=request.prompt_tokens,
-                  output_tokens=request.tokens_requested, arrival=at, service_class=request.service_class)
+    common = _RecordFields(tenant=request.tenant_id, bid=request.priority_bid, prompt_tokens=request.prompt_tokens,
+                           output_tokens=request.tokens_requested, arrival=at, service_class=request.service_class)
     if isinstance(outcome, Completion):
         return RequestRecord(**common, outcome="completed", dispatched_at=request.dispatched_at,
                              finished_at=request.finished_at, batch_id=outcome.batch_id,

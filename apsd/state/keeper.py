@@ -49,7 +49,7 @@ import sqlite3
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -73,6 +73,9 @@ from apsd.state.records import (
 from apsd.state.sqlite import SqliteState
 from apsd.state.store import Change, DeleteTenant, PutKey, PutTenant, Snapshot, StateStore
 from apsd.state.usage import HOUR_S, UsageRecorder
+
+if TYPE_CHECKING:
+    from apsd.state.redis import RedisStateStore
 
 __all__ = ["TENANT_NAME", "AdminError", "StateKeeper", "open_keeper", "state_store_for"]
 
@@ -171,7 +174,10 @@ async def open_keeper(config: Config, *, environ: Mapping[str, str] | None = Non
         raise ConfigError(f"{config.source}: state: {exc}") from None
     keeper = StateKeeper(store=store, file_config=config, wall=wall)
     if store is not None and store.kind == "redis":
-        keeper.copy = RedisCopy.open()
+        from apsd.state.redis import RedisStateStore
+
+        assert isinstance(store, RedisStateStore)  # (what state_store_for makes of kind "redis")
+        keeper.copy = RedisCopy.open(store)
     try:
         if store is not None:
             try:
@@ -269,12 +275,13 @@ class StateKeeper:
                     continue  # (seed: unchanged in the file since last applied; the store's values stand)
                 new = TenantRecord(name, settings, "file", digest, record.created_at if record else now, now)
                 changes.append(PutTenant(new))
-                existed = record is not None and record.deleted_at is None
-                if existed and record.settings == settings and record.origin == "file":
+                existing = record if record is not None and record.deleted_at is None else None
+                if existing is not None and existing.settings == settings and existing.origin == "file":
                     continue  # (the digest moved with the keys only: nothing to audit)
-                audit.append(AuditEntry(now, "file", "tenant.update" if existed else "tenant.create", name,
-                                        settings_dict(record.settings) if existed else None, settings_dict(settings)))
-                said.append(f"tenant {name} {'updated' if existed else 'created'} from {config.source}")
+                audit.append(AuditEntry(now, "file", "tenant.create" if existing is None else "tenant.update", name,
+                                        None if existing is None else settings_dict(existing.settings),
+                                        settings_dict(settings)))
+                said.append(f"tenant {name} {'created' if existing is None else 'updated'} from {config.source}")
             for name, record in sorted(self.snapshot.tenants.items()):
                 if record.file_digest is not None and name not in config.tenants:
                     changes.append(DeleteTenant(name))
@@ -642,9 +649,9 @@ class StateKeeper:
             await self.store.write(changes, [AuditEntry(self.wall(), "state", "state.restore", self.store.where,
                                                         {"version": known.version}, {"version": version})])
             self.snapshot = await self.store.load()
-            if self.copy is not None and self.copy.followed and await self.store.claim_restore():  # type: ignore[attr-defined]
+            if self.copy is not None and self.copy.followed and await self.copy.store.claim_restore():
                 copied = await self.copy.local.dump()
-                await self.store.restore_audit(copied.audit)  # type: ignore[attr-defined]
+                await self.copy.store.restore_audit(copied.audit)
                 await self.store.add_usage(copied.usage)
                 log.warning("state: wrote back %d audit entries and %d usage rows into %s from this replica's copy",
                             len(copied.audit), len(copied.usage), self.store.where, extra={"event": "state"})
@@ -657,7 +664,7 @@ class StateKeeper:
         async with self._lock:
             if not self.seeded or await self.store.version() < self.snapshot.version:
                 return
-            await self.copy.follow(self.store, self.wall())
+            await self.copy.follow(self.wall())
 
     async def flush(self, buckets: Mapping[str, tuple[float, float]]) -> None:
         """Write usage, bucket levels and budget spend (what a kill -9 would lose)."""
@@ -757,13 +764,15 @@ class RedisCopy:
     file of its own: :meth:`follow` copies the entries after the last one it has, and the usage rows
     of the last two hours (all of them the first time); the file is removed at :meth:`close`."""
 
+    #: The Redis state it copies.
+    store: RedisStateStore
     local: SqliteState
     path: Path
     followed: bool = False
     _audit_seen: int = 0
 
     @classmethod
-    def open(cls) -> RedisCopy | None:
+    def open(cls, store: RedisStateStore) -> RedisCopy | None:
         import tempfile
 
         from apsd.state.sqlite import StateFileError
@@ -771,14 +780,15 @@ class RedisCopy:
         descriptor, name = tempfile.mkstemp(prefix="apsd-redis-copy-", suffix=".db")
         os.close(descriptor)
         try:
-            return cls(SqliteState(Path(name)), Path(name))
+            return cls(store, SqliteState(Path(name)), Path(name))
         except StateFileError as exc:
             log.warning("state: no copy of the audit log and usage can be kept (%s): a Redis restarted without "
                         "its data would lose them", exc, extra={"event": "state"})
             return None
 
-    async def follow(self, store: StateStore, now: float) -> None:
-        entries = await store.audit_after(self._audit_seen)  # type: ignore[attr-defined]
+    async def follow(self, now: float) -> None:
+        store = self.store
+        entries = await store.audit_after(self._audit_seen)
         await self.local.copy_audit(entries)
         if entries:
             self._audit_seen = entries[-1].entry_id

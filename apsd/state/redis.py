@@ -175,7 +175,7 @@ class RedisStateStore:
         return {}
 
     async def add_spend(self, deltas: Mapping[tuple[str, str], int]) -> dict[tuple[str, str], int]:
-        totals = {}
+        totals: dict[tuple[str, str], int] = {}
         if not deltas:
             return totals
         async with self._redis() as redis:
@@ -273,10 +273,10 @@ class RedisStateStore:
             for (tenant, period), tokens in dump.spend.items():
                 await redis.eval(RAISE_SPEND_SCRIPT, keys=[redis_budget_key(self._prefix, tenant, period)],
                                  args=[str(tokens), str(BUDGET_KEY_TTL_S)])
-            for tenant, (tokens, at) in dump.buckets.items():
+            for tenant, (level, at) in dump.buckets.items():
                 key = redis_bucket_key(self._prefix, tenant)
                 if not await redis.exists([key]):
-                    await redis.hset(key, {"tokens": repr(tokens), "updated": repr(at)})
+                    await redis.hset(key, {"tokens": repr(level), "updated": repr(at)})
                     await redis.expire(key, BUCKET_KEY_TTL_S)
 
     async def audit_after(self, entry_id: int, limit: int | None = None) -> list[AuditEntry]:

@@ -214,3 +214,13 @@ def test_routing_policy_is_configured_and_an_unknown_one_is_named():
         build_policies(parse_config({"routing": {"policy": "nearest"}}))
     with pytest.raises(ConfigError, match=r"routing.balance_rel"):
         parse_config({"routing": {"balance_rel": 0.5}})
+
+
+@pytest.mark.parametrize("selected", ["prefix", "prefix-hash"])
+def test_a_policy_table_of_a_routing_policy_is_checked_by_it_not_a_crash(selected):
+    # ([policy.<name>] of a routing policy raised KeyError: 'routing' while the tables were checked for typos)
+    empty = parse_config({"routing": {"policy": selected}, "policy": {"prefix-hash": {}, "least-loaded": {}}})
+    assert build_policies(empty).routing.name == selected
+    with pytest.raises(ConfigError, match=r"policy.prefix-hash: the built-in routing policies take their settings "
+                                          r"from \[routing\] \(got x\)"):
+        build_policies(parse_config({"routing": {"policy": selected}, "policy": {"prefix-hash": {"x": 1}}}))

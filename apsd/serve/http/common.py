@@ -92,7 +92,8 @@ class HttpState:
 
 def http_state() -> HttpState:
     """The current app's :class:`HttpState` (call inside a request)."""
-    return current_app.extensions["apsd"]
+    state: HttpState = current_app.extensions["apsd"]
+    return state
 
 
 def begin_trace(state: HttpState, inference: InferenceRequest, headers: HeaderFields) -> None:
@@ -164,7 +165,8 @@ def note_tenant(tenant_id: str) -> None:
 
 def noted_tenant() -> str | None:
     """The tenant :func:`note_tenant` named for the current request (None: none yet)."""
-    return g.get("apsd_tenant")
+    tenant: str | None = g.get("apsd_tenant")
+    return tenant
 
 
 async def outcome_or_cancel(pipeline: Any, inference: Any) -> Any:
@@ -380,7 +382,8 @@ class ShieldResponseEnd:
             from apsd.serve.server import SEND_TIMEOUT_STATE  # (here: only the lifespan needs it)
             scope["state"][SEND_TIMEOUT_STATE] = self.send_timeout_s
         if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+            await self.app(scope, receive, send)
+            return
 
         async def send_last_shielded(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.body" and not message.get("more_body", False):

@@ -100,7 +100,8 @@ def _number(value: float) -> str:
     """``floatToGoString(value)``; small counts from a table (``repr(float(n))`` is ``"n.0"`` below 10**6)."""
     if type(value) is int and 0 <= value < 100_000:
         return _SMALL_NUMBERS[value]
-    return floatToGoString(value)
+    text: str = floatToGoString(value)   # (prometheus_client leaves it unannotated)
+    return text
 
 
 def _header(kind: type[CounterMetricFamily] | type[GaugeMetricFamily] | type[HistogramMetricFamily], name: str,

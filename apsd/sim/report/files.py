@@ -18,7 +18,7 @@ __all__ = ["write_report"]
 
 def _by_workload(runs: Sequence[PolicyRun], summaries: Sequence[RunSummary]) -> list[list[RunSummary]]:
     """The summaries grouped by workload, in the order each workload first appears."""
-    groups: dict[tuple, list[RunSummary]] = {}
+    groups: dict[tuple[str, int, str, int], list[RunSummary]] = {}
     for run, summary in zip(runs, summaries):
         groups.setdefault(workload_key(run), []).append(summary)
     return list(groups.values())

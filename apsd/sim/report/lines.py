@@ -21,7 +21,7 @@ from apsd.sim.report.plotting import (
 )
 from apsd.sim.report.runs import engine_count, workload_key
 from apsd.sim.report.service import SERVICE_STEP_S, SERVICE_WEIGHTS, SERVICE_WINDOW_S, service_difference_over_time
-from apsd.sim.report.timeline import busy_cumulative
+from apsd.sim.report.timeline import Floats, busy_cumulative
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
@@ -43,7 +43,7 @@ def _entropy_groups(runs: Sequence[PolicyRun]) -> list[list[PolicyRun]]:
     so the reading is a function of the governor, the workload and the admitted arrival times:
     runs alike in all three have the same curve, however their policies order the queue.
     """
-    groups: dict[tuple, list[PolicyRun]] = {}
+    groups: dict[tuple[object, ...], list[PolicyRun]] = {}
     for run in runs:
         if _measures_entropy(run):
             admitted = tuple(r.arrival for r in run.requests if r.outcome != "rejected")
@@ -54,13 +54,13 @@ def _entropy_groups(runs: Sequence[PolicyRun]) -> list[list[PolicyRun]]:
 
 def _window_groups(runs: Sequence[PolicyRun]) -> list[tuple[list[PolicyRun], float | None]]:
     """Runs grouped by identical batch windows: (runs, the constant window in s, or None if it varies)."""
-    groups: dict[tuple, tuple[list[PolicyRun], float | None]] = {}
+    groups: dict[tuple[object, ...], tuple[list[PolicyRun], float | None]] = {}
     for run in runs:
         if not run.samples:
             continue
         w = np.asarray([s.window_s for s in run.samples], dtype=float)
         if (w == w[0]).all():
-            key: tuple = ("constant", float(w[0]))
+            key: tuple[object, ...] = ("constant", float(w[0]))
         else:
             key = ("varies", np.asarray([s.at for s in run.samples], dtype=float).tobytes(), w.tobytes())
         groups.setdefault(key, ([], float(w[0]) if key[0] == "constant" else None))[0].append(run)
@@ -125,7 +125,7 @@ def draw_governor(runs: Sequence[PolicyRun], several: bool) -> Figure:
     return fig
 
 
-def _busy_fraction(run: PolicyRun) -> tuple[np.ndarray, np.ndarray] | None:
+def _busy_fraction(run: PolicyRun) -> tuple[Floats, Floats] | None:
     """The edges of :data:`BUSY_BINS` bins over the run, and the engines' busy fraction in each."""
     if run.duration_s <= 0 or not engine_count(run):
         return None
@@ -159,7 +159,7 @@ def draw_gpu_busy(runs: Sequence[PolicyRun], several: bool) -> Figure:
     return fig
 
 
-def _service_difference_curve(run: PolicyRun) -> tuple[np.ndarray, np.ndarray] | None:
+def _service_difference_curve(run: PolicyRun) -> tuple[Floats, Floats] | None:
     """Each window's middle and service difference (thinned for long runs); None without any."""
     starts, difference = service_difference_over_time(run)
     if np.isnan(difference).all():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 
@@ -44,7 +44,18 @@ from apsd.sim.report.summary import (
 __all__ = ["isolation", "routing_reasons", "summarize"]
 
 
-def _outcomes(requests: Iterable[RequestRecord]) -> dict[str, Any]:
+class _OutcomeFields(TypedDict):
+    """The fields of :class:`~apsd.sim.report.summary.Outcomes`."""
+
+    sent: int
+    completed: int
+    rejected: int
+    failed: int
+    cancelled: int
+    rejected_by_error: dict[str, int]
+
+
+def _outcomes(requests: Iterable[RequestRecord]) -> _OutcomeFields:
     """The fields of :class:`~apsd.sim.report.summary.Outcomes`."""
     outcomes: collections.Counter[str] = collections.Counter()
     rejected_by_error: collections.Counter[str] = collections.Counter()
@@ -116,7 +127,16 @@ def _batch_sizes(run: PolicyRun) -> BatchSizes:
                       mean=sum(size * count for size, count in sizes.items()) / total if total else None)
 
 
-def _times(requests: Sequence[RequestRecord]) -> dict[str, Percentiles]:
+class _TimeFields(TypedDict):
+    """The times of :class:`~apsd.sim.report.summary.TenantSummary` and :class:`~apsd.sim.report.summary.Overall`."""
+
+    queue_wait_ms: Percentiles
+    ttft_ms: Percentiles
+    tpot_ms: Percentiles
+    latency_ms: Percentiles
+
+
+def _times(requests: Sequence[RequestRecord]) -> _TimeFields:
     """Queue wait, TTFT, TPOT and latency of ``requests`` (the completed ones, by the caller)."""
     return {"queue_wait_ms": Percentiles.of_seconds(queue_waits(requests)),
             "ttft_ms": Percentiles.of_seconds(ttfts(requests)),

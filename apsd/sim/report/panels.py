@@ -15,6 +15,7 @@ from apsd.sim.report.runs import completed, latencies, tpots, ttfts
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
+    from matplotlib.typing import LegendLocType
 
 __all__ = ["draw_latency_cdf", "draw_queue_wait", "draw_service", "draw_tpot_cdf", "draw_ttft_cdf"]
 
@@ -23,7 +24,7 @@ _MAX_SCATTER_POINTS = 20_000   # per run in queue_wait.png (the slowest 1% are a
 
 def _draw_cdf(runs: Sequence[PolicyRun], several: bool, values: Callable[[Sequence[RequestRecord]], list[float]],
               xlabel: str, ylabel: str, scale: float = 1.0, missing: str = "no completed requests",
-              legend: str = "lower right") -> Figure:
+              legend: LegendLocType = "lower right") -> Figure:
     """One panel per run: the CDF of ``values(requests) * scale`` over its completed requests, a line per tenant."""
     fig, axes = panels_figure(len(runs))
     low, high = math.inf, 0.0
@@ -73,6 +74,8 @@ def draw_tpot_cdf(runs: Sequence[PolicyRun], several: bool) -> Figure:
 def draw_queue_wait(runs: Sequence[PolicyRun], several: bool) -> Figure:
     fig, axes = panels_figure(len(runs))
     all_bids = [r.bid for run in runs for r in run.requests]
+    vmin: float
+    vmax: float
     vmin, vmax = (min(all_bids), max(all_bids)) if all_bids else (0, 1)
     if vmin == vmax:
         vmin, vmax = vmin - 0.5, vmax + 0.5
@@ -112,7 +115,7 @@ def draw_service(runs: Sequence[PolicyRun], several: bool) -> Figure:
     for ax, run in zip(axes, runs):
         done = [r for r in completed(run.requests) if r.finished_at is not None]
         groups = tenant_lines(run, done)
-        end = max(run.duration_s, max((r.finished_at for r in done), default=0.0))
+        end = max(run.duration_s, max((f for r in done if (f := r.finished_at) is not None), default=0.0))
         drawn = False
         for name, reqs, colour in groups:
             if not reqs:

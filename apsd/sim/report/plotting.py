@@ -17,16 +17,19 @@ import collections
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+from numpy.typing import NDArray
 
 from apsd.sim.records import PolicyRun, RequestRecord
 from apsd.sim.report.runs import workload_key
+from apsd.sim.report.timeline import Floats
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
+    from matplotlib.typing import LegendLocType
 
 MAX_TENANT_LINES = 8          # tenants drawn individually; the rest are merged as "other"
 MAX_CURVE_POINTS = 1_000      # points per CDF / cumulative-service line
@@ -130,18 +133,22 @@ def line_style(i: int) -> dict[str, Any]:
     return {"color": tenant_colour(i), "linestyle": _STYLES[i % len(_STYLES)]}
 
 
-def thin(x: np.ndarray, limit: int) -> np.ndarray:
+#: The scalar type of an array (:func:`thin` keeps it).
+Scalar = TypeVar("Scalar", bound=np.generic)
+
+
+def thin(x: NDArray[Scalar], limit: int) -> NDArray[Scalar]:
     """At most ``limit`` evenly spaced elements of the sorted array ``x`` (ends kept)."""
     if x.size <= limit:
         return x
-    return x[np.unique(np.linspace(0, x.size - 1, limit).round().astype(int))]
+    return x[np.unique(np.linspace(0, x.size - 1, limit).round().astype(np.intp))]
 
 
-Curve = tuple[list[PolicyRun], np.ndarray, np.ndarray]
+Curve = tuple[list[PolicyRun], Floats, Floats]
 
 
 def identical_curves(runs: Sequence[PolicyRun],
-                     curve: Callable[[PolicyRun], tuple[np.ndarray, np.ndarray] | None]) -> list[Curve]:
+                     curve: Callable[[PolicyRun], tuple[Floats, Floats] | None]) -> list[Curve]:
     """Each distinct ``curve(run)`` (x, y; None: nothing to draw) with the runs that have it, in order."""
     curves: dict[tuple[bytes, bytes], Curve] = {}
     for run in runs:
@@ -151,8 +158,8 @@ def identical_curves(runs: Sequence[PolicyRun],
     return list(curves.values())
 
 
-def draw_shared_lines(ax: Axes, curves: Sequence[Curve], several: bool, draw: Callable[..., Any], legend: str,
-                      missing: str) -> None:
+def draw_shared_lines(ax: Axes, curves: Sequence[Curve], several: bool, draw: Callable[..., Any],
+                      legend: LegendLocType, missing: str) -> None:
     """``draw(x, y, label=..., **style)`` for each curve of :func:`identical_curves`, labelled with its
     runs, and a legend; ``missing`` when there is none."""
     for i, (group, x, y) in enumerate(curves):

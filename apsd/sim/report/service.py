@@ -27,12 +27,13 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+from numpy.typing import NDArray
 
 from apsd.policies.fair import ChargeWeights
 from apsd.sim.records import PolicyRun, RequestRecord
 from apsd.sim.report.runs import by_tenant, completed, tenant_weight
 from apsd.sim.report.summary import ServiceDifference
-from apsd.sim.report.timeline import spread_cumulative, union
+from apsd.sim.report.timeline import Floats, spread_cumulative, union
 
 __all__ = ["SERVICE_DIFFERENCE_DEFINITION", "SERVICE_STEP_S", "SERVICE_WEIGHTS", "SERVICE_WINDOW_S",
            "backlogged_service_shares", "service_difference_over_time", "summarize_service_difference",
@@ -55,8 +56,8 @@ SERVICE_DIFFERENCE_DEFINITION = (
 )
 
 
-def _backlogged_throughout(requests: Sequence[RequestRecord], starts: np.ndarray,
-                           ends: np.ndarray, until: str = "dispatch") -> np.ndarray | None:
+def _backlogged_throughout(requests: Sequence[RequestRecord], starts: Floats,
+                           ends: Floats, until: str = "dispatch") -> NDArray[np.bool_] | None:
     """Per window ``[starts[k], ends[k]]``: whether some request of ``requests`` waited at every instant of
     it: in the queue, from its arrival to its (last) dispatch (``until="dispatch"``), or anywhere, from its
     arrival to its first token (``until="first_token"``: in an engine that holds many sequences, most of
@@ -73,7 +74,7 @@ def _backlogged_throughout(requests: Sequence[RequestRecord], starts: np.ndarray
     return (i >= 0) & (span_end[np.maximum(i, 0)] >= ends)
 
 
-def _service_cumulative(requests: Sequence[RequestRecord], edges: np.ndarray) -> np.ndarray:
+def _service_cumulative(requests: Sequence[RequestRecord], edges: Floats) -> Floats:
     """Service received by each time in ``edges``: each completed request's service spread evenly
     from its first token to its end (at its end when it has no first token)."""
     done = [r for r in completed(requests) if r.finished_at is not None]
@@ -84,8 +85,8 @@ def _service_cumulative(requests: Sequence[RequestRecord], edges: np.ndarray) ->
                              edges)
 
 
-def _windows(run: PolicyRun, until: str = "dispatch") -> tuple[np.ndarray, list[str], list[np.ndarray],
-                                                               list[np.ndarray]]:
+def _windows(run: PolicyRun,
+             until: str = "dispatch") -> tuple[Floats, list[str], list[NDArray[np.bool_]], list[Floats]]:
     """Every window's start, and per tenant that was ever backlogged throughout one: its name, whether it
     was in each window, and the weighted service it received within each."""
     steps = round(SERVICE_WINDOW_S / SERVICE_STEP_S)
@@ -138,7 +139,7 @@ def backlogged_service_shares(run: PolicyRun, until: str = "dispatch") -> dict[s
     return {name: value / total for name, value in sorted(served.items())} if total > 0 else {}
 
 
-def service_difference_over_time(run: PolicyRun, until: str = "dispatch") -> tuple[np.ndarray, np.ndarray]:
+def service_difference_over_time(run: PolicyRun, until: str = "dispatch") -> tuple[Floats, Floats]:
     """The start of every window of :data:`SERVICE_WINDOW_S` (one every :data:`SERVICE_STEP_S` from 0,
     ending by the run's end), and its service difference: NaN where fewer than two tenants were
     backlogged throughout it. See the module docstring for the definition; ``until="first_token"`` counts
@@ -161,7 +162,7 @@ def summarize_service_difference(run: PolicyRun, until: str = "dispatch") -> Ser
     measured = ~np.isnan(difference)
     first_half = measured & (starts + SERVICE_WINDOW_S <= run.duration_s / 2)
 
-    def largest(which: np.ndarray) -> tuple[float | None, float | None]:
+    def largest(which: NDArray[np.bool_]) -> tuple[float | None, float | None]:
         if not which.any():
             return None, None
         k = int(np.flatnonzero(which)[np.argmax(difference[which])])

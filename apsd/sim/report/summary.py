@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import numpy as np
@@ -62,14 +62,11 @@ def plain(value: Any) -> Any:
     return str(value)
 
 
-def _number() -> Any:
-    return attrs.field(converter=rounded)
-
-
 class _Value:
     """``as_dict()``: the attributes, in order, as plain JSON values."""
 
     __slots__ = ()
+    __attrs_attrs__: ClassVar[tuple[attrs.Attribute[Any], ...]]  # (each value is an attrs class)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: plain(getattr(self, f.name)) for f in attrs.fields(type(self))}
@@ -79,10 +76,10 @@ class _Value:
 class Percentiles(_Value):
     """p50, p95, p99 and the maximum of a duration, in milliseconds (all None without data)."""
 
-    p50: float | None = _number()
-    p95: float | None = _number()
-    p99: float | None = _number()
-    max: float | None = _number()
+    p50: float | None = attrs.field(converter=rounded)
+    p95: float | None = attrs.field(converter=rounded)
+    p99: float | None = attrs.field(converter=rounded)
+    max: float | None = attrs.field(converter=rounded)
 
     @classmethod
     def of_seconds(cls, values_s: Any) -> Percentiles:
@@ -98,11 +95,11 @@ class Percentiles(_Value):
 class Outcomes(_Value):
     """How many requests were sent and how they ended (``rejected_by_error``: error code -> count, by code)."""
 
-    sent: int = _number()
-    completed: int = _number()
-    rejected: int = _number()
-    failed: int = _number()
-    cancelled: int = _number()
+    sent: int = attrs.field(converter=rounded)
+    completed: int = attrs.field(converter=rounded)
+    rejected: int = attrs.field(converter=rounded)
+    failed: int = attrs.field(converter=rounded)
+    cancelled: int = attrs.field(converter=rounded)
     rejected_by_error: dict[str, int]
 
 
@@ -110,13 +107,13 @@ class Outcomes(_Value):
 class TenantSummary(Outcomes):
     """One tenant's requests: outcomes, service against its configured rate, and times of its completed ones."""
 
-    admitted: int = _number()
-    rate: float | None = _number()
+    admitted: int = attrs.field(converter=rounded)
+    rate: float | None = attrs.field(converter=rounded)
     bids: tuple[int, ...]
-    output_tokens: int = _number()
+    output_tokens: int = attrs.field(converter=rounded)
     #: Output tokens served over its rate (None without a rate).
-    service_per_rate: float | None = _number()
-    cost_usd: float = _number()
+    service_per_rate: float | None = attrs.field(converter=rounded)
+    cost_usd: float = attrs.field(converter=rounded)
     queue_wait_ms: Percentiles
     ttft_ms: Percentiles
     tpot_ms: Percentiles
@@ -127,8 +124,8 @@ class TenantSummary(Outcomes):
 class Fairness(_Value):
     """Jain's index as the daemon defines it (:data:`apsd.core.ledger.FAIRNESS_DEFINITION`)."""
 
-    jain_index: float | None = _number()
-    tenants_counted: int = _number()
+    jain_index: float | None = attrs.field(converter=rounded)
+    tenants_counted: int = attrs.field(converter=rounded)
     fairness_definition: str = FAIRNESS_DEFINITION
 
 
@@ -136,77 +133,77 @@ class Fairness(_Value):
 class LowestBidder(_Value):
     """Every request with the smallest bid among the arrivals, and the queue waits of its completed ones."""
 
-    bid: int | None = _number()
+    bid: int | None = attrs.field(converter=rounded)
     tenants: tuple[str, ...]
-    requests: int = _number()
-    completed: int = _number()
-    max_queue_wait_ms: float | None = _number()
-    p99_queue_wait_ms: float | None = _number()
+    requests: int = attrs.field(converter=rounded)
+    completed: int = attrs.field(converter=rounded)
+    max_queue_wait_ms: float | None = attrs.field(converter=rounded)
+    p99_queue_wait_ms: float | None = attrs.field(converter=rounded)
 
 
 @attrs.frozen
 class TimeInState(_Value):
-    seconds: float = _number()
-    fraction: float = _number()
+    seconds: float = attrs.field(converter=rounded)
+    fraction: float = attrs.field(converter=rounded)
 
 
 @attrs.frozen
 class GovernorSummary(_Value):
     """The governor's samples: time in each state (by state name), mean window and entropy."""
 
-    samples: int = _number()
-    sample_interval_s: float = _number()
+    samples: int = attrs.field(converter=rounded)
+    sample_interval_s: float = attrs.field(converter=rounded)
     time_in_state: dict[str, TimeInState]
-    mean_window_ms: float | None = _number()
-    mean_entropy_bits: float | None = _number()
+    mean_window_ms: float | None = attrs.field(converter=rounded)
+    mean_entropy_bits: float | None = attrs.field(converter=rounded)
 
 
 @attrs.frozen
 class BatchSizes(_Value):
     """Fixed batches (``distribution``: size as text -> batches, by size); none for iteration-level engines."""
 
-    count: int = _number()
+    count: int = attrs.field(converter=rounded)
     distribution: dict[str, int]
-    mean: float | None = _number()
+    mean: float | None = attrs.field(converter=rounded)
 
 
 @attrs.frozen
 class ServiceDifference(_Value):
     """The service difference between backlogged tenants (:mod:`apsd.sim.report.service`)."""
 
-    window_s: float = _number()
-    step_s: float = _number()
-    input_weight: float = _number()
-    output_weight: float = _number()
+    window_s: float = attrs.field(converter=rounded)
+    step_s: float = attrs.field(converter=rounded)
+    input_weight: float = attrs.field(converter=rounded)
+    output_weight: float = attrs.field(converter=rounded)
     #: Windows in which two or more tenants were backlogged throughout.
-    windows: int = _number()
-    max: float | None = _number()
-    max_window_start_s: float | None = _number()
-    mean: float | None = _number()
+    windows: int = attrs.field(converter=rounded)
+    max: float | None = attrs.field(converter=rounded)
+    max_window_start_s: float | None = attrs.field(converter=rounded)
+    mean: float | None = attrs.field(converter=rounded)
     #: The same over the windows that end by half the run's duration.
-    first_half_windows: int = _number()
-    first_half_max: float | None = _number()
-    first_half_max_window_start_s: float | None = _number()
+    first_half_windows: int = attrs.field(converter=rounded)
+    first_half_max: float | None = attrs.field(converter=rounded)
+    first_half_max_window_start_s: float | None = attrs.field(converter=rounded)
 
 
 @attrs.frozen
 class Overall(Outcomes):
     """The whole run: outcomes, throughput, the engines' busy time and cost, fairness and times."""
 
-    output_tokens: int = _number()
+    output_tokens: int = attrs.field(converter=rounded)
     #: Output tokens per model second to the last outcome.
-    throughput_tokens_per_s: float | None = _number()
+    throughput_tokens_per_s: float | None = attrs.field(converter=rounded)
     #: Fixed batches run (0 on an iteration-level engine).
-    batches: int = _number()
+    batches: int = attrs.field(converter=rounded)
     #: Model seconds the engines computed (an engine of ``tp`` GPUs counts once).
-    gpu_busy_s: float = _number()
+    gpu_busy_s: float = attrs.field(converter=rounded)
     #: Busy time over (engines × duration).
-    gpu_utilization: float | None = _number()
-    cost_usd: float = _number()
-    cost_per_1m_tokens_usd: float | None = _number()
+    gpu_utilization: float | None = attrs.field(converter=rounded)
+    cost_usd: float = attrs.field(converter=rounded)
+    cost_per_1m_tokens_usd: float | None = attrs.field(converter=rounded)
     #: Prompt tokens the engines found in their prefix caches over all prompt tokens, of the completed
     #: requests (None: none completed).
-    cached_prompt_share: float | None = _number()
+    cached_prompt_share: float | None = attrs.field(converter=rounded)
     fairness: Fairness
     lowest_bidder: LowestBidder
     queue_wait_ms: Percentiles
@@ -226,10 +223,10 @@ class EngineSummary(_Value):
     count: int
     #: What the engine kind describes beside its kind and count (``gpu``, ``model``, ``tp``; ``backends``).
     details: dict[str, Any]
-    preemptions: int = _number()
+    preemptions: int = attrs.field(converter=rounded)
     #: FLOP and memory-bandwidth utilisation over the engines' busy time (None without a hardware model).
-    mfu: float | None = _number()
-    mbu: float | None = _number()
+    mfu: float | None = attrs.field(converter=rounded)
+    mbu: float | None = attrs.field(converter=rounded)
 
     @classmethod
     def of(cls, engine: Mapping[str, Any], preemptions: int = 0, mfu: float | None = None,
@@ -275,12 +272,12 @@ class TenantIsolation(_Value):
     time to first token, and its output tokens per second from its first arrival to its last finish."""
 
     tenant: str
-    ttft_p99_alone_ms: float | None = _number()
-    ttft_p99_ms: float | None = _number()
+    ttft_p99_alone_ms: float | None = attrs.field(converter=rounded)
+    ttft_p99_ms: float | None = attrs.field(converter=rounded)
     #: p99 TTFT beside the others over alone (None without both).
-    ratio: float | None = _number()
-    tokens_per_s_alone: float | None = _number()
-    tokens_per_s: float | None = _number()
+    ratio: float | None = attrs.field(converter=rounded)
+    tokens_per_s_alone: float | None = attrs.field(converter=rounded)
+    tokens_per_s: float | None = attrs.field(converter=rounded)
 
 
 @attrs.frozen
@@ -288,14 +285,14 @@ class ClassSummary(_Value):
     """One service class's attainment in a run (:mod:`apsd.sim.report.classes`: attainment = met / requests)."""
 
     name: str
-    ttft_s: float = _number()
-    tpot_s: float = _number()
+    ttft_s: float = attrs.field(converter=rounded)
+    tpot_s: float = attrs.field(converter=rounded)
     on_miss: str
-    requests: int = _number()
-    met: int = _number()
-    missed: int = _number()
-    refused: int = _number()
-    attainment: float | None = _number()
+    requests: int = attrs.field(converter=rounded)
+    met: int = attrs.field(converter=rounded)
+    missed: int = attrs.field(converter=rounded)
+    refused: int = attrs.field(converter=rounded)
+    attainment: float | None = attrs.field(converter=rounded)
 
 
 @attrs.frozen
@@ -308,7 +305,7 @@ class RunSummary(_Value):
     workload: WorkloadSummary
     gpus: int
     engine: EngineSummary
-    duration_s: float = _number()
+    duration_s: float = attrs.field(converter=rounded)
     #: By tenant name, sorted.
     tenants: dict[str, TenantSummary]
     overall: Overall

@@ -11,13 +11,17 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from apsd.sim.records import PolicyRun
 
-__all__ = ["busy_cumulative", "busy_spans", "spread_cumulative", "union"]
+__all__ = ["Floats", "busy_cumulative", "busy_spans", "spread_cumulative", "union"]
+
+#: An array of floats (float64 in practice; numpy's stubs type its arithmetic as any floating type).
+Floats = NDArray[np.floating[Any]]
 
 
-def union(intervals: Iterable[tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
+def union(intervals: Iterable[tuple[float, float]]) -> tuple[Floats, Floats]:
     """The union of closed intervals ``(start, end)`` as disjoint spans (starts, ends), sorted;
     intervals that touch merge."""
     spans: list[list[float]] = []
@@ -29,7 +33,7 @@ def union(intervals: Iterable[tuple[float, float]]) -> tuple[np.ndarray, np.ndar
     return np.asarray([s for s, _ in spans], dtype=float), np.asarray([e for _, e in spans], dtype=float)
 
 
-def spread_cumulative(start: Any, end: Any, amount: Any, edges: np.ndarray) -> np.ndarray:
+def spread_cumulative(start: Any, end: Any, amount: Any, edges: Floats) -> Floats:
     """How much of ``amount`` has accumulated by each time in ``edges``, each amount spread evenly
     over its ``[start, end]`` (all of it at ``start`` when the span is empty)."""
     start, end, amount = (np.asarray(x, dtype=float) for x in (start, end, amount))
@@ -55,7 +59,7 @@ def spread_cumulative(start: Any, end: Any, amount: Any, edges: np.ndarray) -> n
     return total
 
 
-def busy_spans(run: PolicyRun) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def busy_spans(run: PolicyRun) -> tuple[Floats, Floats, Floats]:
     """(start, end, busy seconds) of each stretch an engine computed.
 
     An engine that runs fixed batches (``batch``): its batches (busy time spread evenly over each).
@@ -76,6 +80,6 @@ def busy_spans(run: PolicyRun) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return start, end, end - start
 
 
-def busy_cumulative(run: PolicyRun, edges: np.ndarray) -> np.ndarray:
+def busy_cumulative(run: PolicyRun, edges: Floats) -> Floats:
     """Engine busy seconds accumulated by each time in ``edges`` (see :func:`busy_spans`)."""
     return spread_cumulative(*busy_spans(run), edges)

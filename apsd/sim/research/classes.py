@@ -141,9 +141,9 @@ def classes_markdown(result: ClassesResult, base: Config | None = None) -> str:
         lines.append(f"| `{w.name}` (ttft_s {w.ttft_s:g}, {w.on_miss}) | {w.requests} | {w.met} | {w.missed} "
                      f"| {w.refused} | **{_percent(w.attainment)}** | {wo.met} | {wo.missed} "
                      f"| {_percent(wo.attainment)} |")
-    tight = result.attainment("interactive")
-    verdict = "holds" if tight is not None and tight >= TIGHT_TARGET else "does NOT hold"
-    lines += ["", f"The tight class's attainment with classes is {_percent(tight)}: the target of "
+    attained = result.attainment("interactive")
+    verdict = "holds" if attained is not None and attained >= TIGHT_TARGET else "does NOT hold"
+    lines += ["", f"The tight class's attainment with classes is {_percent(attained)}: the target of "
               f"{TIGHT_TARGET:.0%} {verdict}. Attainment counts every request of the class (met / requests)."]
     return "\n".join(lines) + "\n"
 

@@ -19,7 +19,7 @@ from apsd.sim.research.claims import (
     WINDOW_ROUNDING_MS,
     percent,
 )
-from apsd.sim.research.measured import Measured
+from apsd.sim.research.measured import Measured, known
 from apsd.sim.research.prose import change, jain_cell, listing, names, pct, pct_cell, sec_cell, seconds, usd
 from apsd.sim.research.suite import (
     BATCH,
@@ -109,16 +109,16 @@ def _utilisation(m: Measured) -> tuple[str, str]:
     batch_busy = [m.run(BATCH, name, "aps").overall.gpu_utilization or 0.0 for name in WORKLOADS]
     # Under aps+fixed the window is one constant: which workloads never made a request wait longer?
     fixed = {name: _cont(m, name, "aps+fixed").overall for name in WORKLOADS}
-    window_ms = fixed[WORKLOADS[0]].governor.mean_window_ms
+    window_ms = known(fixed[WORKLOADS[0]].governor.mean_window_ms)
     quiet = [name for name in WORKLOADS if (fixed[name].queue_wait_ms.max or 0.0) <= window_ms + WINDOW_ROUNDING_MS]
-    light = [name for name in WORKLOADS if loads[name] is not None and loads[name] < LIGHT_LOAD]
+    light = [name for name in WORKLOADS if (load := loads[name]) is not None and load < LIGHT_LOAD]
     heaviest = max(WORKLOADS, key=lambda n: loads[n] or 0.0)
     busy = [name for name in WORKLOADS if (_cont(m, name).overall.gpu_utilization or 0) >= CLAIMED_GPU_UTILIZATION]
     busy_light = [name for name in busy if name in light]
     all_runs = [(name, s) for name in continuous_names() for s in m.results[CONTINUOUS][name]]
     mfu_name, mfu_run = max(all_runs, key=lambda r: r[1].engine.mfu or 0.0)
-    mfus = [_cont(m, n).engine.mfu for n in busy_light if _cont(m, n).engine.mfu is not None]
-    mbus = [_cont(m, n).engine.mbu for n in busy_light if _cont(m, n).engine.mbu is not None]
+    mfus = [mfu for n in busy_light if (mfu := _cont(m, n).engine.mfu) is not None]
+    mbus = [mbu for n in busy_light if (mbu := _cont(m, n).engine.mbu) is not None]
     scaled_loads = ", ".join(f"`{s.name}` {pct(_load(m, s.name))}" for s in SCALED)
     claimed, light_share = percent(CLAIMED_GPU_UTILIZATION), percent(LIGHT_LOAD)
     paragraph = (
@@ -133,7 +133,7 @@ def _utilisation(m: Measured) -> tuple[str, str]:
         f"{scaled_loads} of a full engine, which is what an overload looks like: the measured ceiling agrees "
         "with the estimate. "
         + (f"Busy time stops measuring load: {names(busy_light)} keep the engine busy "
-           f"{pct(min(_cont(m, n).overall.gpu_utilization for n in busy_light))} of the time or more while "
+           f"{pct(min(_cont(m, n).overall.gpu_utilization or 0.0 for n in busy_light))} of the time or more while "
            "it runs at a fraction of its capacity, because a continuous engine steps whenever one sequence "
            f"decodes; their MFU is {pct(min(mfus))} to {pct(max(mfus))}, their MBU {pct(min(mbus))} to "
            f"{pct(max(mbus))}: their steps are bound by memory bandwidth. " if busy_light and mfus and mbus else "")
@@ -151,14 +151,14 @@ def _cost(m: Measured) -> tuple[str, str]:
     """The cost verdict: (bullet, paragraph)."""
     d = m.deployment
     all_runs = [(name, s) for name in continuous_names() for s in m.results[CONTINUOUS][name]]
-    costs = [(name, s) for name, s in all_runs if s.overall.cost_per_1m_tokens_usd is not None]
-    cheap_name, cheap = min(costs, key=lambda r: r[1].overall.cost_per_1m_tokens_usd)
-    dear_name, dear = max(costs, key=lambda r: r[1].overall.cost_per_1m_tokens_usd)
-    lowest = cheap.overall.cost_per_1m_tokens_usd
+    costs = [(name, s, cost) for name, s in all_runs if (cost := s.overall.cost_per_1m_tokens_usd) is not None]
+    cheap_name, cheap, lowest = min(costs, key=lambda r: r[2])
+    dear_name, dear, _ = max(costs, key=lambda r: r[2])
     batch_price = m.configs[BATCH].gpu.price_per_hour_usd
     at_batch_price = lowest * batch_price / d.price_per_hour_usd
-    floor_name = max((n for n in continuous_names() if m.full_engine_tps[n]), key=lambda n: m.full_engine_tps[n])
-    floor = d.price_per_hour_usd / 3600 / m.full_engine_tps[floor_name] * 1e6
+    full_tps = {n: tps for n in continuous_names() if (tps := m.full_engine_tps[n])}
+    floor_name = max(full_tps, key=full_tps.__getitem__)
+    floor = d.price_per_hour_usd / 3600 / full_tps[floor_name] * 1e6
     claimed = usd(CLAIMED_COST_PER_1M_TOKENS_USD)
     holds = lowest <= CLAIMED_COST_PER_1M_TOKENS_USD
     step_one, step_full = _decode_step_ms(m)
@@ -223,10 +223,10 @@ def _starvation(m: Measured, alpha: float) -> tuple[str, str]:
         + f"; {'the same ranking as' if same else 'a different ranking from'} the batch engine's. "
         f"APS's bound is in seconds of waiting, not in work: a bid-{params['free_bid']} request passes "
         f"bid-{params['vip_bid']} requests that arrived more than {gap:g} s after it (alpha = {alpha:g}), "
-        f"whatever the engine's speed. Its excess over FIFO is {seconds(ap - ff)} ({change(ap, ff)}) here and "
-        f"{seconds(bap - bff)} ({change(bap, bff)}) on the batch engine: on a faster engine the same bound is a "
-        f"larger share of the wait (`{report_dir(CONTINUOUS, variant.name).as_posix()}/queue_wait.png` shows "
-        "every request's wait).")
+        f"whatever the engine's speed. Its excess over FIFO is {seconds(known(ap) - known(ff))} ({change(ap, ff)}) "
+        f"here and {seconds(known(bap) - known(bff))} ({change(bap, bff)}) on the batch engine: on a faster "
+        f"engine the same bound is a larger share of the wait "
+        f"(`{report_dir(CONTINUOUS, variant.name).as_posix()}/queue_wait.png` shows every request's wait).")
     bullet = (f"**Starvation** needs an overload, which the design's `vip-flood` is not on this engine: the bid-1 "
               f"tenant waits at most {seconds(default_worst)} under every policy. With `{variant.name}` it returns, "
               f"and so do the batch engine's bounds: at worst static {seconds(st)}, APS {seconds(ap)}, FIFO "
@@ -266,19 +266,21 @@ def _governor(m: Measured) -> tuple[str, str]:
                 f"{sec_cell(eo.ttft_ms.p99)} vs {sec_cell(fo.ttft_ms.p99)} | "
                 f"{sec_cell(eo.latency_ms.p99)} vs {sec_cell(fo.latency_ms.p99)} "
                 f"({change(eo.latency_ms.p99, fo.latency_ms.p99)}) | {sec_cell(zo.ttft_ms.p50)} |")
-            if eo.latency_ms.p99 < fo.latency_ms.p99 * kept:
+            if known(eo.latency_ms.p99) < known(fo.latency_ms.p99) * kept:
                 latency_helped[engine] += 1
             if engine == CONTINUOUS:
-                if eo.ttft_ms.p50 < fo.ttft_ms.p50 * kept:
-                    ttft_helped.append(f"`{name}` {change(eo.ttft_ms.p50, fo.ttft_ms.p50)}")
-                if zo.ttft_ms.p50 <= min(eo.ttft_ms.p50, fo.ttft_ms.p50):
+                entropy_ttft, fixed_ttft = known(eo.ttft_ms.p50), known(fo.ttft_ms.p50)
+                if entropy_ttft < fixed_ttft * kept:
+                    ttft_helped.append(f"`{name}` {change(entropy_ttft, fixed_ttft)}")
+                if known(zo.ttft_ms.p50) <= min(entropy_ttft, fixed_ttft):
                     zero_best.append(f"`{name}`")
-                if abs(fo.queue_wait_ms.p50 - fo.governor.mean_window_ms) < WINDOW_MATCH_MS:
+                if abs(known(fo.queue_wait_ms.p50) - known(fo.governor.mean_window_ms)) < WINDOW_MATCH_MS:
                     window_is_wait.append(name)
     overload = []
     for s in SCALED:
         e, f = _cont(m, s.name, "aps").overall, _cont(m, s.name, "aps+fixed").overall
-        overload.append(abs((e.latency_ms.p99 - f.latency_ms.p99) / f.latency_ms.p99))
+        e_p99, f_p99 = known(e.latency_ms.p99), known(f.latency_ms.p99)
+        overload.append(abs((e_p99 - f_p99) / f_p99))
     n = len(GOVERNOR_WORKLOADS)
     material = percent(MATERIAL_CHANGE)
     text = (

@@ -19,7 +19,7 @@ from apsd.sim.research.claims import (
     TIE_RATIO,
     percent,
 )
-from apsd.sim.research.measured import Comparison, OverloadService
+from apsd.sim.research.measured import Comparison, OverloadService, known
 from apsd.sim.research.prose import change, jain_cell, listing, pct, pct_cell, sec_cell, seconds, usd
 from apsd.sim.research.suite import GOVERNOR_WORKLOADS, WORKLOADS
 
@@ -56,9 +56,8 @@ def claim_utilization(results: Results) -> str:
 
 
 def claim_cost(results: Results, config: Config) -> str:
-    runs = [(name, s) for name in WORKLOADS for s in results[name] if s.overall.cost_per_1m_tokens_usd]
-    name, best = min(runs, key=lambda r: r[1].overall.cost_per_1m_tokens_usd)
-    lowest = best.overall.cost_per_1m_tokens_usd
+    runs = [(name, s, cost) for name in WORKLOADS for s in results[name] if (cost := s.overall.cost_per_1m_tokens_usd)]
+    name, best, lowest = min(runs, key=lambda r: r[2])
     gpu = GpuModel(config.gpu)
     max_batch = max_batch_size(config)
     fastest = gpu.decode_tokens_per_s(max_batch)
@@ -156,7 +155,7 @@ def claim_starvation(results: Results, extra: tuple[str, ...], origin: dict[str,
                     f"{sec_cell(s.overall.queue_wait_ms.p99)} |")
 
     def worst(label: str) -> float:
-        return flood[label].overall.lowest_bidder.max_queue_wait_ms
+        return known(flood[label].overall.lowest_bidder.max_queue_wait_ms)
 
     static, aps, fifo = worst("static"), worst("aps"), worst("fifo")
     fifo_p99 = flood["fifo"].overall.queue_wait_ms.p99

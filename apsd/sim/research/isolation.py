@@ -59,9 +59,10 @@ def _noisy_verdict(m: Measured, engine: str, summaries: Comparison) -> str:
     best = min(summaries, key=latency)
     tied = [f"`{s.label}`" for s in summaries if latency(s) <= latency(best) * TIE_RATIO]
     fifo = summaries["fifo"]
-    alone = [_steady(a)[0] for a in m.alone[engine]]
+    alone = [p99 for a in m.alone[engine] if (p99 := _steady(a)[0]) is not None]
+    low, high = (min(alone), max(alone)) if alone else (None, None)
     return (f"On the {engine} engine the steady tenant alone has a p99 latency of "
-            f"{seconds(min(alone))}" + (f" to {seconds(max(alone))}" if max(alone) > min(alone) else "")
+            f"{seconds(low)}" + (f" to {seconds(high)}" if low is not None and high is not None and high > low else "")
             + f"; beside the flood, `fifo` makes it {seconds(_steady(fifo)[0])} and {listing(tied)} "
             f"{seconds(latency(best))}, {ratio(latency(best), _steady(m.alone[engine][best.label])[0])} its latency "
             "alone, the lowest of the policies.")

@@ -13,8 +13,16 @@ from apsd.engines.roofline import Deployment, DeploymentError, estimate_static_b
 from apsd.sim.records import PolicyRun, Workload
 from apsd.sim.report import RunSummary
 
-__all__ = ["Comparison", "Measured", "OverloadService", "ServedByThen", "full_engine_tps", "mean_shape",
+__all__ = ["Comparison", "Measured", "OverloadService", "ServedByThen", "full_engine_tps", "known", "mean_shape",
            "service_during_overload"]
+
+
+def known(value: float | None) -> float:
+    """A figure that the suite's runs always have (their requests complete: the percentiles and the windows
+    exist); ValueError where one is missing."""
+    if value is None:
+        raise ValueError("a figure the research suite relies on was not measured (a run completed no request?)")
+    return value
 
 
 @attrs.frozen

@@ -136,7 +136,9 @@ def open_report_writer(plots: bool) -> Iterator[Callable[[list[PolicyRun], Path,
     """
     workers = min(MAX_REPORT_WORKERS, os.cpu_count() or 1)
     if not plots or workers == 1:
-        yield lambda runs, directory, title: write_report(runs, directory, title=title, plots=plots)
+        def write_now(runs: list[PolicyRun], directory: Path, title: str) -> None:
+            write_report(runs, directory, title=title, plots=plots)
+        yield write_now
         return
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         written: list[Future[list[Path]]] = []

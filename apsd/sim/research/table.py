@@ -28,12 +28,13 @@ from importlib.metadata import PackageNotFoundError, version
 
 import attrs
 import numpy as np
+import pluggy
 
 from apsd.core.config import Config
 from apsd.core.version import VERSION
 from apsd.sim.alone import tenant_alone
 from apsd.sim.baselines import RequestsPerMinute, baseline_plugin_manager, fair_rpm_limits
-from apsd.sim.records import PolicyRun, Workload
+from apsd.sim.records import PolicyRun, RequestRecord, Workload
 from apsd.sim.replicas import run_replicas
 from apsd.sim.report.classes import class_attainment
 from apsd.sim.report.qoe import mean_qoe
@@ -142,14 +143,14 @@ def _key(spec: TableWorkload, row: TableRow) -> tuple[object, ...]:
 
 
 def _run(workload: Workload, spec: TableWorkload, row: TableRow, base: Config, limits: dict[str, int] | None,
-         pm: object, sync_interval_s: float = SYNC_INTERVAL_S) -> PolicyRun:
+         pm: pluggy.PluginManager, sync_interval_s: float = SYNC_INTERVAL_S) -> PolicyRun:
     config = _config(base, spec, row)
     if not (row.classes and spec.classes):
         workload = _without_classes(workload)
     door = RequestsPerMinute(limits) if row.rpm_limit and limits is not None else None
     choice = parse_policy_choice(row.preset)
     if spec.placement is None:
-        return run_policy(workload, choice, base_config=config, plugin_manager=pm, door=door)  # type: ignore[arg-type]
+        return run_policy(workload, choice, base_config=config, plugin_manager=pm, door=door)
     replicas = len(next(iter(spec.placement.values())))
     result = run_replicas(workload, choice, replicas=replicas, sync_interval_s=sync_interval_s, base_config=config,
                           placement=spec.placement, plugin_manager=pm, door=door)
@@ -158,8 +159,8 @@ def _run(workload: Workload, spec: TableWorkload, row: TableRow, base: Config, l
                      gpus=replicas * spec.engines, tenant_rates={}, classes=dict(config.classes))
 
 
-def _ttft(records: Sequence[object]) -> tuple[float | None, float | None]:
-    values = [r.ttft for r in records if r.outcome == "completed" and r.ttft is not None]  # type: ignore[attr-defined]
+def _ttft(records: Sequence[RequestRecord]) -> tuple[float | None, float | None]:
+    values = [ttft for r in records if r.outcome == "completed" and (ttft := r.ttft) is not None]
     if not values:
         return None, None
     p50, p99 = np.percentile(np.array(values) * 1000.0, (50, 99))

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import attrs
 import numpy as np
+from numpy.typing import NDArray
 
 from apsd.core.config import ServiceClassConfig, TenantConfig
 from apsd.sim.records import Arrival, Workload
@@ -99,7 +100,7 @@ def _tenants(names: tuple[str, ...], weights: dict[str, float] | None = None,
                                classes=classes) for name in names}
 
 
-def _poisson(rng: np.random.Generator, rate: float, duration: float) -> np.ndarray:
+def _poisson(rng: np.random.Generator, rate: float, duration: float) -> NDArray[np.float64]:
     return np.sort(rng.uniform(0.0, duration, rng.poisson(rate * duration)))
 
 

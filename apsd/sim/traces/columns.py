@@ -18,9 +18,10 @@ from __future__ import annotations
 import array
 import hashlib
 from collections.abc import Iterator, Sequence
-from typing import overload
+from typing import Any, overload
 
 import numpy as np
+from numpy.typing import NDArray
 
 from apsd.core.routing import BLOCK_TOKENS, synthetic_blocks
 from apsd.sim.records import Arrival
@@ -43,12 +44,16 @@ def chain_ids(ids: Sequence[int]) -> list[int]:
     return keys
 
 
+#: A column of integers (of the width its array.array had).
+Ints = NDArray[np.integer[Any]]
+
+
 class TraceArrivals(Sequence[Arrival]):
     """The arrivals of a trace, sorted by time; an :class:`Arrival` is made each time one is read."""
 
-    def __init__(self, at: np.ndarray, tenant: np.ndarray, tenants: list[str], prompt: np.ndarray,
-                 output: np.ndarray, bid: np.ndarray, service_class: np.ndarray, classes: list[str | None],
-                 offsets: np.ndarray, keys: np.ndarray, block_tokens: np.ndarray) -> None:
+    def __init__(self, at: NDArray[np.float64], tenant: Ints, tenants: list[str], prompt: Ints, output: Ints,
+                 bid: Ints, service_class: Ints, classes: list[str | None], offsets: NDArray[np.int64],
+                 keys: NDArray[np.uint64], block_tokens: Ints) -> None:
         self._at, self._tenant, self._tenants = at, tenant, tenants
         self._prompt, self._output, self._bid = prompt, output, bid
         self._class, self._classes = service_class, classes

@@ -84,9 +84,10 @@ def load_trace(path: str | Path, *, format: str | None = None, block_tokens: int
     if format is None:
         fmt = detect_format(path)
     else:
-        fmt = FORMATS.get(format)  # type: ignore[assignment]
-        if fmt is None:
+        named = FORMATS.get(format)
+        if named is None:
             raise WorkloadError(f"--trace-format {format!r}: unknown (formats: {', '.join(FORMATS)})")
+        fmt = named
         if layout not in fmt.layouts:
             raise WorkloadError(f"{path}: the {fmt.name} format is {' or '.join(fmt.layouts)}, not {layout}")
     if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or not 1 <= block_tokens <= 1 << 20:

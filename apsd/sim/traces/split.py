@@ -58,8 +58,8 @@ class TenantRule:
         if self.kind == "round-robin":
             return lambda i, fields: names[i % len(names)]
         if self.kind == "hash":
-            field = self.field
-            return lambda i, fields: names[_hash(fields.get(field)) % len(names)]
+            field = self.field  # (None: every row goes to tenant 0, as a row without the field does)
+            return lambda i, fields: names[_hash(fields.get(field) if field is not None else None) % len(names)]
         weights = 1.0 / np.arange(1, len(names) + 1, dtype=float) ** self.exponent
         cumulative = np.cumsum(weights / weights.sum())
         rng = np.random.default_rng(seed)

@@ -20,9 +20,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any, overload
 
 import attrs
 import numpy as np
+from numpy.typing import NDArray
 
 __all__ = ["MooncakeShape", "write_mooncake_trace"]
 
@@ -52,7 +54,13 @@ class MooncakeShape:
     max_prompt_tokens: int = 30_000
 
 
-def _lognormal(rng: np.random.Generator, mean: float, size: int | None = None, sigma: float = 0.6) -> np.ndarray:
+@overload
+def _lognormal(rng: np.random.Generator, mean: float, size: None = None, sigma: float = 0.6) -> float: ...
+@overload
+def _lognormal(rng: np.random.Generator, mean: float, size: int, sigma: float = 0.6) -> NDArray[np.float64]: ...
+def _lognormal(rng: np.random.Generator, mean: float, size: int | None = None,
+               sigma: float = 0.6) -> float | NDArray[np.float64]:
+    """Draws of mean ``mean``: one (a float), or ``size`` of them."""
     return rng.lognormal(math.log(mean) - sigma**2 / 2, sigma, size)
 
 
@@ -60,16 +68,16 @@ def write_mooncake_trace(path: str | Path, shape: MooncakeShape = MooncakeShape(
     """Write ``shape.requests`` requests to ``path`` (JSON lines, sorted by timestamp); same shape and
     seed, same bytes. Memory grows with the request count (the requests are sorted before writing)."""
     rng = np.random.default_rng(seed)
-    ids: dict[tuple, int] = {}
+    ids: dict[tuple[object, ...], int] = {}
     size = shape.block_tokens
 
-    def block_id(key: tuple) -> int:
+    def block_id(key: tuple[object, ...]) -> int:
         return ids.setdefault(key, len(ids))
 
     system_lengths = np.maximum(size, _lognormal(rng, shape.system_tokens, shape.system_prompts)).astype(int)
     weights = 1.0 / np.arange(1, shape.system_prompts + 1) ** shape.zipf
     weights /= weights.sum()
-    requests: list[tuple[float, int, dict]] = []
+    requests: list[tuple[float, int, dict[str, Any]]] = []
     one_offs = round(shape.requests * shape.one_off_share)
     conversation_rate = (shape.rate - shape.rate * shape.one_off_share) / shape.turns
     session = 0

@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+from numpy.typing import NDArray
 
 from apsd.sim.records import Arrival
 from apsd.sim.workloads.params import KV_CAPACITY_TOKENS, MAX_RANDOM_TOKENS
@@ -20,12 +21,12 @@ def tenant_names(tenants: int) -> list[str]:
     return [f"tenant_{i:0{width}d}" for i in range(tenants)]
 
 
-def poisson_times(rng: np.random.Generator, rate: float, duration: float) -> np.ndarray:
+def poisson_times(rng: np.random.Generator, rate: float, duration: float) -> NDArray[np.float64]:
     """A Poisson process on ``[0, duration)``: a Poisson count, then uniform sorted times."""
     return np.sort(rng.uniform(0.0, duration, rng.poisson(rate * duration)))
 
 
-def lognormal_tokens(rng: np.random.Generator, mean: float, sigma_: float, size: int) -> np.ndarray:
+def lognormal_tokens(rng: np.random.Generator, mean: float, sigma_: float, size: int) -> NDArray[np.int64]:
     """Integer sizes with the given mean, clipped to ``1..MAX_RANDOM_TOKENS``; fixed when sigma is 0."""
     if sigma_ == 0:
         return np.full(size, min(max(round(mean), 1), MAX_RANDOM_TOKENS), dtype=np.int64)
@@ -33,7 +34,7 @@ def lognormal_tokens(rng: np.random.Generator, mean: float, sigma_: float, size:
     return np.clip(np.rint(rng.lognormal(mu, sigma_, size)), 1, MAX_RANDOM_TOKENS).astype(np.int64)
 
 
-def uniform_bids(rng: np.random.Generator, size: int) -> np.ndarray:
+def uniform_bids(rng: np.random.Generator, size: int) -> NDArray[np.int64]:
     return rng.integers(1, 11, size)
 
 
@@ -42,12 +43,12 @@ def regular_count(rate: float, duration: float) -> int:
     return max(1, math.ceil(rate * duration - 1e-9))
 
 
-def regular_times(rate: float, duration: float) -> np.ndarray:
+def regular_times(rate: float, duration: float) -> NDArray[np.float64]:
     """The times ``0, 1/rate, 2/rate, ...`` before ``duration`` (at least the first): no randomness."""
     return np.arange(regular_count(rate, duration)) / rate
 
 
-def ramp_times(rng: np.random.Generator, start_rate: float, end_rate: float, duration: float) -> np.ndarray:
+def ramp_times(rng: np.random.Generator, start_rate: float, end_rate: float, duration: float) -> NDArray[np.float64]:
     """A Poisson process on ``[0, duration)`` whose rate goes linearly from ``start_rate`` to ``end_rate``.
 
     The expected count by ``t`` is ``L(t) = start_rate*t + (end_rate - start_rate)*t**2/(2*duration)``;
@@ -64,7 +65,8 @@ def make_arrivals(times: Any, tenants: Any, prompt_tokens: Any, output_tokens: A
     size = len(times)
 
     def column(values: Any) -> list[Any]:
-        return np.broadcast_to(np.asarray(values), (size,)).tolist()
+        items: list[Any] = np.broadcast_to(np.asarray(values), (size,)).tolist()
+        return items
 
     return [
         Arrival(at=float(at), tenant=str(tenant), prompt_tokens=int(prompt), output_tokens=int(output), bid=int(b))
@@ -73,7 +75,7 @@ def make_arrivals(times: Any, tenants: Any, prompt_tokens: Any, output_tokens: A
     ]
 
 
-def tenant_arrivals(times: np.ndarray, tenant: str, p: Mapping[str, Any], prefix: str = "") -> list[Arrival]:
+def tenant_arrivals(times: NDArray[np.float64], tenant: str, p: Mapping[str, Any], prefix: str = "") -> list[Arrival]:
     """``times`` as one tenant's arrivals, of the sizes and bid in ``p[prefix + "prompt_tokens"]``,
     ``p[prefix + "output_tokens"]`` and ``p[prefix + "bid"]``."""
     return make_arrivals(times, tenant, p[f"{prefix}prompt_tokens"], p[f"{prefix}output_tokens"], p[f"{prefix}bid"])

@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+from numpy.typing import NDArray
 
 from apsd.core.routing import synthetic_blocks
 from apsd.sim.records import Arrival
@@ -70,7 +71,7 @@ def poisson(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
 
 
 def regular_requests(p: Mapping[str, Any], rng: np.random.Generator,
-                     size: int) -> tuple[list[str], list[str], np.ndarray]:
+                     size: int) -> tuple[list[str], list[str], NDArray[np.int64]]:
     """What ``periodic`` and ``bursty`` share for one seed: round-robin tenants and the same bids."""
     names = tenant_names(p["tenants"])
     return names, [names[i % len(names)] for i in range(size)], uniform_bids(rng, size)
@@ -105,7 +106,7 @@ def bursty(p: Mapping[str, Any], rng: np.random.Generator) -> Generated:
 
 def off_period_s(p: Mapping[str, Any]) -> float:
     """The mean off period that keeps the mean gap at ``1/rate``."""
-    return p["burst_size"] / p["rate"] - (p["burst_size"] - 1) * p["burst_gap_ms"] / 1000
+    return float(p["burst_size"] / p["rate"] - (p["burst_size"] - 1) * p["burst_gap_ms"] / 1000)
 
 
 def check_bursty(p: Mapping[str, Any]) -> None:
@@ -224,7 +225,7 @@ def check_dist_shift(p: Mapping[str, Any]) -> None:
         raise ValueError(f"shift_at: must be <= duration ({p['duration']:g}), got {p['shift_at']:g}")
 
 
-def zipf_choices(rng: np.random.Generator, population: int, exponent: float, size: int) -> np.ndarray:
+def zipf_choices(rng: np.random.Generator, population: int, exponent: float, size: int) -> NDArray[np.int64]:
     """``size`` draws from ``0..population-1`` with P(k) proportional to 1 / (k + 1) ** exponent."""
     weights = 1.0 / np.arange(1, population + 1, dtype=float) ** exponent
     return rng.choice(population, size=size, p=weights / weights.sum())

@@ -5,7 +5,6 @@ the one error of workloads and traces."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import attrs
 
@@ -35,7 +34,7 @@ class Param:
     #: ``True`` when ``low`` itself is refused (``rate`` must be > 0, not >= 0).
     exclusive_low: bool = False
 
-    def check(self, value: Any) -> int | float:
+    def check(self, value: object) -> int | float:
         """The value converted to the parameter's type; ``ValueError`` says what is wrong."""
         given = value
         if isinstance(self.default, int):
