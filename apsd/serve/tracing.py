@@ -31,6 +31,7 @@ Ownership: the daemon makes one :class:`Tracing` at start (:meth:`Tracing.start`
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -134,13 +135,14 @@ class Tracing:
 class _AttemptSpan:
     """An attempt upstream: a CLIENT span under the request's (:class:`~apsd.core.tracing.AttemptTrace`)."""
 
-    def __init__(self, span: Any, traceparent: str) -> None:
-        self._span, self.traceparent = span, traceparent
+    def __init__(self, span: Any, traceparent: str, now_ns: Callable[[], int]) -> None:
+        self._span, self.traceparent, self._now_ns = span, traceparent, now_ns
 
     def end(self, error: str | None = None) -> None:
         if error is not None:
             self._span.set_attribute("error.type", error)
-        self._span.end()
+        # (on the request span's clock: the SDK's own, the calendar read anew, can be microseconds behind it)
+        self._span.end(end_time=self._now_ns())
 
 
 class _RequestSpan:
@@ -167,7 +169,7 @@ class _RequestSpan:
                                           start_time=now, attributes={"apsd.backend": backend, "url.full": url})
         carrier: dict[str, str] = {}
         tracing._propagator.inject(carrier, context=otel.set_span_in_context(span))
-        return _AttemptSpan(span, carrier.get("traceparent", ""))
+        return _AttemptSpan(span, carrier.get("traceparent", ""), self._now_ns)
 
     def finish(self, request: InferenceRequest, outcome: Completion | Refusal | None) -> None:
         if self._finished:
