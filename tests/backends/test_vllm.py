@@ -546,7 +546,11 @@ async def test_a_stream_preempted_and_resumed_on_vllm_reads_as_the_uninterrupted
             for i in range(2):
                 nursery.start_soon(flood, i)
             running = pool.engines[0]._running     # (both streams have their first token)
-            await wait_until(lambda: sum(r.started_at is not None for r in running) == 2)
+            try:
+                await wait_until(lambda: sum(r.started_at is not None for r in running) == 2)
+            except trio.TooSlowError:   # (say what apsd saw: was the second stream held, or the first done?)
+                raise AssertionError(f"the two flood streams never ran together: finished texts "
+                                     f"{[len(t) for t in texts]} characters; apsd {apsd_view(pool.daemons[0])}") from None
             for _ in range(3):
                 await first_token_ms(client, "steady", "tiny", SHORT_TOKENS)
         resumed = pool.engines[0].preemptions[("b0", "resumed")]
