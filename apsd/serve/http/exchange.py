@@ -134,6 +134,8 @@ class Exchange:
         """Whether the body, needed or not, has all arrived (waiting up to UNREAD_BODY_WAIT_S for it), so
         that the connection can be kept alive: an answer sent before its body was read leaves hypercorn a
         connection it does not read again. False: answer with ``Connection: close``."""
+        if self._complete.is_set():   # (the usual case: the handler read it; no wait to set up)
+            return not self._too_large
         length = self.content_length()
         if length is not None and length > self.max_body_bytes:
             return False
