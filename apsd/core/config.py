@@ -678,7 +678,7 @@ class ForwardConfig:
     health_interval_s: float = attrs.field(default=2.0, validator=between(0.01, 3600))
     #: How often each backend's Prometheus ``/metrics`` is read (see ``health_interval_s``).
     metrics_interval_s: float = attrs.field(default=1.0, validator=between(0.01, 3600))
-    #: Metrics older than this count as saturated: dispatch waits rather than trusting them.
+    #: Metrics older than this are not trusted: max_concurrency alone bounds the backend until a fresh reading.
     metrics_max_age_s: float = attrs.field(default=5.0, validator=between(0.01, 86_400))
     #: A backend is saturated (no dispatch to it) with this many requests waiting in its own queue
     #: (vLLM ``vllm:num_requests_waiting``, llama.cpp ``llamacpp:requests_deferred``) ...

@@ -18,8 +18,11 @@ which every exchange with a server goes. Two clients implement the same protocol
 Saturation: a backend that exports Prometheus metrics (vLLM's ``vllm:num_requests_waiting`` and
 ``vllm:kv_cache_usage_perc``, llama.cpp's ``llamacpp:requests_deferred``) is saturated while
 ``[forward] max_waiting`` requests wait in its own queue or ``max_kv_usage`` of its KV cache is in
-use, and while its last reading is older than ``metrics_max_age_s``: the queue, and with it the
-priority and fairness decisions, then stays in apsd instead of the backend's FIFO.
+use: the queue, and with it the priority and fairness decisions, then stays in apsd instead of the
+backend's FIFO. A reading older than ``metrics_max_age_s`` is not trusted either way: until a fresh one
+comes, ``max_concurrency`` alone bounds the backend, as for one that exports no metrics (a server busy on
+every core can take seconds to answer ``/metrics``; holding requests back meanwhile would leave its free
+slots idle while they wait).
 """
 
 from __future__ import annotations
@@ -187,13 +190,16 @@ class Backend:
 
     def saturated(self, now: float, settings: ForwardConfig) -> bool:
         """Whether it should take no more work now (see the module docstring)."""
-        if not self.has_metrics:
-            return False  # (no metrics: max_concurrency alone bounds it)
-        if self.load is None or self.load_at is None or now - self.load_at > settings.metrics_max_age_s:
-            return True
+        if not self.has_metrics or not self.metrics_fresh(now, settings):
+            return False  # (no metrics, or none to trust: max_concurrency alone bounds it)
         load = self.load
+        assert load is not None
         return (load.waiting is not None and load.waiting >= settings.max_waiting) or \
             (load.kv_usage is not None and load.kv_usage >= settings.max_kv_usage)
+
+    def metrics_fresh(self, now: float, settings: ForwardConfig) -> bool:
+        """Whether its last load reading is younger than ``metrics_max_age_s``."""
+        return self.load is not None and self.load_at is not None and now - self.load_at < settings.metrics_max_age_s
 
     def statistics(self, now: float, settings: ForwardConfig) -> BackendStatistics:
         load = self.load
@@ -764,6 +770,8 @@ class SimulatedServer:
     with_metrics: bool = True
     stalled: bool = False
     stall_s: float = 5.0
+    #: How long its ``/metrics`` takes to answer (a server busy on every core).
+    metrics_delay_s: float = 0.0
     server: str = "llama.cpp"
     #: Whether it serves Anthropic's ``/v1/messages`` (a request there is refused 404 otherwise).
     messages: bool = True
@@ -820,6 +828,8 @@ class SimulatedBackendClient:
     async def read_load(self, backend: Backend) -> BackendLoad | None:
         await trio.lowlevel.checkpoint()
         server = self._server(backend)
+        if server.metrics_delay_s:
+            await self.clock.sleep(server.metrics_delay_s)
         return BackendLoad(server.waiting, server.running, None) if server.with_metrics else None
 
     async def count_prompt_tokens(self, backend: Backend, api: str, body: dict[str, Any]) -> int | None:

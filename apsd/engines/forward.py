@@ -391,19 +391,26 @@ class ForwardEngine:
         while True:
             self._ask()
             with trio.CancelScope() as self._wait_scope:   # an answer, or more room (_changed_now)
-                if not self._asked and (at := self._next_eligible()) is not None:
-                    self._wait_scope.deadline = self.clock.deadline(at)   # (a victim becomes eligible then)
+                if not self._asked and (at := self._next_change()) is not None:
+                    self._wait_scope.deadline = self.clock.deadline(at)   # (a victim, or a slot, may be had then)
                 self._take(await answers.receive())
             if self._wait_scope.cancelled_caught:
                 self._blocked = False
             self._wait_scope = None
 
-    def _next_eligible(self) -> float | None:
-        """When a running request next becomes eligible for preemption by its run time (None: none will)."""
-        if not self.rules.enabled:
-            return None
-        at = next_eligible_at([lease for b in self.backends for lease in self.slots.leases(b.name)], self.rules)
-        return at if at is not None and not self.clock.reached(at) else None
+    def _next_change(self) -> float | None:
+        """When what the engine may take next changes by time alone (None: not by time): a running request
+        becomes eligible for preemption by its run time, or the reading that makes a backend saturated
+        grows too old to trust (:meth:`Backend.saturated`)."""
+        now = self.clock.now()
+        times = [b.load_at + self.settings.metrics_max_age_s + 1e-6 for b in self.backends   # (just past it)
+                 if b.load_at is not None and b.healthy and b.saturated(now, self.settings)]
+        if self.rules.enabled:
+            eligible_at = next_eligible_at([lease for b in self.backends for lease in self.slots.leases(b.name)],
+                                           self.rules)
+            times += [eligible_at] if eligible_at is not None else []
+        future = [at for at in times if not self.clock.reached(at)]
+        return min(future) if future else None
 
     def _ask(self) -> None:
         if self._asked or self._blocked:

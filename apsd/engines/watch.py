@@ -134,7 +134,7 @@ class BackendWatch:
         try:
             load = await self.client.read_load(backend)
         except BackendError:
-            return  # (stale metrics make it saturated; the health check decides whether it is down)
+            return  # (stale metrics bound it by max_concurrency alone; the health check decides whether it is down)
         was = backend.saturated(self.clock.now(), self.settings)
         if load is None:
             if backend.has_metrics is None:

@@ -99,16 +99,26 @@ async def test_saturated_backends_keep_the_queue_and_its_priority_order_in_apsd(
         assert servers["a"].started == ["bid1", "bid1", "bid10", "bid1", "bid1", "bid1", "bid1"]
 
 
-async def test_stale_metrics_count_as_saturated(autojump_clock):
-    servers = {"a": SimulatedServer()}
-    async with forwarding(servers, metrics_interval_s=5.0, metrics_max_age_s=1.0) as pipeline:
-        await pipeline.clock.sleep(2.0)          # the last reading is 2 s old: too old to trust
-        late = request(pipeline)
-        assert pipeline.admit_now(late)
-        await pipeline.clock.sleep(1.0)
-        assert late.dispatched_at is None       # waits for fresh metrics
-        outcome = await late.reply.wait()
-        assert isinstance(outcome, Completion) and late.dispatched_at == pytest.approx(5.0, abs=0.2)
+async def test_metrics_too_old_to_trust_leave_max_concurrency_to_bound_the_backend(autojump_clock):
+    """A reading that says the backend is saturated holds requests in apsd while it is fresh; once it is
+    older than ``metrics_max_age_s`` (a server too busy to answer ``/metrics`` in time), max_concurrency
+    alone bounds the backend: the held request goes at that moment, not at the next reading."""
+    server = SimulatedServer(waiting=5)   # (another client's requests queue there)
+    async with forwarding({"a": server}, metrics_interval_s=1.0, metrics_max_age_s=2.0) as pipeline:
+        await pipeline.clock.sleep(1.5)
+        backend = pipeline.engines[0].backends[0]
+        assert backend.saturated(pipeline.clock.now(), pipeline.config.forward)
+        held = request(pipeline)
+        assert pipeline.admit_now(held)
+        await pipeline.clock.sleep(1.2)
+        assert held.dispatched_at is None and backend.in_flight == 0   # a fresh reading: it waits in apsd
+        server.metrics_delay_s = 60.0             # the next reading takes a minute
+        read_at = backend.load_at
+        assert read_at is not None
+        outcome = await held.reply.wait()
+        assert isinstance(outcome, Completion)
+        assert held.dispatched_at == pytest.approx(read_at + 2.0, abs=0.01)
+        assert not backend.saturated(pipeline.clock.now(), pipeline.config.forward)
 
 
 async def test_a_backend_that_fails_before_the_first_token_sends_the_request_elsewhere(autojump_clock):

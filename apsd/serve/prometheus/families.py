@@ -351,7 +351,7 @@ def _backends(backends: Sequence[BackendStatistics]) -> Iterator[Metric]:
         "up": GaugeMetricFamily("apsd_backend_up", "1 while the backend passes its health checks",
                                 labels=labels),
         "saturated": GaugeMetricFamily("apsd_backend_saturated", "1 while the backend takes no more work "
-                                       "(its own queue or KV cache past the limits, or its metrics stale)",
+                                       "(its own queue or KV cache past the limits, by a reading younger than metrics_max_age_s)",
                                        labels=labels),
         "in_flight": GaugeMetricFamily("apsd_backend_in_flight", "Requests apsd has at the backend now",
                                        labels=labels),
