@@ -63,6 +63,12 @@ DEFAULT_PIECES: tuple[str, ...] = (
     + tuple(SPACE + w for w in _WORDS)
 )
 
+#: Single characters only: any text tokenizes into one piece per character, so a stream's text
+#: tokenizes back into the very tokens the model generated (as a real model's text mostly does; with
+#: :data:`DEFAULT_PIECES` a random model's choices, `` its`` after ``q``, say, read back as other pieces).
+#: A preempted stream's continuation then matches the state the server kept of it.
+CHARACTER_PIECES: tuple[str, ...] = tuple(chr(c) for c in range(33, 127) if chr(c) not in "<>|") + (SPACE,)
+
 #: A ChatML template. llama-server renders it with its Jinja engine (on by default); it is also one
 #: that llama.cpp recognises without Jinja. Without any template /v1/chat/completions fails.
 CHAT_TEMPLATE = (

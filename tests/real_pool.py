@@ -12,6 +12,9 @@ by the client (from sending to the first content chunk):
 * ``newcomers``: tenants that had sent nothing, each arriving with one short request, one after another;
 * ``turns``: two tenants on a one-slot server, each sending its next request once it has its answer.
 
+Every stream reads the same document (:data:`PROMPT`); a short request adds its tenant's own
+:func:`question` to it.
+
 While it runs, the server is asked every :data:`SLOTS_POLL_S` how many requests it runs (llama.cpp's
 ``/slots``, vLLM's ``vllm:num_requests_running``): the most it ran at once.
 """
@@ -44,6 +47,16 @@ SLOTS_POLL_S = 0.02
 PROMPT = "Summarize the following schedule in one line. " + " ".join(f"slot {i} runs job {i * 7 % 13}."
                                                                      for i in range(40))
 NEWCOMERS = tuple(f"new{i:02d}" for i in range(40))
+
+
+def question(tenant: str, number: int) -> str:
+    """The prompt of ``tenant``'s short request ``number``: :data:`PROMPT`, the document every tenant
+    shares (its prefix is cached), then a few characters of its own, new each time, which the server
+    reads before the first token, beside the floor's steady tenant as beside the flood. (Byte-identical
+    prompts would make a tiny random model's answers identical too, which no pool of real tenants sends:
+    llama.cpp then keeps a newcomer's state over that of the stream it paused, whose answer begins with
+    the same text.)"""
+    return f"{PROMPT} ({tenant} {number})"
 TENANTS = {name: TenantConfig(rate=1e9, burst=10**12)
            for name in ("steady", "flood", "busy", "a", "b", *NEWCOMERS)}
 
@@ -212,16 +225,17 @@ async def steady_requests(client: httpx.AsyncClient, model: str, count: int, ten
     """``count`` short requests of ``tenant``, one every :data:`STEADY_GAP_S`: their times to first token
     (and each one's whole time in seconds, into ``busy``)."""
     ttfts = []
-    for _ in range(count):
-        ttfts.append(await _timed(client, tenant, model, busy))
+    for number in range(count):
+        ttfts.append(await _timed(client, tenant, number, model, busy))
         await trio.sleep(STEADY_GAP_S)
     return ttfts
 
 
-async def _timed(client: httpx.AsyncClient, tenant: str, model: str, busy: list[float] | None) -> float:
-    """One short request: its time to first token (ms); its whole time (s) goes into ``busy``."""
+async def _timed(client: httpx.AsyncClient, tenant: str, number: int, model: str, busy: list[float] | None) -> float:
+    """Short request ``number`` of ``tenant``: its time to first token (ms); its whole time (s) goes into
+    ``busy``."""
     start = time.perf_counter()
-    ttft = (await first_token_ms(client, tenant, model, SHORT_TOKENS))[0]
+    ttft = (await first_token_ms(client, tenant, model, SHORT_TOKENS, prompt=question(tenant, number)))[0]
     if busy is not None:
         busy.append(time.perf_counter() - start)
     return ttft
@@ -287,7 +301,7 @@ def newcomers(model: str, count: int, gap_s: float) -> Callable[[httpx.AsyncClie
     async def run(client: httpx.AsyncClient, busy: list[float]) -> list[float]:
         ttfts = []
         for tenant in NEWCOMERS[:count]:
-            ttfts.append(await _timed(client, tenant, model, busy))
+            ttfts.append(await _timed(client, tenant, 0, model, busy))
             await trio.sleep(gap_s)
         return ttfts
     return run

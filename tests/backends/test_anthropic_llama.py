@@ -20,8 +20,8 @@ import trio
 from apsd.core.config import TenantConfig
 from tests.helpers import backends_up, bucket_level, forwarding_config, start_daemon, wait_until
 from tests.llama_server import (  # noqa: F401  (fixtures)
+    CHARACTER_PIECES,
     SLOW_MODEL,
-    SPACE,
     llama_server,
     llama_server_binary,
     open_llama_server,
@@ -177,8 +177,7 @@ async def test_a_preempted_greedy_message_stream_reads_as_the_uninterrupted_one(
     llama.cpp (which continues the final assistant message and echoes it first), read exactly as the same
     requests answered alone by the server, and each has one message_start and a final usage counting
     every output token."""
-    pieces = tuple(chr(c) for c in range(33, 127) if chr(c) not in "<>|") + (SPACE,)
-    model = write_tiny_model(Path(tmp_path) / "chars.gguf", vocab_pieces=pieces, **SLOW_MODEL)
+    model = write_tiny_model(Path(tmp_path) / "chars.gguf", vocab_pieces=CHARACTER_PIECES, **SLOW_MODEL)
     asks = [{"model": "chars", "max_tokens": 300, "temperature": 0.0, "stream": True,
              "messages": [{"role": "user", "content": f"tell me about the number {i}"}]} for i in range(2)]
     async with open_llama_server(model, alias="chars", binary=llama_server_binary, parallel=2,

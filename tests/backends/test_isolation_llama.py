@@ -15,8 +15,8 @@ import trio
 
 from apsd.core.config import ForwardConfig
 from tests.llama_server import (  # noqa: F401  (fixtures)
+    CHARACTER_PIECES,
     SLOW_MODEL,
-    SPACE,
     llama_server_binary,
     open_llama_server,
     slow_llama_server,
@@ -106,8 +106,7 @@ async def test_a_preempted_greedy_stream_reads_as_the_uninterrupted_one(llama_se
     """A model whose vocabulary is single characters (so the text of a stream tokenizes back into the
     same tokens), greedy decoding: the flood's streams, preempted for the steady tenant and resumed, read
     exactly as the same requests answered alone by the server."""
-    pieces = tuple(chr(c) for c in range(33, 127) if chr(c) not in "<>|") + (SPACE,)
-    model = write_tiny_model(Path(tmp_path) / "chars.gguf", vocab_pieces=pieces, **SLOW_MODEL)
+    model = write_tiny_model(Path(tmp_path) / "chars.gguf", vocab_pieces=CHARACTER_PIECES, **SLOW_MODEL)
     prompts = [f"tell me about the number {i}" for i in range(2)]
     async with open_llama_server(model, alias="chars", binary=llama_server_binary, parallel=2,
                                  log_dir=tmp_path) as server:
