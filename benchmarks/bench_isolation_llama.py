@@ -18,7 +18,7 @@ gateway can give):
 
 The goal for 1, 2 and 6: p99 <= 1.5 x the floor + 50 ms; for 3: >= 90 %.
 
-    .venv/bin/python benchmarks/bench_isolation_llama.py            # about 6 minutes
+    .venv/bin/python benchmarks/bench_isolation_llama.py            # about 11 minutes
     .venv/bin/python benchmarks/bench_isolation_llama.py --quick    # fewer requests
     .venv/bin/python benchmarks/bench_isolation_llama.py --vllm     # points 1-3 in front of a real vLLM
     .venv/bin/python benchmarks/bench_isolation_llama.py --vocabulary words --server-args ""   # the tests'
