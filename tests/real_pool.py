@@ -43,10 +43,13 @@ FLOOD_STREAMS = 16
 FLOOD_TOKENS = 400
 BUSY_STREAMS = 3
 SLOTS_POLL_S = 0.02
-#: A prompt of a few hundred tokens, so that its prefill is a visible part of a first token's time.
+#: The document every stream reads: a prompt of several hundred tokens (its prefill a visible part of a
+#: first token's time when not cached).
 PROMPT = "Summarize the following schedule in one line. " + " ".join(f"slot {i} runs job {i * 7 % 13}."
                                                                      for i in range(40))
 NEWCOMERS = tuple(f"new{i:02d}" for i in range(40))
+TENANTS = {name: TenantConfig(rate=1e9, burst=10**12)
+           for name in ("steady", "flood", "busy", "a", "b", *NEWCOMERS)}
 
 
 def question(tenant: str, number: int) -> str:
@@ -57,8 +60,6 @@ def question(tenant: str, number: int) -> str:
     llama.cpp then keeps a newcomer's state over that of the stream it paused, whose answer begins with
     the same text.)"""
     return f"{PROMPT} ({tenant} {number})"
-TENANTS = {name: TenantConfig(rate=1e9, burst=10**12)
-           for name in ("steady", "flood", "busy", "a", "b", *NEWCOMERS)}
 
 
 async def first_token_ms(client: httpx.AsyncClient, tenant: str, model: str, max_tokens: int, prompt: str = PROMPT,
