@@ -122,13 +122,21 @@ OnChunk = Callable[[BackendChunk], None]
 _WAITING = ("vllm:num_requests_waiting", "llamacpp:requests_deferred", "sglang:num_queue_reqs")
 _RUNNING = ("vllm:num_requests_running", "llamacpp:requests_processing", "sglang:num_running_reqs")
 _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+_LOAD_METRICS = frozenset(_WAITING + _RUNNING + _KV_USAGE)
+_LOAD_PREFIXES = tuple(sorted({name.split(":")[0] + ":" for name in _LOAD_METRICS}))
 
 
 def parse_load(text: str) -> BackendLoad | None:
     """The load a Prometheus text exposition reports (values summed over label sets); None when it
-    has none of the known metrics."""
+    has none of the known metrics.
+
+    Only the samples of those metrics are parsed: the rest of a server's exposition (vLLM's is some
+    80 kB, histograms mostly) would cost the event loop tens of milliseconds a reading in
+    prometheus_client's parser."""
+    samples = "".join(line + "\n" for line in text.splitlines()
+                      if line.startswith(_LOAD_PREFIXES) and _metric_name(line) in _LOAD_METRICS)
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(samples):
         for sample in family.samples:
             values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
 
@@ -137,6 +145,16 @@ def parse_load(text: str) -> BackendLoad | None:
 
     load = BackendLoad(waiting=first(_WAITING), running=first(_RUNNING), kv_usage=first(_KV_USAGE))
     return None if load == BackendLoad(None, None, None) else load
+
+
+def _metric_name(sample_line: str) -> str:
+    """The metric name a Prometheus sample line begins with (up to its labels or its value)."""
+    end = len(sample_line)
+    for stop in ("{", " "):
+        at = sample_line.find(stop)
+        if 0 <= at < end:
+            end = at
+    return sample_line[:end]
 
 
 @attrs.define(eq=False)

@@ -244,6 +244,19 @@ def test_load_is_read_from_vllm_and_llama_cpp_metrics():
     assert parse_load("# TYPE other gauge\nother 1\n") is None
 
 
+def test_load_is_read_from_a_large_exposition_without_its_lookalikes():
+    """vLLM's exposition is mostly histograms; only the load metrics' samples count, summed over their label
+    sets, and a metric whose name merely begins like one of them is not one of them."""
+    noise = "".join(f'# TYPE vllm:hist_{h} histogram\n' + "".join(
+        f'vllm:hist_{h}_bucket{{engine="0",le="{b}"}} {b}.0\n' for b in range(40)) for h in range(30))
+    text = (noise + '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0"} 2.0\n'
+            'vllm:num_requests_waiting{engine="1"} 3.0\n'
+            '# TYPE vllm:num_requests_waiting_by_reason gauge\nvllm:num_requests_waiting_by_reason{reason="x"} 50\n'
+            '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 4\n')
+    load = parse_load(text)
+    assert (load.waiting, load.running, load.kv_usage) == (5.0, 4.0, None)
+
+
 def test_backends_config_is_checked():
     from apsd.core.config import ConfigError
 
