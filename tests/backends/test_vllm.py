@@ -322,8 +322,10 @@ async def test_an_abandoned_stream_is_charged_what_vllm_generated(nursery, vllm)
 async def test_requests_wait_in_apsd_while_vllm_reports_its_own_queue(nursery, vllm):
     """max_concurrency 8 over 4 sequences and ``max_waiting = 2``: once vLLM says two wait in its queue,
     apsd sends nothing more though it has slots left, and exports vLLM's figure; when vLLM's queue
-    empties (four of the six leave), apsd sends what it held."""
-    running = await start(nursery, [vllm], max_concurrency=8, max_waiting=2)
+    empties (four of the six leave), apsd sends what it held. (Its readings are trusted for a minute: a vLLM
+    streaming on every core of a 2-core machine can take more than the default 5 s to answer ``/metrics``,
+    and a reading that old leaves ``max_concurrency`` alone to bound it.)"""
+    running = await start(nursery, [vllm], max_concurrency=8, max_waiting=2, metrics_max_age_s=60.0)
     pipeline = running.daemon.pipeline
     backend = pipeline.engines[0].backends[0]
     async with httpx.AsyncClient() as http, httpx.AsyncClient(base_url=running.url, timeout=WAIT_S) as client, \
@@ -353,8 +355,8 @@ async def test_requests_wait_in_apsd_while_vllm_reports_its_own_queue(nursery, v
 async def test_requests_wait_in_apsd_while_vllms_kv_cache_is_full(nursery, vllm):
     """``max_kv_usage = 0.4``: three requests with ~3,500-token prompts fill more than 40% of the 24,576-token
     cache, and a fourth waits in apsd though vLLM has a free sequence; apsd exports vLLM's KV usage, and
-    sends the fourth once two of the three have gone."""
-    running = await start(nursery, [vllm], max_kv_usage=0.4)
+    sends the fourth once two of the three have gone. (Readings trusted for a minute, as above.)"""
+    running = await start(nursery, [vllm], max_kv_usage=0.4, metrics_max_age_s=60.0)
     pipeline = running.daemon.pipeline
     backend = pipeline.engines[0].backends[0]
     async with httpx.AsyncClient() as http, httpx.AsyncClient(base_url=running.url, timeout=WAIT_S) as client, \
